@@ -1,0 +1,121 @@
+"""Hand-written default CPU (llvm) schedules for the computes in ``swa_tvm.compute``.
+
+Used when no tuning record applies. The plan for the local kernel: one parallel loop over
+work items (batch x head x query block); every stage of an item is computed at that loop
+so its intermediates (the Bq x Kw score and probability tiles, the gathered key/value
+bands) stay in L1/L2; the two products are register-tiled with the key or feature axis
+vectorized. The final gathers back to [B,H,T,...] run as their own parallel loops.
+"""
+
+from __future__ import annotations
+
+import os
+from tvm import s_tir
+
+from swa_tvm.spec import KernelSpec
+
+
+def _try_inline(sch: s_tir.Schedule, name: str) -> None:
+    try:
+        sch.compute_inline(sch.get_sblock(name))
+    except Exception:  # noqa: BLE001 - absent stage (no extras) or not inlinable
+        pass
+
+
+def _has(sch: s_tir.Schedule, name: str) -> bool:
+    try:
+        sch.get_sblock(name)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _split_vec(sch, loop, lanes):
+    outer, inner = sch.split(loop, factors=[None, lanes])
+    return outer, inner
+
+
+def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8) -> None:
+    for name in ("masked", "xmasked", "rowmax", "denom"):
+        _try_inline(sch, name)
+
+    # blk_out and blk_lse share every producer, so their item loops are merged into one
+    # before the producers are computed at it.
+    root = sch.get_sblock("blk_out")
+    b, h, beta, qi, cc = sch.get_loops(root)
+    item = sch.fuse(b, h, beta)
+    lse_blk = sch.get_sblock("blk_lse")
+    b2, h2, beta2, _ = sch.get_loops(lse_blk)
+    item = sch.merge(item, sch.fuse(b2, h2, beta2))
+    if spec.head_dim % vector_lanes == 0:
+        sch.vectorize(_split_vec(sch, cc, vector_lanes)[1])
+
+    # Producers of blk_out, innermost first so each compute_at finds its consumer placed.
+    order = ["wacc", "xacc", "wsum", "xsum", "prob", "xprob", "wmax", "xmax", "score", "xscore", "vblk", "kblk_t", "qblk"]
+    for name in order:
+        if not _has(sch, name):
+            continue
+        sch.compute_at(sch.get_sblock(name), item, preserve_unit_loops=True)
+    sch.parallel(item)
+
+    bounded = spec.left >= 0 and spec.right >= 0
+    # Score tile: (qi, kj) with kj vectorized; the reduction over c sits outside the
+    # register tile so the accumulators stay in registers.
+    blk = sch.get_sblock("score")
+    loops = sch.get_loops(blk)
+    qi_l, kj_l, c_l = loops[-3:]
+    qo, qi_in = sch.split(qi_l, factors=[None, 4] if spec.block_q % 4 == 0 else [None, 1])
+    if bounded:
+        ko, ki = sch.split(kj_l, factors=[None, 2 * vector_lanes])
+        sch.reorder(qo, ko, c_l, qi_in, ki)
+        if not os.environ.get('NOUNROLL'): sch.unroll(qi_in)
+        if not os.environ.get('NOVEC'): sch.vectorize(ki)
+        sch.decompose_reduction(blk, c_l)
+    # Probability tile: elementwise, vectorize along keys.
+    for name in ("prob",):
+        blk = sch.get_sblock(name)
+        if bounded:
+            sch.vectorize(_split_vec(sch, sch.get_loops(blk)[-1], 2 * vector_lanes)[1])
+    # P @ V: (qi, c) tile with c vectorized, reduction over kj outside the tile.
+    blk = sch.get_sblock("wacc")
+    loops = sch.get_loops(blk)
+    qi_l, c_l, kr = loops[-3:]
+    qo, qi_in = sch.split(qi_l, factors=[None, 2] if spec.block_q % 2 == 0 else [None, 1])
+    co, ci = sch.split(c_l, factors=[None, min(spec.head_dim, 4 * vector_lanes)]) if spec.head_dim % (4 * vector_lanes) == 0 else (None, c_l)
+    if co is not None:
+        sch.reorder(qo, co, kr, qi_in, ci)
+    else:
+        sch.reorder(qo, kr, qi_in, ci)
+    if not os.environ.get('NOUNROLL'): sch.unroll(qi_in)
+    if not os.environ.get('NOVEC'): sch.vectorize(ci)
+    sch.decompose_reduction(blk, kr)
+    # Gathers back to [B,H,T,(D)].
+    out = sch.get_sblock("out")
+    b, h, i, cc = sch.get_loops(out)
+    sch.parallel(sch.fuse(b, h, i))
+    sch.vectorize(_split_vec(sch, cc, vector_lanes)[1]) if spec.head_dim % vector_lanes == 0 else None
+    lse = sch.get_sblock("lse")
+    b, h, i = sch.get_loops(lse)
+    sch.parallel(sch.fuse(b, h))
+
+
+def schedule_global(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8) -> None:
+    for name in ("gmasked", "gmax", "gden"):
+        _try_inline(sch, name)
+    root = sch.get_sblock("out")
+    b, h, g, cc = sch.get_loops(root)
+    row = sch.fuse(b, h, g)
+    sch.parallel(row)
+    for name in ("gacc", "gsum", "gprob", "gmax0", "gscore"):
+        sch.compute_at(sch.get_sblock(name), row, preserve_unit_loops=True)
+    sch.compute_at(sch.get_sblock("lse"), row, preserve_unit_loops=True)
+    blk = sch.get_sblock("gacc")
+    c_l, jr = sch.get_loops(blk)[-2:]
+    sch.reorder(jr, c_l)
+    sch.decompose_reduction(blk, jr)
+    sch.vectorize(c_l)
+
+
+def schedule(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8) -> None:
+    """Apply the default schedule for ``spec`` to ``sch`` (working on spec.name)."""
+    (schedule_local if spec.kind == "local" else schedule_global)(sch, spec, vector_lanes)

@@ -1,0 +1,156 @@
+"""Kernel specs: what one compiled library entry computes.
+
+A user describes an attention *pattern* with :class:`AttentionSpec`; it expands into the
+one or two :class:`KernelSpec` entries that the TE definitions in :mod:`swa_tvm.compute`
+turn into PrimFuncs. Everything here is static (compile time). Sequence length, batch,
+head counts, the number of global tokens and the per-head dilation values are runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+SUPPORTED_DTYPES = ("float32", "float64")
+
+# Rows per query block in the blocked ("chunks") formulation. The window's keys for one
+# block form a contiguous band of block_q + left + right keys, so the score stage is a
+# small dense matmul per block that tiling rules can work with; the waste is
+# block_q / (left + right + 1) of the useful work.
+DEFAULT_BLOCK_Q = 32
+
+
+def _check_window_side(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < -1:
+        raise ValueError(f"{name} must be >= -1 (-1 means unbounded), got {value}")
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One PrimFunc of a library.
+
+    kind "local": every row attends to its dilated window, plus (with ``extras``) a runtime
+    list of extra key positions (global tokens and sinks) that it does not already see.
+    kind "global": global rows attend to every key allowed by causality.
+    """
+
+    kind: str  # "local" | "global"
+    head_dim: int
+    dtype: str = "float32"
+    left: int = 0
+    right: int = 0
+    max_dilation: int = 1
+    extras: bool = False
+    block_q: int = DEFAULT_BLOCK_Q
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("local", "global"):
+            raise ValueError(f"kind must be 'local' or 'global', got {self.kind!r}")
+        if not isinstance(self.head_dim, int) or self.head_dim < 1:
+            raise ValueError(f"head_dim must be a positive int, got {self.head_dim!r}")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        _check_window_side("left", self.left)
+        _check_window_side("right", self.right)
+        if self.max_dilation < 1:
+            raise ValueError(f"max_dilation must be >= 1, got {self.max_dilation}")
+        if self.block_q < 1:
+            raise ValueError(f"block_q must be >= 1, got {self.block_q}")
+
+    @property
+    def causal(self) -> bool:
+        return self.right == 0
+
+    @property
+    def name(self) -> str:
+        """The function's symbol in the compiled module; unique per spec."""
+        dt = {"float32": "f32", "float64": "f64"}[self.dtype]
+        if self.kind == "global":
+            return f"swa_global_d{self.head_dim}_{dt}_{'causal' if self.causal else 'full'}"
+        side = lambda x: "inf" if x < 0 else str(x)  # noqa: E731
+        return (
+            f"swa_local_d{self.head_dim}_{dt}_l{side(self.left)}_r{side(self.right)}"
+            f"_md{self.max_dilation}_x{int(self.extras)}_bq{self.block_q}"
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KernelSpec":
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """A pattern a library should serve.
+
+    ``window=(left, right)`` and ``head_dim`` are exact. ``max_dilation`` bounds the
+    runtime dilation (uniform or per head). ``globals`` adds global tokens (global rows
+    with optional separate projections); ``sinks`` adds StreamingLLM sink positions.
+    Learned sink logits need no flag: every kernel takes them.
+    """
+
+    head_dim: int
+    window: tuple[int, int]
+    max_dilation: int = 1
+    globals: bool = False
+    sinks: bool = False
+    dtype: str = "float32"
+    block_q: int = DEFAULT_BLOCK_Q
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.window, tuple) and len(self.window) == 2):
+            raise ValueError(f"window must be a (left, right) tuple, got {self.window!r}")
+
+    def kernels(self) -> list[KernelSpec]:
+        left, right = self.window
+        out = [
+            KernelSpec(
+                "local",
+                self.head_dim,
+                self.dtype,
+                left,
+                right,
+                self.max_dilation,
+                self.globals or self.sinks,
+                self.block_q,
+            )
+        ]
+        if self.globals:
+            # Only causality matters to a global row; left/right are normalised so that
+            # every causal pattern shares one global kernel.
+            out.append(KernelSpec("global", self.head_dim, self.dtype, 0, 0 if right == 0 else -1))
+        return out
+
+    @classmethod
+    def parse(cls, text: str) -> "AttentionSpec":
+        """Parse ``head_dim=64,window=255:0,dilation=2,globals,sinks,dtype=float32``."""
+        fields: dict = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, _, val = part.partition("=")
+            key = key.strip()
+            if key in ("head_dim", "d"):
+                fields["head_dim"] = int(val)
+            elif key in ("window", "w"):
+                m = re.fullmatch(r"\s*(-?\d+)\s*:\s*(-?\d+)\s*", val)
+                if not m:
+                    raise ValueError(f"spec {text!r}: window must look like LEFT:RIGHT, got {val!r}")
+                fields["window"] = (int(m.group(1)), int(m.group(2)))
+            elif key in ("dilation", "max_dilation"):
+                fields["max_dilation"] = int(val)
+            elif key in ("globals", "sinks"):
+                fields[key] = val.strip().lower() not in ("0", "false", "no") if val else True
+            elif key == "dtype":
+                fields["dtype"] = val.strip()
+            elif key == "block_q":
+                fields["block_q"] = int(val)
+            else:
+                raise ValueError(f"spec {text!r}: unknown field {key!r}")
+        for need in ("head_dim", "window"):
+            if need not in fields:
+                raise ValueError(f"spec {text!r}: missing {need}=")
+        return cls(**fields)
