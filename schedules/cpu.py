@@ -9,9 +9,9 @@ vectorized. The final gathers back to [B,H,T,...] run as their own parallel loop
 
 from __future__ import annotations
 
-import os
 from tvm import s_tir
 
+from swa_tvm.compute import LANES
 from swa_tvm.spec import KernelSpec
 
 
@@ -38,6 +38,18 @@ def _split_vec(sch, loop, lanes):
 def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8) -> None:
     for name in ("masked", "xmasked", "rowmax", "denom"):
         _try_inline(sch, name)
+
+    # Gathers back to [B,H,T,(D)], merged into one parallel loop over rows. `merge` puts
+    # the merged loop where the last of its loops was and does not check dataflow, so
+    # the gathers are merged first (landing after both item stages) and the item
+    # stages second (landing before the gathers).
+    out = sch.get_sblock("out")
+    b, h, i, cc = sch.get_loops(out)
+    row = sch.fuse(b, h, i)
+    if spec.head_dim % vector_lanes == 0:
+        sch.vectorize(_split_vec(sch, cc, vector_lanes)[1])
+    b, h, i = sch.get_loops(sch.get_sblock("lse"))
+    sch.parallel(sch.merge(row, sch.fuse(b, h, i)))
 
     # blk_out and blk_lse share every producer, so their item loops are merged into one
     # before the producers are computed at it.
@@ -66,16 +78,17 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8)
     qi_l, kj_l, c_l = loops[-3:]
     qo, qi_in = sch.split(qi_l, factors=[None, 4] if spec.block_q % 4 == 0 else [None, 1])
     if bounded:
-        ko, ki = sch.split(kj_l, factors=[None, 2 * vector_lanes])
+        # The key band is padded to a multiple of LANES (16), so this split is exact.
+        ko, ki = sch.split(kj_l, factors=[None, LANES])
         sch.reorder(qo, ko, c_l, qi_in, ki)
-        if not os.environ.get('NOUNROLL'): sch.unroll(qi_in)
-        if not os.environ.get('NOVEC'): sch.vectorize(ki)
+        sch.unroll(qi_in)
+        sch.vectorize(ki)
         sch.decompose_reduction(blk, c_l)
     # Probability tile: elementwise, vectorize along keys.
     for name in ("prob",):
         blk = sch.get_sblock(name)
         if bounded:
-            sch.vectorize(_split_vec(sch, sch.get_loops(blk)[-1], 2 * vector_lanes)[1])
+            sch.vectorize(_split_vec(sch, sch.get_loops(blk)[-1], LANES)[1])
     # P @ V: (qi, c) tile with c vectorized, reduction over kj outside the tile.
     blk = sch.get_sblock("wacc")
     loops = sch.get_loops(blk)
@@ -86,34 +99,26 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8)
         sch.reorder(qo, co, kr, qi_in, ci)
     else:
         sch.reorder(qo, kr, qi_in, ci)
-    if not os.environ.get('NOUNROLL'): sch.unroll(qi_in)
-    if not os.environ.get('NOVEC'): sch.vectorize(ci)
+    sch.unroll(qi_in)
+    sch.vectorize(ci)
     sch.decompose_reduction(blk, kr)
-    # Gathers back to [B,H,T,(D)].
-    out = sch.get_sblock("out")
-    b, h, i, cc = sch.get_loops(out)
-    sch.parallel(sch.fuse(b, h, i))
-    sch.vectorize(_split_vec(sch, cc, vector_lanes)[1]) if spec.head_dim % vector_lanes == 0 else None
-    lse = sch.get_sblock("lse")
-    b, h, i = sch.get_loops(lse)
-    sch.parallel(sch.fuse(b, h))
-
-
 def schedule_global(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8) -> None:
     for name in ("gmasked", "gmax", "gden"):
         _try_inline(sch, name)
     root = sch.get_sblock("out")
     b, h, g, cc = sch.get_loops(root)
     row = sch.fuse(b, h, g)
-    sch.parallel(row)
+    b2, h2, g2 = sch.get_loops(sch.get_sblock("lse"))
+    row = sch.merge(row, sch.fuse(b2, h2, g2))
     for name in ("gacc", "gsum", "gprob", "gmax0", "gscore"):
         sch.compute_at(sch.get_sblock(name), row, preserve_unit_loops=True)
-    sch.compute_at(sch.get_sblock("lse"), row, preserve_unit_loops=True)
+    sch.parallel(row)
     blk = sch.get_sblock("gacc")
     c_l, jr = sch.get_loops(blk)[-2:]
     sch.reorder(jr, c_l)
+    if spec.head_dim % vector_lanes == 0:
+        sch.vectorize(_split_vec(sch, c_l, vector_lanes)[1])
     sch.decompose_reduction(blk, jr)
-    sch.vectorize(c_l)
 
 
 def schedule(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8) -> None:

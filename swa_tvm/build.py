@@ -1,0 +1,185 @@
+"""Compiling kernel specs into one TVM module, exporting it, and the JIT cache.
+
+Data flows one way: KernelSpec -> TE (compute.py) -> PrimFunc -> schedule (schedules/,
+or a tuning record later) -> tvm.compile -> module -> library (.so + manifest) -> op.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import tempfile
+import threading
+from typing import Iterable
+
+from . import library
+from .compute import prim_func
+from .library import MANIFEST_FORMAT, X86_FEATURES, Kernel, sha256_file
+from .spec import KernelSpec
+
+__all__ = ["host_target", "target_key", "compile_specs", "export_library", "get_or_build_kernel", "cache_dir"]
+
+
+def host_target(num_cores: int | None = None) -> dict:
+    """The llvm target of this machine: detected -mcpu, all usable cores."""
+    import tvm
+
+    cores = num_cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    return {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(), "num-cores": int(cores or 1)}
+
+
+def normalize_target(target: str | dict | None) -> dict:
+    """Accept None/"llvm" (host CPU), a JSON string, or a dict; return a plain dict."""
+    if target is None or target in ("llvm", "cpu", "host"):
+        return host_target()
+    if isinstance(target, str):
+        if target.strip().startswith("{"):
+            return json.loads(target)
+        raise ValueError(
+            f"target {target!r}: use 'llvm' for this CPU, or a JSON dict such as "
+            '{"kind": "llvm", "mcpu": "znver3", "num-cores": 2}'
+        )
+    return dict(target)
+
+
+def target_key(target: dict) -> str:
+    """The target class: tuning records and caches are never shared across classes."""
+    if target.get("kind") == "llvm":
+        return f"llvm-{target.get('mcpu', 'generic')}"
+    return f"{target.get('kind')}-{target.get('arch', 'unknown')}"
+
+
+def _vector_lanes(tvm_target) -> int:
+    """fp32 lanes of the target's widest vector unit. (llvm_get_vector_width reports 512
+    for znver3, which has 256-bit units, so this asks for the features instead.)"""
+    import tvm
+
+    feats = tvm.target.codegen.llvm_get_cpu_features(tvm_target)
+    if "avx512f" in feats:
+        return 16
+    if "avx" in feats:
+        return 8
+    return 4
+
+
+def _cpu_features(tvm_target) -> list[str]:
+    import tvm
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    feats = tvm.target.codegen.llvm_get_cpu_features(tvm_target)
+    return sorted(X86_FEATURES[f] for f in X86_FEATURES if f in feats)
+
+
+def schedule_spec(spec: KernelSpec, tvm_target):
+    """The scheduled IRModule holding one PrimFunc for ``spec``."""
+    import tvm
+    from tvm import s_tir
+
+    from swa_tvm.schedules import cpu as cpu_schedules
+
+    sch = s_tir.Schedule(tvm.IRModule({spec.name: prim_func(spec)}))
+    sch.work_on(spec.name)
+    if tvm_target.kind.name != "llvm":
+        raise NotImplementedError(f"no default schedule for target kind {tvm_target.kind.name!r} yet")
+    # AVX2 machines get 8 fp32 lanes, AVX-512 ones 16.
+    cpu_schedules.schedule(sch, spec, vector_lanes=_vector_lanes(tvm_target))
+    return sch.mod
+
+
+def compile_specs(specs: Iterable[KernelSpec], target: str | dict | None = None):
+    """Compile every spec into one runtime module. Returns (module, target dict)."""
+    import tvm
+
+    target = normalize_target(target)
+    tvm_target = tvm.target.Target(target)
+    specs = list(dict.fromkeys(specs))  # dedupe, keep order
+    if not specs:
+        raise ValueError("specs is empty: give at least one KernelSpec")
+    funcs = {}
+    for spec in specs:
+        funcs[spec.name] = schedule_spec(spec, tvm_target)[spec.name]
+    module = tvm.compile(tvm.IRModule(funcs), target=tvm_target)
+    return module, target
+
+
+def export_library(specs: Iterable[KernelSpec], path: str | os.PathLike, target: str | dict | None = None) -> dict:
+    """Compile ``specs`` and write ``path`` (a shared library) and ``path + '.json'``.
+
+    The manifest records the format, TVM version, target (and its class key), the CPU
+    features the code needs, the kernel specs and the sha256 of the library. Returns it.
+    """
+    import tvm
+
+    specs = list(dict.fromkeys(specs))
+    module, target = compile_specs(specs, target)
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    # Write to a temporary name and rename, so a crash never leaves a half library
+    # beside a manifest that vouches for it.
+    tmp = f"{path}.tmp{os.getpid()}.so"
+    module.export_library(tmp)
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "tvm_version": tvm.__version__,
+        "target": target,
+        "target_key": target_key(target),
+        "machine": platform.machine(),
+        "cpu_features": _cpu_features(tvm.target.Target(target)) if target.get("kind") == "llvm" else [],
+        "kernels": [{"name": s.name, "spec": s.to_dict(), "tuned": False} for s in specs],
+        "sha256": sha256_file(tmp),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    os.replace(tmp, path)
+    with open(library.manifest_path(path) + ".tmp", "w") as f:
+        json.dump(manifest, f, indent=2)
+    os.replace(library.manifest_path(path) + ".tmp", library.manifest_path(path))
+    return manifest
+
+
+def cache_dir() -> str:
+    """Disk cache of JIT-compiled kernels: $SWA_TVM_CACHE or ~/.cache/swa_tvm."""
+    return os.environ.get("SWA_TVM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "swa_tvm")
+
+
+_JIT_LOCK = threading.Lock()
+
+
+def get_or_build_kernel(spec: KernelSpec, target: str | dict | None = None) -> Kernel:
+    """A registered kernel for ``spec``: from memory, else from the disk cache, else
+    compiled now and cached. The cache key is the full spec, the target and TVM version,
+    so a changed CPU, TVM or spec never reuses a stale build."""
+    import hashlib
+
+    import tvm
+
+    from . import __version__
+
+    target = normalize_target(target)
+    device = library.device_of_target(target)
+    with _JIT_LOCK:
+        hit = library.REGISTRY.find(spec, device)
+        if hit is not None and hit.spec == spec:
+            return hit
+        key_src = json.dumps(
+            {"spec": spec.to_dict(), "target": target, "tvm": tvm.__version__, "swa_tvm": __version__}, sort_keys=True
+        )
+        key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
+        folder = os.path.join(cache_dir(), target_key(target))
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"{spec.name}-{key}.so")
+        if os.path.exists(path):
+            try:
+                library.load_library(path, _jit_cache=True)
+                return library.REGISTRY.find(spec, device)
+            except library.LibraryError:
+                pass  # corrupt or foreign entry: rebuild below
+        with tempfile.TemporaryDirectory(dir=folder) as tmpd:
+            tmp = os.path.join(tmpd, os.path.basename(path))
+            export_library([spec], tmp, target)
+            os.replace(library.manifest_path(tmp), library.manifest_path(path))
+            os.replace(tmp, path)
+        library.load_library(path, _jit_cache=True)
+        return library.REGISTRY.find(spec, device)

@@ -1,0 +1,293 @@
+"""Public API: argument checks, kernel choice and the call, in one place."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from . import library
+from .spec import DEFAULT_BLOCK_Q, KernelSpec
+
+# Devices and dtypes the kernels of this build serve.
+SERVED_DEVICES = ("cpu",)
+SERVED_DTYPES = {"cpu": (torch.float32, torch.float64)}
+
+
+def _fail(exc, msg):
+    raise exc(msg)
+
+
+def _check_tensor(name: str, x, rank: int) -> None:
+    if not isinstance(x, torch.Tensor):
+        _fail(TypeError, f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != rank:
+        _fail(ValueError, f"{name} must have rank {rank}, got shape {tuple(x.shape)}")
+
+
+def check_inputs(
+    q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, left, right, *, values: bool
+) -> None:
+    """Raise TypeError/ValueError, naming the argument, for any input the kernels would
+    not compute exactly. ``values=False`` checks shapes only (for fake tensors)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x, 4)
+    B, H, T, D = q.shape
+    if k.shape != v.shape:
+        _fail(ValueError, f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    Bk, Hkv, Tk, Dk = k.shape
+    if (Bk, Tk, Dk) != (B, T, D):
+        _fail(
+            ValueError,
+            f"k/v must be [B={B}, H_kv, T={T}, D={D}] to match q {tuple(q.shape)}, got {tuple(k.shape)}",
+        )
+    if T < 1 or D < 1 or H < 1 or Hkv < 1 or B < 1:
+        _fail(ValueError, f"q and k must have non-empty dimensions, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if H % Hkv:
+        _fail(ValueError, f"the number of query heads H={H} must be a multiple of k/v heads H_kv={Hkv}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            _fail(TypeError, f"{name} has dtype {x.dtype}, but q has {q.dtype}; all must match")
+    for name, x in (("left", left), ("right", right)):
+        if not isinstance(x, int) or isinstance(x, bool):
+            _fail(TypeError, f"window_size {name} must be an int, got {type(x).__name__}")
+        if x < -1:
+            _fail(ValueError, f"window_size {name} must be >= -1 (-1 means unbounded), got {x}")
+
+    # dilation: per-head int tensor (the public function turns an int into one).
+    if not isinstance(dilation, torch.Tensor):
+        _fail(TypeError, f"dilation must be an int or an integer tensor of shape [H], got {type(dilation).__name__}")
+    if dilation.dtype.is_floating_point or dilation.dtype == torch.bool or dilation.is_complex():
+        _fail(TypeError, f"dilation tensor must have an integer dtype (int32), got {dilation.dtype}")
+    if dilation.shape != (H,):
+        _fail(ValueError, f"dilation tensor must have shape [H]=[{H}], got {tuple(dilation.shape)}")
+
+    G = 0
+    if global_idx is not None:
+        _check_tensor("global_idx", global_idx, 2)
+        if global_idx.dtype != torch.int32:
+            _fail(TypeError, f"global_idx must be an int32 tensor, got {global_idx.dtype}")
+        if global_idx.shape[0] != B:
+            _fail(ValueError, f"global_idx must be [B={B}, G], got {tuple(global_idx.shape)}")
+        G = global_idx.shape[1]
+    for name, x, shape in (
+        ("q_global", q_global, (B, H, G, D)),
+        ("k_global", k_global, (B, Hkv, T, D)),
+        ("v_global", v_global, (B, Hkv, T, D)),
+    ):
+        if x is None:
+            continue
+        if global_idx is None:
+            _fail(ValueError, f"{name} was given without global_idx; pass global_idx [B, G] int32 positions")
+        _check_tensor(name, x, 4)
+        if tuple(x.shape) != shape:
+            _fail(ValueError, f"{name} must have shape {list(shape)}, got {tuple(x.shape)}")
+        if x.dtype != q.dtype:
+            _fail(TypeError, f"{name} has dtype {x.dtype}, but q has {q.dtype}; all must match")
+
+    if not isinstance(num_sinks, int) or isinstance(num_sinks, bool):
+        _fail(TypeError, f"num_sinks must be an int, got {type(num_sinks).__name__}")
+    if num_sinks < 0 or num_sinks > T:
+        _fail(ValueError, f"num_sinks must be in [0, T={T}], got {num_sinks}")
+    if sink_logits is not None:
+        _check_tensor("sink_logits", sink_logits, 1)
+        if sink_logits.shape[0] != H:
+            _fail(ValueError, f"sink_logits must have shape [H]=[{H}], got {tuple(sink_logits.shape)}")
+        if not sink_logits.dtype.is_floating_point:
+            _fail(TypeError, f"sink_logits must be a floating tensor, got {sink_logits.dtype}")
+
+    named = [("q", q), ("k", k), ("v", v), ("dilation", dilation), ("global_idx", global_idx)]
+    named += [("q_global", q_global), ("k_global", k_global), ("v_global", v_global), ("sink_logits", sink_logits)]
+    named = [(n, x) for n, x in named if x is not None]
+    if q.device.type != "meta":
+        for n, x in named:
+            if x.device != q.device:
+                _fail(ValueError, f"{n} is on {x.device} but q is on {q.device}; all tensors must share a device")
+        if q.device.type not in SERVED_DEVICES:
+            _fail(
+                ValueError,
+                f"q is on {q.device}, but this build of swa_tvm has kernels only for {', '.join(SERVED_DEVICES)} tensors",
+            )
+        if q.dtype not in SERVED_DTYPES[q.device.type]:
+            ok = ", ".join(str(d) for d in SERVED_DTYPES[q.device.type])
+            _fail(TypeError, f"q has dtype {q.dtype}; on {q.device.type} the kernels support {ok}")
+
+    if not values or q.device.type == "meta":
+        return
+    if bool((dilation < 1).any()):
+        _fail(ValueError, f"dilation must be >= 1 for every head, got {dilation.tolist()}")
+    if global_idx is not None and G:
+        if bool(((global_idx < 0) | (global_idx >= T)).any()):
+            bad = global_idx[(global_idx < 0) | (global_idx >= T)][0].item()
+            _fail(ValueError, f"global_idx values must lie in [0, T={T}), found {bad}")
+        srt = global_idx.sort(dim=1).values
+        if G > 1 and bool((srt[:, 1:] == srt[:, :-1]).any()):
+            row = int((srt[:, 1:] == srt[:, :-1]).any(dim=1).nonzero()[0])
+            _fail(ValueError, f"global_idx row {row} repeats a position; each row's positions must be distinct")
+
+
+def _available(device: str) -> str:
+    ks = library.REGISTRY.kernels(device)
+    return ", ".join(sorted({k.spec.name for k in ks})) or "none"
+
+
+def _kernel(want: KernelSpec, device: str) -> library.Kernel:
+    """The registered kernel for ``want``; compiled on first use when no library is
+    loaded. With libraries loaded, a missing kernel is an error naming what they hold."""
+    hit = library.REGISTRY.find(want, device)
+    if hit is not None:
+        return hit
+    if library.REGISTRY.libraries:
+        have = library.REGISTRY.kernels(device)
+        dims = sorted({k.spec.head_dim for k in have})
+        if want.head_dim not in dims:
+            raise ValueError(
+                f"head dim D={want.head_dim} is not served by the loaded libraries "
+                f"({', '.join(library.REGISTRY.libraries)}); they have head dims {dims}"
+            )
+        raise ValueError(
+            f"no kernel in the loaded libraries computes {want.name} "
+            f"(window ({want.left}, {want.right}), dilation up to {want.max_dilation}, extras={want.extras}, "
+            f"{want.dtype}); they hold: {_available(device)}"
+        )
+    from .build import get_or_build_kernel
+
+    # Round the dilation bound up so nearby dilations share one compiled kernel.
+    md = 1 << (want.max_dilation - 1).bit_length()
+    return get_or_build_kernel(KernelSpec(**{**want.to_dict(), "max_dilation": md}))
+
+
+def _extra_positions(global_idx, num_sinks: int, B: int, device) -> Optional[torch.Tensor]:
+    """[B, E] int32: global positions and sinks, each once per row, -1 = padding."""
+    parts = []
+    if global_idx is not None and global_idx.shape[1]:
+        parts.append(global_idx.to(torch.int32))
+    if num_sinks:
+        parts.append(torch.arange(num_sinks, dtype=torch.int32, device=device).expand(B, num_sinks))
+    if not parts:
+        return None
+    x = torch.cat(parts, dim=1).sort(dim=1).values
+    dup = torch.zeros_like(x, dtype=torch.bool)
+    dup[:, 1:] = x[:, 1:] == x[:, :-1]
+    return x.masked_fill(dup, -1).contiguous()
+
+
+def attention_forward(
+    q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, scale, left, right
+):
+    """Eager implementation behind ``torch.ops.swa_tvm.attention``: (out, lse)."""
+    check_inputs(
+        q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, left, right, values=True
+    )
+    B, H, T, D = q.shape
+    device = q.device.type
+    dtype = str(q.dtype).replace("torch.", "")
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    dil = dilation.to(torch.int32).contiguous()
+    sink = (
+        sink_logits.to(acc).contiguous()
+        if sink_logits is not None
+        else torch.full((H,), float("-inf"), dtype=acc, device=q.device)
+    )
+    extra = _extra_positions(global_idx, num_sinks, B, q.device)
+    want = KernelSpec(
+        "local", D, dtype, left, right, max(1, int(dil.max())), extras=extra is not None, block_q=DEFAULT_BLOCK_Q
+    )
+    kern = _kernel(want, device)
+    out = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, T, dtype=acc, device=q.device)
+    args = [q, k, v, dil] + ([extra] if extra is not None else []) + [sink, float(scale), out, lse]
+    kern.func(*args)
+
+    G = global_idx.shape[1] if global_idx is not None else 0
+    if G:
+        gkern = _kernel(KernelSpec("global", D, dtype, 0, 0 if right == 0 else -1), device)
+        gi = global_idx.long()
+        qg = q_global.contiguous() if q_global is not None else torch.gather(q, 2, gi[:, None, :, None].expand(B, H, G, D))
+        kg = k_global.contiguous() if k_global is not None else k
+        vg = v_global.contiguous() if v_global is not None else v
+        gout = torch.empty(B, H, G, D, dtype=q.dtype, device=q.device)
+        glse = torch.empty(B, H, G, dtype=acc, device=q.device)
+        gkern.func(qg.contiguous(), kg, vg, global_idx.contiguous(), sink, float(scale), gout, glse)
+        out.scatter_(2, gi[:, None, :, None].expand(B, H, G, D), gout)
+        lse.scatter_(2, gi[:, None, :].expand(B, H, G), glse)
+    return out, lse
+
+
+def sliding_window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    window_size: tuple[int, int] = (-1, -1),
+    dilation: int | torch.Tensor = 1,
+    global_idx: Optional[torch.Tensor] = None,
+    q_global: Optional[torch.Tensor] = None,
+    k_global: Optional[torch.Tensor] = None,
+    v_global: Optional[torch.Tensor] = None,
+    num_sinks: int = 0,
+    sink_logits: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+):
+    """Banded, dilated and global-augmented attention.
+
+    Shapes: ``q`` [B, H, T, D]; ``k``, ``v`` [B, H_kv, T, D] with H % H_kv == 0 (GQA/MQA:
+    query head h reads k/v head h // (H // H_kv)). Returns ``out`` [B, H, T, D] in q's
+    dtype, or ``(out, lse)`` with ``lse`` [B, H, T] float32 (float64 for float64 inputs).
+
+    Which keys row i (query position i) sees, for head h:
+
+    * **Window.** ``window_size=(left, right)``: query i attends to key
+      j = i + s*d for every integer s with -left <= s <= right and 0 <= j < T, where d
+      is head h's dilation. ``left`` and ``right`` count dilated steps on each side,
+      excluding the query itself; -1 means unbounded (FlashAttention's convention).
+      Mistral's window W (keys t-W < s <= t) is ``(W-1, 0)``; Longformer's symmetric w
+      is ``(w//2, w//2)``. ``right == 0`` means causal, and causality then holds for
+      every term below as well: no row ever sees j > i.
+    * **Dilation.** ``dilation`` is an int, or an integer tensor of shape [H] giving each
+      head its own dilation (Longformer mixes local and dilated heads). Every d >= 1.
+    * **Global tokens.** ``global_idx`` is an int32 tensor [B, G] of distinct positions
+      in [0, T). A global row attends to every key j allowed by causality. It uses
+      ``q_global`` [B, H, G, D] (row g of it for position global_idx[b, g]) as its query
+      and ``k_global`` / ``v_global`` [B, H_kv, T, D] for all keys and values, each when
+      given, and the ordinary q / k / v otherwise. Every other row also attends to the
+      global positions, through the ordinary k / v (Longformer's reference
+      implementation). A position in both the window and the global set counts once.
+    * **Sinks.** ``num_sinks`` = S (0 <= S <= T) pins positions 0..S-1 as visible to every
+      row (StreamingLLM), subject to causality, counted once. ``sink_logits`` [H] is a
+      learned per-head sink (GPT-OSS): exp(sink_logits[h]) is added to the softmax
+      denominator of every row of head h and carries no value.
+    * **Scale.** Scores are (q . k) * scale, with scale = 1/sqrt(D) by default.
+    * **Log-sum-exp.** ``lse[b, h, i]`` = log of row i's softmax denominator: the
+      log-sum-exp of its visible scaled scores, with the sink term exp(sink_logits[h])
+      included when given, so out[i] = sum_j exp(score_ij - lse_i) * v_j exactly. Use it
+      to merge partial results.
+
+    Inputs may be non-contiguous. Bad input raises TypeError or ValueError naming the
+    argument. When a library is loaded (:func:`swa_tvm.load_library`) its kernels are
+    used and a pattern it lacks is an error; with none loaded, the needed kernel is
+    compiled on first use and cached in memory and on disk.
+    """
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
+        raise ValueError(f"window_size must be a (left, right) pair, got {window_size!r}")
+    left, right = window_size
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        _check_tensor("q", q, 4)
+    H, D = q.shape[1], q.shape[3]
+    if isinstance(dilation, bool) or not isinstance(dilation, (int, torch.Tensor)):
+        raise TypeError(f"dilation must be an int or an integer tensor of shape [H], got {type(dilation).__name__}")
+    if isinstance(dilation, int):
+        if dilation < 1:
+            raise ValueError(f"dilation must be >= 1, got {dilation}")
+        dilation = torch.full((H,), dilation, dtype=torch.int32, device=q.device)
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    from . import ops  # noqa: F401 - registers torch.ops.swa_tvm
+
+    out, lse = torch.ops.swa_tvm.attention(
+        q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, float(scale), left, right
+    )
+    return (out, lse) if return_lse else out

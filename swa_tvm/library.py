@@ -1,0 +1,202 @@
+"""Loading compiled libraries and the registry of kernels the torch op dispatches to.
+
+This module needs only the TVM runtime: a library built elsewhere loads here without a
+compiler. Building lives in :mod:`swa_tvm.build`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from .spec import KernelSpec
+
+MANIFEST_FORMAT = 1
+
+# x86 features a compiled CPU kernel may depend on, as LLVM names them, with the name
+# /proc/cpuinfo uses. Only these are recorded and checked when a library loads.
+X86_FEATURES = {
+    "sse4.2": "sse4_2",
+    "avx": "avx",
+    "avx2": "avx2",
+    "fma": "fma",
+    "f16c": "f16c",
+    "avx512f": "avx512f",
+    "avx512bw": "avx512bw",
+    "avx512dq": "avx512dq",
+    "avx512vl": "avx512vl",
+    "avx512vnni": "avx512_vnni",
+    "avx512bf16": "avx512_bf16",
+}
+
+
+class LibraryError(RuntimeError):
+    """A library that cannot be used here (hash, TVM version or target mismatch)."""
+
+
+def manifest_path(lib_path: str | os.PathLike) -> str:
+    return str(lib_path) + ".json"
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def tvm_version() -> str:
+    import tvm
+
+    return tvm.__version__
+
+
+def host_cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@dataclass
+class Kernel:
+    spec: KernelSpec
+    func: Any  # tvm_ffi Function
+    device: str  # torch device type it serves: "cpu" | "cuda"
+    origin: str  # library path, or "jit"
+
+
+class Registry:
+    """Kernels available to the torch op, keyed by spec name."""
+
+    def __init__(self) -> None:
+        self._kernels: dict[str, Kernel] = {}
+        self._libraries: list[str] = []
+        self._lock = threading.Lock()
+        # Keep loaded modules alive: their functions point into them.
+        self._modules: list[Any] = []
+
+    @property
+    def libraries(self) -> list[str]:
+        return list(self._libraries)
+
+    def add(self, kernel: Kernel, module: Any = None) -> None:
+        with self._lock:
+            self._kernels[kernel.spec.name] = kernel
+            if module is not None:
+                self._modules.append(module)
+
+    def kernels(self, device: str | None = None) -> list[Kernel]:
+        return [k for k in self._kernels.values() if device is None or k.device == device]
+
+    def find(self, want: KernelSpec, device: str) -> Kernel | None:
+        """The kernel computing ``want``; for local kernels any max_dilation >= the
+        wanted one serves (the smallest is taken: the least wasted grid)."""
+        exact = self._kernels.get(want.name)
+        if exact is not None and exact.device == device:
+            return exact
+        best = None
+        for k in self._kernels.values():
+            s = k.spec
+            if k.device != device or s.kind != want.kind or s.max_dilation < want.max_dilation:
+                continue
+            if (s.head_dim, s.dtype, s.left, s.right, s.extras) != (
+                want.head_dim,
+                want.dtype,
+                want.left,
+                want.right,
+                want.extras,
+            ):
+                continue
+            if best is None or s.max_dilation < best.spec.max_dilation:
+                best = k
+        return best
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kernels.clear()
+            self._libraries.clear()
+            self._modules.clear()
+
+
+REGISTRY = Registry()
+
+
+def device_of_target(target: dict) -> str:
+    return "cuda" if target.get("kind") == "cuda" else "cpu"
+
+
+def check_manifest(lib_path: str, manifest: dict) -> None:
+    """Raise LibraryError unless the library at lib_path can run here."""
+    if manifest.get("format") != MANIFEST_FORMAT:
+        raise LibraryError(f"{lib_path}: manifest format {manifest.get('format')!r}, expected {MANIFEST_FORMAT}")
+    digest = sha256_file(lib_path)
+    if digest != manifest.get("sha256"):
+        raise LibraryError(
+            f"{lib_path}: sha256 {digest[:16]}... does not match the manifest's "
+            f"{str(manifest.get('sha256'))[:16]}...; the library was modified or the manifest belongs to another build"
+        )
+    have = tvm_version()
+    if manifest.get("tvm_version") != have:
+        raise LibraryError(
+            f"{lib_path}: built with TVM {manifest.get('tvm_version')}, but this process runs TVM {have}; "
+            "rebuild it with `swa-tvm export`"
+        )
+    target = manifest.get("target", {})
+    if target.get("kind") == "llvm":
+        arch = manifest.get("machine")
+        if arch and arch != platform.machine():
+            raise LibraryError(f"{lib_path}: built for {arch} CPUs, this machine is {platform.machine()}")
+        missing = sorted(set(manifest.get("cpu_features", [])) - host_cpu_flags())
+        if missing:
+            raise LibraryError(
+                f"{lib_path}: built for CPU {target.get('mcpu')!r}, which needs {', '.join(missing)}; "
+                "this CPU lacks them. Rebuild it here with `swa-tvm export`"
+            )
+
+
+def load_library(path: str | os.PathLike, *, _jit_cache: bool = False) -> list[KernelSpec]:
+    """Load a library written by ``export_library`` and register its kernels.
+
+    The manifest beside it (``<path>.json``) must match the file's sha256, this
+    process's TVM version and this machine's CPU; otherwise LibraryError says which.
+    Returns the specs it registered.
+    """
+    import tvm
+
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"library {path!r} does not exist")
+    mpath = manifest_path(path)
+    if not os.path.exists(mpath):
+        raise LibraryError(f"{path}: no manifest at {mpath}; export libraries with swa_tvm.export_library")
+    with open(mpath) as f:
+        manifest = json.load(f)
+    check_manifest(path, manifest)
+    module = tvm.runtime.load_module(path)
+    device = device_of_target(manifest["target"])
+    specs = []
+    for entry in manifest["kernels"]:
+        spec = KernelSpec.from_dict(entry["spec"])
+        func = module[spec.name]
+        REGISTRY.add(Kernel(spec, func, device, "jit" if _jit_cache else path), module)
+        specs.append(spec)
+    if not _jit_cache:  # JIT cache entries do not count as user libraries
+        with REGISTRY._lock:
+            REGISTRY._libraries.append(path)
+    return specs
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    with open(manifest_path(path)) as f:
+        return json.load(f)
