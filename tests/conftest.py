@@ -1,0 +1,51 @@
+import os
+import tempfile
+
+# Kernels compiled by the tests go to a cache of their own unless the caller chose one
+# (the Makefile points it into .venv so reruns reuse it).
+os.environ.setdefault("SWA_TVM_CACHE", os.path.join(tempfile.gettempdir(), "swa_tvm_test_cache"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from swa_tvm.reference import sliding_window_attention_ref  # noqa: E402
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def rand(*shape, seed=None, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    return torch.randn(*shape, generator=g, dtype=dtype)
+
+
+def check_against_reference(q, k, v, tol=1e-5, **kw):
+    """Run the kernel and the float64 dense reference; assert out and lse agree."""
+    import swa_tvm
+
+    out, lse = swa_tvm.sliding_window_attention(q, k, v, return_lse=True, **kw)
+    ref_out, ref_lse = sliding_window_attention_ref(q, k, v, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == q.shape[:3]
+    assert torch.isfinite(out).all(), "kernel produced non-finite output"
+    e = rel_err(out, ref_out)
+    assert e < tol, f"out relative error {e:.2e} >= {tol} for {kw}"
+    el = (lse.double() - ref_lse).abs().max().item()
+    assert el < 1e-4, f"lse max abs error {el:.2e} for {kw}"
+    return out, lse
+
+
+@pytest.fixture
+def fresh_registry():
+    """Isolate tests that load libraries: the registry is process-global."""
+    from swa_tvm import library
+
+    saved = (dict(library.REGISTRY._kernels), list(library.REGISTRY._libraries), list(library.REGISTRY._modules))
+    library.REGISTRY.clear()
+    yield library.REGISTRY
+    library.REGISTRY.clear()
+    library.REGISTRY._kernels.update(saved[0])
+    library.REGISTRY._libraries.extend(saved[1])
+    library.REGISTRY._modules.extend(saved[2])
