@@ -274,6 +274,11 @@ def sliding_window_attention(
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
         raise ValueError(f"window_size must be a (left, right) pair, got {window_size!r}")
     left, right = window_size
+    for name, x in (("left", left), ("right", right)):
+        if not isinstance(x, int) or isinstance(x, bool):
+            raise TypeError(f"window_size {name} must be an int, got {type(x).__name__}")
+    if not isinstance(num_sinks, int) or isinstance(num_sinks, bool):
+        raise TypeError(f"num_sinks must be an int, got {type(num_sinks).__name__}")
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         _check_tensor("q", q, 4)
     H, D = q.shape[1], q.shape[3]

@@ -1,0 +1,94 @@
+"""Every bad input raises TypeError/ValueError naming the argument, before any kernel runs."""
+
+import pytest
+import torch
+
+import swa_tvm
+
+B, H, T, D = 1, 4, 12, 16
+
+
+def args(**over):
+    kw = dict(
+        q=torch.randn(B, H, T, D),
+        k=torch.randn(B, 2, T, D),
+        v=torch.randn(B, 2, T, D),
+        window_size=(2, 0),
+    )
+    kw.update(over)
+    return kw
+
+
+def call(**over):
+    kw = args(**over)
+    return swa_tvm.sliding_window_attention(kw.pop("q"), kw.pop("k"), kw.pop("v"), **kw)
+
+
+CASES = [
+    ("rank", dict(q=torch.randn(H, T, D)), ValueError, r"q must have rank 4"),
+    ("k rank", dict(k=torch.randn(2, T, D)), ValueError, r"k must have rank 4"),
+    ("B mismatch", dict(k=torch.randn(2, 2, T, D), v=torch.randn(2, 2, T, D)), ValueError, r"k/v must be \[B=1"),
+    ("T mismatch", dict(k=torch.randn(B, 2, T + 1, D), v=torch.randn(B, 2, T + 1, D)), ValueError, r"T=12"),
+    ("D mismatch", dict(k=torch.randn(B, 2, T, 8), v=torch.randn(B, 2, T, 8)), ValueError, r"D=16"),
+    ("k/v shapes", dict(v=torch.randn(B, 2, T, 8)), ValueError, r"k and v must have the same shape"),
+    ("GQA", dict(k=torch.randn(B, 3, T, D), v=torch.randn(B, 3, T, D)), ValueError, r"multiple of k/v heads"),
+    ("dtype mismatch", dict(k=torch.randn(B, 2, T, D, dtype=torch.float64)), TypeError, r"k has dtype torch.float64"),
+    ("unsupported dtype", dict(q=torch.randn(B, H, T, D).half(), k=torch.randn(B, 2, T, D).half(),
+                               v=torch.randn(B, 2, T, D).half()), TypeError, r"q has dtype torch.float16"),
+    ("window < -1", dict(window_size=(-2, 0)), ValueError, r"window_size left must be >= -1"),
+    ("right < -1", dict(window_size=(1, -5)), ValueError, r"window_size right must be >= -1"),
+    ("window shape", dict(window_size=(1, 2, 3)), ValueError, r"window_size must be a \(left, right\) pair"),
+    ("window type", dict(window_size=(1.5, 0)), TypeError, r"window_size left must be an int"),
+    ("dilation 0", dict(dilation=0), ValueError, r"dilation must be >= 1"),
+    ("dilation head < 1", dict(dilation=torch.tensor([1, 0, 2, 1], dtype=torch.int32)), ValueError,
+     r"dilation must be >= 1 for every head"),
+    ("dilation length", dict(dilation=torch.tensor([1, 2], dtype=torch.int32)), ValueError, r"dilation tensor must have shape \[H\]=\[4\]"),
+    ("dilation float", dict(dilation=torch.ones(4)), TypeError, r"dilation tensor must have an integer dtype"),
+    ("dilation type", dict(dilation=2.0), TypeError, r"dilation must be an int or an integer tensor"),
+    ("global range", dict(global_idx=torch.tensor([[1, 12]], dtype=torch.int32)), ValueError,
+     r"global_idx values must lie in \[0, T=12\), found 12"),
+    ("global negative", dict(global_idx=torch.tensor([[-1]], dtype=torch.int32)), ValueError, r"global_idx values"),
+    ("global duplicate", dict(global_idx=torch.tensor([[3, 5, 3]], dtype=torch.int32)), ValueError,
+     r"global_idx row 0 repeats a position"),
+    ("global dtype", dict(global_idx=torch.tensor([[3, 5]])), TypeError, r"global_idx must be an int32 tensor"),
+    ("global B", dict(global_idx=torch.tensor([[3], [5]], dtype=torch.int32)), ValueError, r"global_idx must be \[B=1, G\]"),
+    ("q_global alone", dict(q_global=torch.randn(B, H, 1, D)), ValueError, r"q_global was given without global_idx"),
+    ("k_global alone", dict(k_global=torch.randn(B, 2, T, D)), ValueError, r"k_global was given without global_idx"),
+    ("q_global shape", dict(global_idx=torch.tensor([[3, 5]], dtype=torch.int32), q_global=torch.randn(B, H, 3, D)),
+     ValueError, r"q_global must have shape \[1, 4, 2, 16\]"),
+    ("sinks > T", dict(num_sinks=13), ValueError, r"num_sinks must be in \[0, T=12\], got 13"),
+    ("sinks < 0", dict(num_sinks=-1), ValueError, r"num_sinks must be in"),
+    ("sink_logits shape", dict(sink_logits=torch.randn(3)), ValueError, r"sink_logits must have shape \[H\]=\[4\]"),
+    ("not a tensor", dict(q=[[1.0]]), TypeError, r"q must be a torch.Tensor"),
+    ("sinks type", dict(num_sinks=1.0), TypeError, r"num_sinks must be an int"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("over,exc,msg", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input(over, exc, msg):
+    with pytest.raises(exc, match=msg):
+        call(**over)
+
+
+def test_bad_input_through_torch_op():
+    """The op validates too: torch.ops.swa_tvm.attention is public."""
+    q = torch.randn(B, H, T, D)
+    k = torch.randn(B, 2, T, D)
+    with pytest.raises(ValueError, match="num_sinks"):
+        torch.ops.swa_tvm.attention(q, k, k, torch.ones(H, dtype=torch.int32), None, None, None, None, 99, None, 0.25, 2, 0)
+
+
+def test_mixed_devices_named():
+    q = torch.randn(B, H, T, D)
+    k = torch.randn(B, 2, T, D)
+    with pytest.raises(ValueError, match=r"sink_logits is on meta but q is on cpu"):
+        swa_tvm.sliding_window_attention(q, k, k, window_size=(2, 0), sink_logits=torch.randn(H, device="meta"))
+
+
+def test_device_not_served(monkeypatch):
+    """No second device exists on this machine, so pretend the build serves only CUDA."""
+    from swa_tvm import functional
+
+    monkeypatch.setattr(functional, "SERVED_DEVICES", ("cuda",))
+    with pytest.raises(ValueError, match=r"q is on cpu, but this build of swa_tvm has kernels only for cuda"):
+        call()

@@ -1,0 +1,149 @@
+"""Export -> manifest -> load (in a fresh process) -> call, and the manifest's refusals."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import swa_tvm
+from swa_tvm import library
+from swa_tvm.spec import AttentionSpec
+
+SPEC = AttentionSpec(head_dim=32, window=(3, 0), max_dilation=4, globals=True, sinks=True)
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    path = tmp_path_factory.mktemp("lib") / "swa.so"
+    r = subprocess.run(
+        [sys.executable, "-m", "swa_tvm.cli", "export", "--spec", "head_dim=32,window=3:0,dilation=4,globals,sinks",
+         "-o", str(path)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "wrote" in r.stdout
+    return path
+
+
+def test_manifest_contents(lib):
+    m = library.read_manifest(lib)
+    assert m["tvm_version"] == __import__("tvm").__version__
+    assert m["target"]["kind"] == "llvm" and m["target"]["mcpu"]
+    assert m["sha256"] == library.sha256_file(lib)
+    names = {k["name"] for k in m["kernels"]}
+    assert names == {k.name for k in SPEC.kernels()}
+    assert all(k["tuned"] is False for k in m["kernels"])
+
+
+ROUND_TRIP = r"""
+import sys, torch, swa_tvm
+from swa_tvm import library
+from swa_tvm.reference import sliding_window_attention_ref as ref
+specs = swa_tvm.load_library(sys.argv[1])
+assert not library.REGISTRY.kernels() or all(k.origin == sys.argv[1] for k in library.REGISTRY.kernels())
+import swa_tvm.build  # the compiler must not be needed: forbid JIT
+swa_tvm.build.get_or_build_kernel = lambda *a, **k: (_ for _ in ()).throw(AssertionError("JIT used"))
+B, H, Hkv, T, D, G = 2, 4, 2, 300, 32, 3
+q, k, v = torch.randn(B, H, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+gi = torch.stack([torch.randperm(T)[:G] for _ in range(B)]).int()
+kw = dict(window_size=(3, 0), dilation=torch.tensor([1, 2, 4, 3], dtype=torch.int32), global_idx=gi,
+          q_global=torch.randn(B, H, G, D), num_sinks=2, sink_logits=torch.randn(H))
+out = torch.ops.swa_tvm.attention(q, k, v, kw["dilation"], gi, kw["q_global"], None, None, 2, kw["sink_logits"],
+                                  D ** -0.5, 3, 0)[0]
+r, _ = ref(q, k, v, **kw)
+err = ((out.double() - r).norm() / r.norm()).item()
+assert err < 1e-5, err
+# a head dim the library lacks: a clear error naming the dims it has
+try:
+    swa_tvm.sliding_window_attention(torch.randn(1, 1, 8, 16), torch.randn(1, 1, 8, 16), torch.randn(1, 1, 8, 16),
+                                     window_size=(3, 0))
+except ValueError as e:
+    assert "head dim D=16" in str(e) and "[32]" in str(e), e
+else:
+    raise AssertionError("no error for a head dim the library lacks")
+print("OK", err)
+"""
+
+
+def test_round_trip_in_fresh_process(lib):
+    r = subprocess.run([sys.executable, "-c", ROUND_TRIP, str(lib)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("OK")
+
+
+def _copy(lib, tmp_path, edit=None, tamper=False):
+    dst = tmp_path / "copy.so"
+    dst.write_bytes(lib.read_bytes() + (b"\0" if tamper else b""))
+    m = library.read_manifest(lib)
+    if edit:
+        edit(m)
+    (tmp_path / "copy.so.json").write_text(json.dumps(m))
+    return dst
+
+
+def test_refuses_modified_library(lib, tmp_path, fresh_registry):
+    with pytest.raises(library.LibraryError, match="sha256"):
+        swa_tvm.load_library(_copy(lib, tmp_path, tamper=True))
+
+
+def test_refuses_other_tvm_version(lib, tmp_path, fresh_registry):
+    with pytest.raises(library.LibraryError, match=r"built with TVM 0\.1\.0.*rebuild"):
+        swa_tvm.load_library(_copy(lib, tmp_path, edit=lambda m: m.update(tvm_version="0.1.0")))
+
+
+def test_refuses_cpu_lacking_features(lib, tmp_path, fresh_registry):
+    def edit(m):
+        m["target"]["mcpu"] = "imaginary"
+        m["cpu_features"] = m["cpu_features"] + ["amx_tile_imaginary"]
+
+    with pytest.raises(library.LibraryError, match=r"amx_tile_imaginary"):
+        swa_tvm.load_library(_copy(lib, tmp_path, edit=edit))
+
+
+def test_refuses_missing_manifest(lib, tmp_path, fresh_registry):
+    dst = tmp_path / "bare.so"
+    dst.write_bytes(lib.read_bytes())
+    with pytest.raises(library.LibraryError, match="no manifest"):
+        swa_tvm.load_library(dst)
+    assert fresh_registry.kernels() == []
+
+
+def test_loaded_library_missing_window_is_an_error(lib, fresh_registry):
+    swa_tvm.load_library(lib)
+    q = torch.randn(1, 2, 10, 32)
+    with pytest.raises(ValueError, match=r"no kernel in the loaded libraries computes .*window \(5, 0\)"):
+        swa_tvm.sliding_window_attention(q, q, q, window_size=(5, 0))
+
+
+def test_cli_info_and_errors(lib):
+    r = subprocess.run([sys.executable, "-m", "swa_tvm.cli", "info", str(lib)], capture_output=True, text=True)
+    assert r.returncode == 0 and "loadable     yes" in r.stdout and "swa_local_d32" in r.stdout
+    r = subprocess.run(
+        [sys.executable, "-m", "swa_tvm.cli", "export", "--spec", "head_dim=32,window=3", "-o", "/tmp/x.so"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert r.returncode == 1 and "window must look like LEFT:RIGHT" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "swa_tvm.cli", "bogus"], capture_output=True, text=True)
+    assert r.returncode == 2
+
+
+def test_jit_disk_cache_is_reused(tmp_path):
+    """A second process finds the kernel compiled by the first on disk."""
+    env = dict(os.environ, SWA_TVM_CACHE=str(tmp_path))
+    code = (
+        "import sys, torch, swa_tvm, swa_tvm.build as b\n"
+        "if sys.argv[1] == 'forbid':\n"
+        "    b.export_library = lambda *a, **k: (_ for _ in ()).throw(AssertionError('recompiled'))\n"
+        "q = torch.randn(1, 1, 20, 16)\n"
+        "swa_tvm.sliding_window_attention(q, q, q, window_size=(1, 1))\n"
+    )
+    first = subprocess.run([sys.executable, "-c", code, "allow"], env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    files = sorted(p.name for p in tmp_path.rglob("*.so"))
+    assert len(files) == 1 and files[0].startswith("swa_local_d16_f32_l1_r1_md1_x0")
+    second = subprocess.run([sys.executable, "-c", code, "forbid"], env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr  # served from disk, export_library never called
+    assert sorted(p.name for p in tmp_path.rglob("*.so")) == files
