@@ -63,7 +63,7 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8)
         sch.vectorize(_split_vec(sch, cc, vector_lanes)[1])
 
     # Producers of blk_out, innermost first so each compute_at finds its consumer placed.
-    order = ["wacc", "xacc", "wsum", "xsum", "prob", "xprob", "wmax", "xmax", "score", "xscore", "vblk", "kblk_t", "qblk"]
+    order = ["wacc", "xacc", "wsum", "xsum", "wprob", "xprob", "wmax", "xmax", "score", "xscore", "vblk", "kblk_t", "qblk"]
     for name in order:
         if not _has(sch, name):
             continue
@@ -85,23 +85,30 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8)
         sch.vectorize(ki)
         sch.decompose_reduction(blk, c_l)
     # Probability tile: elementwise, vectorize along keys.
-    for name in ("prob",):
+    for name in ("wprob",):
         blk = sch.get_sblock(name)
         if bounded:
             sch.vectorize(_split_vec(sch, sch.get_loops(blk)[-1], LANES)[1])
-    # P @ V: (qi, c) tile with c vectorized, reduction over kj outside the tile.
-    blk = sch.get_sblock("wacc")
-    loops = sch.get_loops(blk)
-    qi_l, c_l, kr = loops[-3:]
-    qo, qi_in = sch.split(qi_l, factors=[None, 2] if spec.block_q % 2 == 0 else [None, 1])
-    co, ci = sch.split(c_l, factors=[None, min(spec.head_dim, 4 * vector_lanes)]) if spec.head_dim % (4 * vector_lanes) == 0 else (None, c_l)
-    if co is not None:
-        sch.reorder(qo, co, kr, qi_in, ci)
-    else:
-        sch.reorder(qo, kr, qi_in, ci)
-    sch.unroll(qi_in)
-    sch.vectorize(ci)
-    sch.decompose_reduction(blk, kr)
+    # P @ V for the band and the extras: (qi, c) tile with c vectorized, the reduction
+    # over keys outside the tile.
+    for name in ("wacc", "xacc"):
+        if not _has(sch, name):
+            continue
+        blk = sch.get_sblock(name)
+        qi_l, c_l, kr = sch.get_loops(blk)[-3:]
+        qo, qi_in = sch.split(qi_l, factors=[None, 2] if spec.block_q % 2 == 0 else [None, 1])
+        width = 4 * vector_lanes
+        if spec.head_dim % width == 0:
+            co, ci = sch.split(c_l, factors=[None, width])
+            sch.reorder(qo, co, kr, qi_in, ci)
+        else:
+            ci = c_l
+            sch.reorder(qo, kr, qi_in, ci)
+        sch.unroll(qi_in)
+        sch.vectorize(ci)
+        sch.decompose_reduction(blk, kr)
+
+
 def schedule_global(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8) -> None:
     for name in ("gmasked", "gmax", "gden"):
         _try_inline(sch, name)

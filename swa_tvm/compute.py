@@ -20,6 +20,9 @@ item grid has ceil(T/Bq) + max_dilation - 1 entries, enough for any d <= max_dil
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import tvm
 from tvm import te, tirx
 
@@ -230,56 +233,46 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None):
             (B, H, nitems, Bq), lambda b, h, beta, qi: tirx.max(wmax[b, h, beta, qi], sink[h]), name="rowmax"
         )
 
-    prob = te.compute(
-        (B, H, nitems, Bq, kw),
-        lambda b, h, beta, qi, kj: _exp(masked[b, h, beta, qi, kj] - rowmax[b, h, beta, qi], acc),
-        name="prob",
-    )
-    kr2 = te.reduce_axis((0, kw), name="kr2")
-    wsum = te.compute(
-        (B, H, nitems, Bq), lambda b, h, beta, qi: te.sum(prob[b, h, beta, qi, kr2], axis=kr2), name="wsum"
-    )
-    kr3 = te.reduce_axis((0, kw), name="kr3")
-    wacc = te.compute(
-        (B, H, nitems, Bq, D),
-        lambda b, h, beta, qi, cc: te.sum(
-            prob[b, h, beta, qi, kr3] * vblk[b, h, beta, kr3, cc], axis=kr3
-        ),
-        name="wacc",
-    )
-    if spec.extras:
-        xprob = te.compute(
-            (B, H, nitems, Bq, E),
-            lambda b, h, beta, qi, e: _exp(stages_x[1][b, h, beta, qi, e] - rowmax[b, h, beta, qi], acc),
-            name="xprob",
+    def softmax_part(prefix, scores, n, value):
+        """Probabilities of one key set (window band or extras) against the shared row
+        max, their sum and their probability-weighted values."""
+        prob = te.compute(
+            (B, H, nitems, Bq, n),
+            lambda b, h, beta, qi, j: _exp(scores[b, h, beta, qi, j] - rowmax[b, h, beta, qi], acc),
+            name=f"{prefix}prob",
         )
-        er2 = te.reduce_axis((0, E), name="er2")
-        xsum = te.compute(
-            (B, H, nitems, Bq), lambda b, h, beta, qi: te.sum(xprob[b, h, beta, qi, er2], axis=er2), name="xsum"
+        r = te.reduce_axis((0, n), name=f"{prefix}r_sum")
+        total = te.compute(
+            (B, H, nitems, Bq), lambda b, h, beta, qi: te.sum(prob[b, h, beta, qi, r], axis=r), name=f"{prefix}sum"
         )
-        er3 = te.reduce_axis((0, E), name="er3")
-        xacc = te.compute(
+        r2 = te.reduce_axis((0, n), name=f"{prefix}r_acc")
+        weighted = te.compute(
             (B, H, nitems, Bq, D),
-            lambda b, h, beta, qi, cc: te.sum(
-                xprob[b, h, beta, qi, er3] * v[b, h // group, clamp(i64(xidx[b, er3])), cc].astype(acc), axis=er3
-            ),
-            name="xacc",
+            lambda b, h, beta, qi, cc: te.sum(prob[b, h, beta, qi, r2] * value(b, h, beta, r2, cc), axis=r2),
+            name=f"{prefix}acc",
         )
-        denom = te.compute(
-            (B, H, nitems, Bq),
-            lambda b, h, beta, qi: wsum[b, h, beta, qi]
-            + xsum[b, h, beta, qi]
-            + _exp(sink[h] - rowmax[b, h, beta, qi], acc),
-            name="denom",
-        )
-        numer = lambda b, h, beta, qi, cc: wacc[b, h, beta, qi, cc] + xacc[b, h, beta, qi, cc]  # noqa: E731
-    else:
-        denom = te.compute(
-            (B, H, nitems, Bq),
-            lambda b, h, beta, qi: wsum[b, h, beta, qi] + _exp(sink[h] - rowmax[b, h, beta, qi], acc),
-            name="denom",
-        )
-        numer = lambda b, h, beta, qi, cc: wacc[b, h, beta, qi, cc]  # noqa: E731
+        return total, weighted
+
+    sums, accs = zip(
+        softmax_part("w", masked, kw, lambda b, h, beta, j, cc: vblk[b, h, beta, j, cc]),
+        *(
+            [
+                softmax_part(
+                    "x", stages_x[1], E, lambda b, h, beta, e, cc: v[b, h // group, clamp(i64(xidx[b, e])), cc].astype(acc)
+                )
+            ]
+            if spec.extras
+            else []
+        ),
+    )
+    denom = te.compute(
+        (B, H, nitems, Bq),
+        lambda b, h, beta, qi: functools.reduce(operator.add, [t[b, h, beta, qi] for t in sums]) + _exp(sink[h] - rowmax[b, h, beta, qi], acc),
+        name="denom",
+    )
+
+    def numer(b, h, beta, qi, cc):
+        return functools.reduce(operator.add, [t[b, h, beta, qi, cc] for t in accs])
 
     blk_out = te.compute(
         (B, H, nitems, Bq, D),
