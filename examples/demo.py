@@ -61,11 +61,11 @@ def main():
         out = torch.ops.swa_tvm.attention(*args)[0]
         ref, _ = sliding_window_attention_ref(q, k, v, **kw)
         err = ((out.double() - ref).norm() / ref.norm()).item()
-        ours = median_ms(lambda: torch.ops.swa_tvm.attention(*args))
+        ours = median_ms(lambda args=args: torch.ops.swa_tvm.attention(*args))
         # SDPA peer: same visible set as a boolean mask. Its global rows use the shared
         # projections (SDPA has no notion of separate ones), so only its time is compared.
         mask, _ = attention_mask(T, H, (W - 1, 0), kw.get("dilation", 1), kw.get("global_idx"))
-        sdpa = median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+        sdpa = median_ms(lambda m=mask: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m))
         print(f"{name:45s} {err:9.1e} {ours:11.1f} {sdpa:13.1f} {sdpa / ours:8.1f}x")
         assert err < 1e-5, f"{name}: relative error {err}"
     print(f"\ndone in {time.time() - t0:.0f}s")

@@ -123,7 +123,7 @@ def export_library(specs: Iterable[KernelSpec], path: str | os.PathLike, target:
     module.export_library(tmp)
     manifest = {
         "format": MANIFEST_FORMAT,
-        "tvm_version": tvm.__version__,
+        "tvm_version": library.tvm_version(),
         "target": target,
         "target_key": target_key(target),
         "machine": platform.machine(),
@@ -153,8 +153,6 @@ def get_or_build_kernel(spec: KernelSpec, target: str | dict | None = None) -> K
     so a changed CPU, TVM or spec never reuses a stale build."""
     import hashlib
 
-    import tvm
-
     from . import __version__
 
     target = normalize_target(target)
@@ -164,7 +162,7 @@ def get_or_build_kernel(spec: KernelSpec, target: str | dict | None = None) -> K
         if hit is not None and hit.spec == spec:
             return hit
         key_src = json.dumps(
-            {"spec": spec.to_dict(), "target": target, "tvm": tvm.__version__, "swa_tvm": __version__}, sort_keys=True
+            {"spec": spec.to_dict(), "target": target, "tvm": library.tvm_version(), "swa_tvm": __version__}, sort_keys=True
         )
         key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
         folder = os.path.join(cache_dir(), target_key(target))

@@ -6,10 +6,14 @@ compiler. Building lives in :mod:`swa_tvm.build`.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -52,9 +56,36 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 
 def tvm_version() -> str:
-    import tvm
+    """The installed TVM's version, read without importing TVM (and its compiler)."""
+    try:
+        return importlib.metadata.version("apache-tvm")
+    except importlib.metadata.PackageNotFoundError:
+        import tvm
 
-    return tvm.__version__
+        return tvm.__version__
+
+
+def _load_tvm_runtime() -> None:
+    """Make the TVM runtime's symbols available to libraries loaded by tvm_ffi.
+
+    An exported kernel library calls into libtvm_runtime (thread pool, workspaces). With
+    the full ``tvm`` package imported they are already there; otherwise only
+    libtvm_runtime.so is loaded (3 MB), from $SWA_TVM_RUNTIME_DIR or the installed
+    package, never the 250 MB compiler.
+    """
+    global _RUNTIME
+    if _RUNTIME is not None or "tvm" in sys.modules:
+        return
+    folder = os.environ.get("SWA_TVM_RUNTIME_DIR")
+    if not folder:
+        spec = importlib.util.find_spec("tvm")
+        if spec is None or not spec.submodule_search_locations:
+            raise LibraryError("the TVM runtime was not found: install apache-tvm or set SWA_TVM_RUNTIME_DIR")
+        folder = os.path.join(list(spec.submodule_search_locations)[0], "lib")
+    _RUNTIME = ctypes.CDLL(os.path.join(folder, "libtvm_runtime.so"), mode=ctypes.RTLD_GLOBAL)
+
+
+_RUNTIME = None
 
 
 def host_cpu_flags() -> set[str]:
@@ -170,9 +201,10 @@ def load_library(path: str | os.PathLike, *, _jit_cache: bool = False) -> list[K
 
     The manifest beside it (``<path>.json``) must match the file's sha256, this
     process's TVM version and this machine's CPU; otherwise LibraryError says which.
+    Only the TVM runtime is needed (tvm_ffi and libtvm_runtime), not the compiler.
     Returns the specs it registered.
     """
-    import tvm
+    import tvm_ffi
 
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -183,7 +215,8 @@ def load_library(path: str | os.PathLike, *, _jit_cache: bool = False) -> list[K
     with open(mpath) as f:
         manifest = json.load(f)
     check_manifest(path, manifest)
-    module = tvm.runtime.load_module(path)
+    _load_tvm_runtime()
+    module = tvm_ffi.load_module(path)
     device = device_of_target(manifest["target"])
     specs = []
     for entry in manifest["kernels"]:
