@@ -120,3 +120,18 @@ def test_custom_scale_and_repeated_calls():
     out1 = swa_tvm.sliding_window_attention(q, k, v, window_size=(2, 2))
     out2 = swa_tvm.sliding_window_attention(q, k, v, window_size=(2, 2))
     assert torch.equal(out1, out2)
+
+
+def test_realistic_size_everything_at_once():
+    """D=64, T=1500 (47 blocks, several residues per head), GQA 8/2, per-head dilation,
+    globals with their own projections, sinks and sink logits together."""
+    B, H, Hkv, T, G, Dh = 1, 8, 2, 1500, 4, 64
+    q, k, v = rand(B, H, T, Dh), rand(B, Hkv, T, Dh), rand(B, Hkv, T, Dh)
+    gi = torch.stack([torch.randperm(T)[:G]]).to(torch.int32)
+    check_against_reference(
+        q, k, v,
+        window_size=(100, 0),
+        dilation=torch.tensor([1, 2, 1, 3, 1, 1, 4, 2], dtype=torch.int32),
+        global_idx=gi, q_global=rand(B, H, G, Dh), k_global=rand(B, Hkv, T, Dh), v_global=rand(B, Hkv, T, Dh),
+        num_sinks=4, sink_logits=rand(H),
+    )  # fmt: skip
