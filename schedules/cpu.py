@@ -15,19 +15,18 @@ from swa_tvm.compute import LANES
 from swa_tvm.spec import KernelSpec
 
 
-def _try_inline(sch: s_tir.Schedule, name: str) -> None:
-    try:
-        sch.compute_inline(sch.get_sblock(name))
-    except Exception:  # noqa: BLE001 - absent stage (no extras) or not inlinable
-        pass
-
-
 def _has(sch: s_tir.Schedule, name: str) -> bool:
     try:
         sch.get_sblock(name)
         return True
     except Exception:  # noqa: BLE001
         return False
+
+
+def _inline_if_present(sch: s_tir.Schedule, name: str) -> None:
+    """Inline an elementwise stage; the extras stages exist only in specs with extras."""
+    if _has(sch, name):
+        sch.compute_inline(sch.get_sblock(name))
 
 
 def _split_vec(sch, loop, lanes):
@@ -37,7 +36,7 @@ def _split_vec(sch, loop, lanes):
 
 def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8) -> None:
     for name in ("masked", "xmasked", "rowmax", "denom"):
-        _try_inline(sch, name)
+        _inline_if_present(sch, name)
 
     # Gathers back to [B,H,T,(D)], merged into one parallel loop over rows. `merge` puts
     # the merged loop where the last of its loops was and does not check dataflow, so
@@ -111,7 +110,7 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8)
 
 def schedule_global(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8) -> None:
     for name in ("gmasked", "gmax", "gden"):
-        _try_inline(sch, name)
+        _inline_if_present(sch, name)
     root = sch.get_sblock("out")
     b, h, g, cc = sch.get_loops(root)
     row = sch.fuse(b, h, g)

@@ -147,6 +147,21 @@ def cache_dir() -> str:
 _JIT_LOCK = threading.Lock()
 
 
+def _kernel_code_digest() -> str:
+    """Hash of the sources that decide what a kernel computes and how (the TE and the
+    schedules), so an edited checkout never reuses a cached build of older code."""
+    import hashlib
+
+    from swa_tvm import compute
+    from swa_tvm.schedules import cpu
+
+    h = hashlib.sha256()
+    for mod in (compute, cpu):
+        with open(mod.__file__, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
 def get_or_build_kernel(spec: KernelSpec, target: str | dict | None = None) -> Kernel:
     """A registered kernel for ``spec``: from memory, else from the disk cache, else
     compiled now and cached. The cache key is the full spec, the target and TVM version,
@@ -162,7 +177,14 @@ def get_or_build_kernel(spec: KernelSpec, target: str | dict | None = None) -> K
         if hit is not None and hit.spec == spec:
             return hit
         key_src = json.dumps(
-            {"spec": spec.to_dict(), "target": target, "tvm": library.tvm_version(), "swa_tvm": __version__}, sort_keys=True
+            {
+                "spec": spec.to_dict(),
+                "target": target,
+                "tvm": library.tvm_version(),
+                "swa_tvm": __version__,
+                "code": _kernel_code_digest(),
+            },
+            sort_keys=True,
         )
         key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
         folder = os.path.join(cache_dir(), target_key(target))
