@@ -65,8 +65,10 @@ def _exp_poly(x, f):
     return tirx.Select(x > f(-87.0), y * pow2n, f(0.0))
 
 
-def _shape_vars(names):
-    return [te.var(n, dtype="int64") for n in names]
+def _dims(shapes: dict | None, names: str):
+    """Each named dimension: the int given in ``shapes``, else a symbolic int64 var."""
+    shapes = shapes or {}
+    return [shapes[n] if n in shapes else te.var(n, dtype="int64") for n in names.split()]
 
 
 def local_attention(spec: KernelSpec, shapes: dict | None = None):
@@ -79,10 +81,7 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None):
     ``shapes`` may fix any of B, H, Hkv, T, E to ints (tuning needs concrete shapes).
     """
     assert spec.kind == "local"
-    shapes = dict(shapes or {})
-    B, H, Hkv, T, E = (
-        shapes[n] if n in shapes else v for n, v in zip("B H Hkv T E".split(), _shape_vars(["B", "H", "Hkv", "T", "E"]))
-    )
+    B, H, Hkv, T, E = _dims(shapes, "B H Hkv T E")
     D, dt, Bq = spec.head_dim, spec.dtype, spec.block_q
     acc = "float64" if dt == "float64" else "float32"
     left, right = spec.left, spec.right
@@ -308,10 +307,7 @@ def global_attention(spec: KernelSpec, shapes: dict | None = None):
     out [B,H,G,D], lse [B,H,G].
     """
     assert spec.kind == "global"
-    shapes = dict(shapes or {})
-    B, H, Hkv, T, G = (
-        shapes[n] if n in shapes else v for n, v in zip("B H Hkv T G".split(), _shape_vars(["B", "H", "Hkv", "T", "G"]))
-    )
+    B, H, Hkv, T, G = _dims(shapes, "B H Hkv T G")
     D, dt = spec.head_dim, spec.dtype
     acc = "float64" if dt == "float64" else "float32"
     qg = te.placeholder((B, H, G, D), dt, name="q_global")

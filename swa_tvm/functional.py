@@ -15,15 +15,11 @@ SERVED_DEVICES = ("cpu",)
 SERVED_DTYPES = {"cpu": (torch.float32, torch.float64)}
 
 
-def _fail(exc, msg):
-    raise exc(msg)
-
-
 def _check_tensor(name: str, x, rank: int) -> None:
     if not isinstance(x, torch.Tensor):
-        _fail(TypeError, f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != rank:
-        _fail(ValueError, f"{name} must have rank {rank}, got shape {tuple(x.shape)}")
+        raise ValueError(f"{name} must have rank {rank}, got shape {tuple(x.shape)}")
 
 
 def check_inputs(
@@ -35,41 +31,39 @@ def check_inputs(
         _check_tensor(name, x, 4)
     B, H, T, D = q.shape
     if k.shape != v.shape:
-        _fail(ValueError, f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
     Bk, Hkv, Tk, Dk = k.shape
     if (Bk, Tk, Dk) != (B, T, D):
-        _fail(
-            ValueError,
+        raise ValueError(
             f"k/v must be [B={B}, H_kv, T={T}, D={D}] to match q {tuple(q.shape)}, got {tuple(k.shape)}",
         )
     if T < 1 or D < 1 or H < 1 or Hkv < 1 or B < 1:
-        _fail(ValueError, f"q and k must have non-empty dimensions, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+        raise ValueError(f"q and k must have non-empty dimensions, got q {tuple(q.shape)}, k {tuple(k.shape)}")
     if H % Hkv:
-        _fail(ValueError, f"the number of query heads H={H} must be a multiple of k/v heads H_kv={Hkv}")
+        raise ValueError(f"the number of query heads H={H} must be a multiple of k/v heads H_kv={Hkv}")
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
-            _fail(TypeError, f"{name} has dtype {x.dtype}, but q has {q.dtype}; all must match")
+            raise TypeError(f"{name} has dtype {x.dtype}, but q has {q.dtype}; all must match")
+    # Types of the ints are checked by the op schema and the public function.
     for name, x in (("left", left), ("right", right)):
-        if not isinstance(x, int) or isinstance(x, bool):
-            _fail(TypeError, f"window_size {name} must be an int, got {type(x).__name__}")
         if x < -1:
-            _fail(ValueError, f"window_size {name} must be >= -1 (-1 means unbounded), got {x}")
+            raise ValueError(f"window_size {name} must be >= -1 (-1 means unbounded), got {x}")
 
     # dilation: per-head int tensor (the public function turns an int into one).
     if not isinstance(dilation, torch.Tensor):
-        _fail(TypeError, f"dilation must be an int or an integer tensor of shape [H], got {type(dilation).__name__}")
+        raise TypeError(f"dilation must be an int or an integer tensor of shape [H], got {type(dilation).__name__}")
     if dilation.dtype.is_floating_point or dilation.dtype == torch.bool or dilation.is_complex():
-        _fail(TypeError, f"dilation tensor must have an integer dtype (int32), got {dilation.dtype}")
+        raise TypeError(f"dilation tensor must have an integer dtype (int32), got {dilation.dtype}")
     if dilation.shape != (H,):
-        _fail(ValueError, f"dilation tensor must have shape [H]=[{H}], got {tuple(dilation.shape)}")
+        raise ValueError(f"dilation tensor must have shape [H]=[{H}], got {tuple(dilation.shape)}")
 
     G = 0
     if global_idx is not None:
         _check_tensor("global_idx", global_idx, 2)
         if global_idx.dtype != torch.int32:
-            _fail(TypeError, f"global_idx must be an int32 tensor, got {global_idx.dtype}")
+            raise TypeError(f"global_idx must be an int32 tensor, got {global_idx.dtype}")
         if global_idx.shape[0] != B:
-            _fail(ValueError, f"global_idx must be [B={B}, G], got {tuple(global_idx.shape)}")
+            raise ValueError(f"global_idx must be [B={B}, G], got {tuple(global_idx.shape)}")
         G = global_idx.shape[1]
     for name, x, shape in (
         ("q_global", q_global, (B, H, G, D)),
@@ -79,23 +73,21 @@ def check_inputs(
         if x is None:
             continue
         if global_idx is None:
-            _fail(ValueError, f"{name} was given without global_idx; pass global_idx [B, G] int32 positions")
+            raise ValueError(f"{name} was given without global_idx; pass global_idx [B, G] int32 positions")
         _check_tensor(name, x, 4)
         if tuple(x.shape) != shape:
-            _fail(ValueError, f"{name} must have shape {list(shape)}, got {tuple(x.shape)}")
+            raise ValueError(f"{name} must have shape {list(shape)}, got {tuple(x.shape)}")
         if x.dtype != q.dtype:
-            _fail(TypeError, f"{name} has dtype {x.dtype}, but q has {q.dtype}; all must match")
+            raise TypeError(f"{name} has dtype {x.dtype}, but q has {q.dtype}; all must match")
 
-    if not isinstance(num_sinks, int) or isinstance(num_sinks, bool):
-        _fail(TypeError, f"num_sinks must be an int, got {type(num_sinks).__name__}")
     if num_sinks < 0 or num_sinks > T:
-        _fail(ValueError, f"num_sinks must be in [0, T={T}], got {num_sinks}")
+        raise ValueError(f"num_sinks must be in [0, T={T}], got {num_sinks}")
     if sink_logits is not None:
         _check_tensor("sink_logits", sink_logits, 1)
         if sink_logits.shape[0] != H:
-            _fail(ValueError, f"sink_logits must have shape [H]=[{H}], got {tuple(sink_logits.shape)}")
+            raise ValueError(f"sink_logits must have shape [H]=[{H}], got {tuple(sink_logits.shape)}")
         if not sink_logits.dtype.is_floating_point:
-            _fail(TypeError, f"sink_logits must be a floating tensor, got {sink_logits.dtype}")
+            raise TypeError(f"sink_logits must be a floating tensor, got {sink_logits.dtype}")
 
     named = [("q", q), ("k", k), ("v", v), ("dilation", dilation), ("global_idx", global_idx)]
     named += [("q_global", q_global), ("k_global", k_global), ("v_global", v_global), ("sink_logits", sink_logits)]
@@ -103,28 +95,27 @@ def check_inputs(
     if q.device.type != "meta":
         for n, x in named:
             if x.device != q.device:
-                _fail(ValueError, f"{n} is on {x.device} but q is on {q.device}; all tensors must share a device")
+                raise ValueError(f"{n} is on {x.device} but q is on {q.device}; all tensors must share a device")
         if q.device.type not in SERVED_DEVICES:
-            _fail(
-                ValueError,
+            raise ValueError(
                 f"q is on {q.device}, but this build of swa_tvm has kernels only for {', '.join(SERVED_DEVICES)} tensors",
             )
         if q.dtype not in SERVED_DTYPES[q.device.type]:
             ok = ", ".join(str(d) for d in SERVED_DTYPES[q.device.type])
-            _fail(TypeError, f"q has dtype {q.dtype}; on {q.device.type} the kernels support {ok}")
+            raise TypeError(f"q has dtype {q.dtype}; on {q.device.type} the kernels support {ok}")
 
     if not values or q.device.type == "meta":
         return
     if bool((dilation < 1).any()):
-        _fail(ValueError, f"dilation must be >= 1 for every head, got {dilation.tolist()}")
+        raise ValueError(f"dilation must be >= 1 for every head, got {dilation.tolist()}")
     if global_idx is not None and G:
         if bool(((global_idx < 0) | (global_idx >= T)).any()):
             bad = global_idx[(global_idx < 0) | (global_idx >= T)][0].item()
-            _fail(ValueError, f"global_idx values must lie in [0, T={T}), found {bad}")
+            raise ValueError(f"global_idx values must lie in [0, T={T}), found {bad}")
         srt = global_idx.sort(dim=1).values
         if G > 1 and bool((srt[:, 1:] == srt[:, :-1]).any()):
             row = int((srt[:, 1:] == srt[:, :-1]).any(dim=1).nonzero()[0])
-            _fail(ValueError, f"global_idx row {row} repeats a position; each row's positions must be distinct")
+            raise ValueError(f"global_idx row {row} repeats a position; each row's positions must be distinct")
 
 
 def _available(device: str) -> str:
@@ -205,7 +196,11 @@ def attention_forward(
     if G:
         gkern = _kernel(KernelSpec("global", D, dtype, 0, 0 if right == 0 else -1), device)
         gi = global_idx.long()
-        qg = q_global.contiguous() if q_global is not None else torch.gather(q, 2, gi[:, None, :, None].expand(B, H, G, D))
+        qg = (
+            q_global.contiguous()
+            if q_global is not None
+            else torch.gather(q, 2, gi[:, None, :, None].expand(B, H, G, D))
+        )
         kg = k_global.contiguous() if k_global is not None else k
         vg = v_global.contiguous() if v_global is not None else v
         gout = torch.empty(B, H, G, D, dtype=q.dtype, device=q.device)
