@@ -252,21 +252,18 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None):
         )
         return total, weighted
 
-    sums, accs = zip(
-        softmax_part("w", masked, kw, lambda b, h, beta, j, cc: vblk[b, h, beta, j, cc]),
-        *(
-            [
-                softmax_part(
-                    "x", stages_x[1], E, lambda b, h, beta, e, cc: v[b, h // group, clamp(i64(xidx[b, e])), cc].astype(acc)
-                )
-            ]
-            if spec.extras
-            else []
-        ),
-    )
+    parts = [softmax_part("w", masked, kw, lambda b, h, beta, j, cc: vblk[b, h, beta, j, cc])]
+    if spec.extras:
+        parts.append(
+            softmax_part(
+                "x", stages_x[1], E, lambda b, h, beta, e, cc: v[b, h // group, clamp(i64(xidx[b, e])), cc].astype(acc)
+            )
+        )
+    sums, accs = zip(*parts)
     denom = te.compute(
         (B, H, nitems, Bq),
-        lambda b, h, beta, qi: functools.reduce(operator.add, [t[b, h, beta, qi] for t in sums]) + _exp(sink[h] - rowmax[b, h, beta, qi], acc),
+        lambda b, h, beta, qi: functools.reduce(operator.add, [t[b, h, beta, qi] for t in sums])
+        + _exp(sink[h] - rowmax[b, h, beta, qi], acc),
         name="denom",
     )
 

@@ -205,7 +205,7 @@ def attention_forward(
         vg = v_global.contiguous() if v_global is not None else v
         gout = torch.empty(B, H, G, D, dtype=q.dtype, device=q.device)
         glse = torch.empty(B, H, G, dtype=acc, device=q.device)
-        gkern.func(qg.contiguous(), kg, vg, global_idx.contiguous(), sink, float(scale), gout, glse)
+        gkern.func(qg, kg, vg, global_idx.contiguous(), sink, float(scale), gout, glse)
         out.scatter_(2, gi[:, None, :, None].expand(B, H, G, D), gout)
         lse.scatter_(2, gi[:, None, :].expand(B, H, G), glse)
     return out, lse
