@@ -1,10 +1,19 @@
-"""Hand-written default CPU (llvm) schedules for the computes in ``swa_tvm.compute``.
+"""CPU (llvm) schedules for the computes in ``swa_tvm.compute``: the default, and the
+MetaSchedule search space around it.
 
-Used when no tuning record applies. The plan for the local kernel: one parallel loop over
-work items (batch x head x query block); every stage of an item is computed at that loop
-so its intermediates (the Bq x Kw score and probability tiles, the gathered key/value
-bands) stay in L1/L2; the two products are register-tiled with the key or feature axis
-vectorized. The final gathers back to [B,H,T,...] run as their own parallel loops.
+One function per kernel kind serves both. It asks a ``Knobs`` object for every tunable
+decision: ``Defaults`` answers with the hand-picked value (the default schedule, used
+when no tuning record applies), ``Sampled`` with a MetaSchedule random variable, so the
+same code is the design space ``swa-tvm tune`` searches. Only loops whose extent the
+spec fixes (block_q, the padded key band, head_dim) are ever sampled: a tuning record
+is measured at one concrete shape and replayed on the symbolic-T kernel, where the
+item and row loops have no fixed extent.
+
+The plan for the local kernel: one parallel loop over work items (batch x head x query
+block); every stage of an item is computed at that loop so its intermediates (the
+Bq x Kw score and probability tiles, the gathered key/value bands) stay in L1/L2; the
+two products are register-tiled with the key or feature axis vectorized. The final
+gathers back to [B,H,T,...] run as their own parallel loop.
 """
 
 from __future__ import annotations
@@ -13,6 +22,32 @@ from tvm import s_tir
 
 from swa_tvm.compute import LANES
 from swa_tvm.spec import KernelSpec
+
+# Candidate values of the categorical knobs. Unroll steps feed
+# pragma_auto_unroll_max_step on the item loop.
+UNROLL_STEPS = (0, 16, 64)
+
+
+class Defaults:
+    """Knobs answered with the hand-picked default: the untuned schedule."""
+
+    def tile(self, sch, loop, extent: int, default: int, max_inner: int) -> int:
+        return default if extent % default == 0 else 1
+
+    def choice(self, sch, candidates, default):
+        return default
+
+
+class Sampled:
+    """Knobs answered with MetaSchedule samples (recorded in the trace)."""
+
+    def tile(self, sch, loop, extent: int, default: int, max_inner: int):
+        # A 2-way perfect tile of a fixed-extent loop; only the inner factor is used.
+        return sch.sample_perfect_tile(loop, n=2, max_innermost_factor=max_inner)[1]
+
+    def choice(self, sch, candidates, default):
+        candidates = list(candidates)
+        return sch.sample_categorical(candidates, [1.0 / len(candidates)] * len(candidates))
 
 
 def _has(sch: s_tir.Schedule, name: str) -> bool:
@@ -23,21 +58,14 @@ def _has(sch: s_tir.Schedule, name: str) -> bool:
         return False
 
 
-def _inline_if_present(sch: s_tir.Schedule, name: str) -> None:
-    """Inline an elementwise stage; the extras stages exist only in specs with extras."""
-    if _has(sch, name):
-        sch.compute_inline(sch.get_sblock(name))
+def _vectorize_inner(sch, loop, lanes):
+    sch.vectorize(sch.split(loop, factors=[None, lanes])[1])
 
 
-def _split_vec(sch, loop, lanes):
-    outer, inner = sch.split(loop, factors=[None, lanes])
-    return outer, inner
-
-
-def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8) -> None:
-    for name in ("masked", "xmasked", "rowmax", "denom"):
-        _inline_if_present(sch, name)
-
+def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
+    knobs = knobs or Defaults()
+    # masked/rowmax/denom stay materialized per item: each feeds an exp polynomial that
+    # repeats its argument, and the mask is then evaluated once, not twice.
     # Gathers back to [B,H,T,(D)], merged into one parallel loop over rows. `merge` puts
     # the merged loop where the last of its loops was and does not check dataflow, so
     # the gathers are merged first (landing after both item stages) and the item
@@ -46,7 +74,7 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8)
     b, h, i, cc = sch.get_loops(out)
     row = sch.fuse(b, h, i)
     if spec.head_dim % vector_lanes == 0:
-        sch.vectorize(_split_vec(sch, cc, vector_lanes)[1])
+        _vectorize_inner(sch, cc, vector_lanes)
     b, h, i = sch.get_loops(sch.get_sblock("lse"))
     sch.parallel(sch.merge(row, sch.fuse(b, h, i)))
 
@@ -59,35 +87,45 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8)
     b2, h2, beta2, _ = sch.get_loops(lse_blk)
     item = sch.merge(item, sch.fuse(b2, h2, beta2))
     if spec.head_dim % vector_lanes == 0:
-        sch.vectorize(_split_vec(sch, cc, vector_lanes)[1])
+        _vectorize_inner(sch, cc, vector_lanes)
 
     # Producers of blk_out, innermost first so each compute_at finds its consumer placed.
-    order = ["wacc", "xacc", "wsum", "xsum", "wprob", "xprob", "wmax", "xmax", "score", "xscore", "vblk", "kblk_t", "qblk"]
+    order = ["denom", "wacc", "xacc", "wsum", "xsum", "wprob", "xprob", "rowmax", "wmax", "xmax"]
+    order += ["masked", "xmasked", "score", "xscore", "vblk", "kblk_t", "qblk"]
     for name in order:
         if not _has(sch, name):
             continue
         sch.compute_at(sch.get_sblock(name), item, preserve_unit_loops=True)
     sch.parallel(item)
+    sch.annotate(item, "pragma_auto_unroll_max_step", knobs.choice(sch, UNROLL_STEPS, 0))
+    sch.annotate(item, "pragma_unroll_explicit", 1)
+
+    # Key/value bands: one gathered row per key, so walk keys outside and the feature
+    # axis inside (contiguous loads; the transposed kblk_t store is strided either way).
+    blk = sch.get_sblock("kblk_t")
+    cc_l, kj_l = sch.get_loops(blk)[-2:]
+    sch.reorder(kj_l, cc_l)
+    if spec.head_dim % vector_lanes == 0:
+        _vectorize_inner(sch, sch.get_loops(sch.get_sblock("vblk"))[-1], vector_lanes)
 
     bounded = spec.left >= 0 and spec.right >= 0
     # Score tile: (qi, kj) with kj vectorized; the reduction over c sits outside the
     # register tile so the accumulators stay in registers.
     blk = sch.get_sblock("score")
-    loops = sch.get_loops(blk)
-    qi_l, kj_l, c_l = loops[-3:]
-    qo, qi_in = sch.split(qi_l, factors=[None, 4] if spec.block_q % 4 == 0 else [None, 1])
+    qi_l, kj_l, c_l = sch.get_loops(blk)[-3:]
+    q_in = knobs.tile(sch, qi_l, spec.block_q, 4, 8)
+    qo, qi_in = sch.split(qi_l, factors=[None, q_in])
     if bounded:
-        # The key band is padded to a multiple of LANES (16), so this split is exact.
-        ko, ki = sch.split(kj_l, factors=[None, LANES])
+        # The key band is padded to a multiple of LANES (16), so both widths divide it.
+        ko, ki = sch.split(kj_l, factors=[None, knobs.choice(sch, (8, 16), LANES)])
         sch.reorder(qo, ko, c_l, qi_in, ki)
         sch.unroll(qi_in)
         sch.vectorize(ki)
         sch.decompose_reduction(blk, c_l)
-    # Probability tile: elementwise, vectorize along keys.
-    for name in ("wprob",):
-        blk = sch.get_sblock(name)
-        if bounded:
-            sch.vectorize(_split_vec(sch, sch.get_loops(blk)[-1], LANES)[1])
+    # Mask and probability tiles: elementwise, vectorize along keys.
+    if bounded:
+        for name in ("masked", "wprob"):
+            _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1], LANES)
     # P @ V for the band and the extras: (qi, c) tile with c vectorized, the reduction
     # over keys outside the tile.
     for name in ("wacc", "xacc"):
@@ -95,10 +133,11 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8)
             continue
         blk = sch.get_sblock(name)
         qi_l, c_l, kr = sch.get_loops(blk)[-3:]
-        qo, qi_in = sch.split(qi_l, factors=[None, 2] if spec.block_q % 2 == 0 else [None, 1])
-        width = 4 * vector_lanes
-        if spec.head_dim % width == 0:
-            co, ci = sch.split(c_l, factors=[None, width])
+        q_in = knobs.tile(sch, qi_l, spec.block_q, 2, 4)
+        qo, qi_in = sch.split(qi_l, factors=[None, q_in])
+        widths = [w for w in (vector_lanes, 2 * vector_lanes, 4 * vector_lanes) if spec.head_dim % w == 0]
+        if widths:
+            co, ci = sch.split(c_l, factors=[None, knobs.choice(sch, widths, widths[-1])])
             sch.reorder(qo, co, kr, qi_in, ci)
         else:
             ci = c_l
@@ -108,25 +147,28 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8)
         sch.decompose_reduction(blk, kr)
 
 
-def schedule_global(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8) -> None:
-    for name in ("gmasked", "gmax", "gden"):
-        _inline_if_present(sch, name)
+def schedule_global(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
+    knobs = knobs or Defaults()
     root = sch.get_sblock("out")
     b, h, g, cc = sch.get_loops(root)
     row = sch.fuse(b, h, g)
     b2, h2, g2 = sch.get_loops(sch.get_sblock("lse"))
     row = sch.merge(row, sch.fuse(b2, h2, g2))
-    for name in ("gacc", "gsum", "gprob", "gmax0", "gscore"):
+    for name in ("gden", "gacc", "gsum", "gprob", "gmax", "gmax0", "gmasked", "gscore"):
         sch.compute_at(sch.get_sblock(name), row, preserve_unit_loops=True)
     sch.parallel(row)
+    sch.annotate(row, "pragma_auto_unroll_max_step", knobs.choice(sch, UNROLL_STEPS, 0))
+    sch.annotate(row, "pragma_unroll_explicit", 1)
     blk = sch.get_sblock("gacc")
     c_l, jr = sch.get_loops(blk)[-2:]
     sch.reorder(jr, c_l)
-    if spec.head_dim % vector_lanes == 0:
-        sch.vectorize(_split_vec(sch, c_l, vector_lanes)[1])
+    widths = [w for w in (vector_lanes, 2 * vector_lanes, 4 * vector_lanes) if spec.head_dim % w == 0]
+    if widths:
+        _vectorize_inner(sch, c_l, knobs.choice(sch, widths, widths[0]))
     sch.decompose_reduction(blk, jr)
 
 
-def schedule(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8) -> None:
-    """Apply the default schedule for ``spec`` to ``sch`` (working on spec.name)."""
-    (schedule_local if spec.kind == "local" else schedule_global)(sch, spec, vector_lanes)
+def schedule(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
+    """Apply the schedule for ``spec`` to ``sch`` (working on spec.name): the default
+    one, or with ``knobs=Sampled()`` one point of the MetaSchedule search space."""
+    (schedule_local if spec.kind == "local" else schedule_global)(sch, spec, vector_lanes, knobs)

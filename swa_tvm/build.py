@@ -12,6 +12,7 @@ import os
 import platform
 import tempfile
 import threading
+import warnings
 from typing import Iterable
 
 from . import library
@@ -19,7 +20,11 @@ from .compute import prim_func
 from .library import MANIFEST_FORMAT, X86_FEATURES, Kernel, sha256_file
 from .spec import KernelSpec
 
-__all__ = ["host_target", "target_key", "compile_specs", "export_library", "get_or_build_kernel", "cache_dir"]
+class UntunedKernelWarning(UserWarning):
+    """An exported kernel had no tuning record for its target class."""
+
+
+__all__ = ["host_target", "target_key", "compile_specs", "export_library", "get_or_build_kernel", "cache_dir", "find_records", "UntunedKernelWarning"]
 
 
 def host_target(num_cores: int | None = None) -> dict:
@@ -73,24 +78,44 @@ def _cpu_features(tvm_target) -> list[str]:
     return sorted(X86_FEATURES[f] for f in X86_FEATURES if f in feats)
 
 
-def schedule_spec(spec: KernelSpec, tvm_target):
-    """The scheduled IRModule holding one PrimFunc for ``spec``."""
+def schedule_spec(spec: KernelSpec, tvm_target, record=None):
+    """The scheduled PrimFunc for ``spec``: a tuning record's trace replayed on the
+    symbolic-T kernel when ``record`` is given, else the default schedule."""
     import tvm
     from tvm import s_tir
 
     from swa_tvm.schedules import cpu as cpu_schedules
 
+    from .tuning import apply_record
+
+    if tvm_target.kind.name != "llvm":
+        raise NotImplementedError(f"no schedule for target kind {tvm_target.kind.name!r} yet")
+    if record is not None:
+        return apply_record(spec, record.trace)
     sch = s_tir.Schedule(tvm.IRModule({spec.name: prim_func(spec)}))
     sch.work_on(spec.name)
-    if tvm_target.kind.name != "llvm":
-        raise NotImplementedError(f"no default schedule for target kind {tvm_target.kind.name!r} yet")
     # AVX2 machines get 8 fp32 lanes, AVX-512 ones 16.
     cpu_schedules.schedule(sch, spec, vector_lanes=_vector_lanes(tvm_target))
-    return sch.mod
+    return sch.mod[spec.name]
 
 
-def compile_specs(specs: Iterable[KernelSpec], target: str | dict | None = None):
-    """Compile every spec into one runtime module. Returns (module, target dict)."""
+# Default for `logs`: the committed/installed tuning logs (tuning.default_logs_root()).
+DEFAULT_LOGS = "default"
+
+
+def find_records(specs: Iterable[KernelSpec], target: dict, logs: str | None = DEFAULT_LOGS) -> dict:
+    """The best tuning record of each spec for ``target`` (None where there is none)."""
+    from .tuning import best_record, default_logs_root
+
+    root = default_logs_root() if logs == DEFAULT_LOGS else logs
+    return {s.name: best_record(s, target, root) for s in specs}
+
+
+def compile_specs(specs: Iterable[KernelSpec], target: str | dict | None = None, records: dict | None = None):
+    """Compile every spec into one runtime module. Returns (module, target dict).
+
+    ``records`` maps spec names to tuning records (``find_records``); specs without one
+    get the default schedule."""
     import tvm
 
     target = normalize_target(target)
@@ -98,29 +123,60 @@ def compile_specs(specs: Iterable[KernelSpec], target: str | dict | None = None)
     specs = list(dict.fromkeys(specs))  # dedupe, keep order
     if not specs:
         raise ValueError("specs is empty: give at least one KernelSpec")
-    funcs = {}
-    for spec in specs:
-        funcs[spec.name] = schedule_spec(spec, tvm_target)[spec.name]
+    records = records or {}
+    funcs = {spec.name: schedule_spec(spec, tvm_target, records.get(spec.name)) for spec in specs}
     module = tvm.compile(tvm.IRModule(funcs), target=tvm_target)
     return module, target
 
 
-def export_library(specs: Iterable[KernelSpec], path: str | os.PathLike, target: str | dict | None = None) -> dict:
+def export_library(
+    specs: Iterable[KernelSpec],
+    path: str | os.PathLike,
+    target: str | dict | None = None,
+    logs: str | None = DEFAULT_LOGS,
+    warn_untuned: bool = True,
+) -> dict:
     """Compile ``specs`` and write ``path`` (a shared library) and ``path + '.json'``.
 
-    The manifest records the format, TVM version, target (and its class key), the CPU
-    features the code needs, the kernel specs and the sha256 of the library. Returns it.
+    Each kernel uses the best record for this target class under ``logs`` (default: the
+    committed ``tuning_logs/``; None: no records), else the default schedule, with a
+    warning naming the kernel when ``warn_untuned``. The manifest records the format,
+    TVM version, target (and its class key), the CPU features the code needs, the
+    kernel specs and whether each is tuned, and the sha256 of the library. Returns it.
     """
     import tvm
 
+    from .tuning import default_logs_root, log_dir
+
     specs = list(dict.fromkeys(specs))
-    module, target = compile_specs(specs, target)
+    target = normalize_target(target)
+    records = find_records(specs, target, logs) if logs is not None else {}
+    if warn_untuned:
+        root = default_logs_root() if logs == DEFAULT_LOGS else logs
+        where = log_dir(root, target) if root else "(no tuning logs configured)"
+        for s in specs:
+            if records.get(s.name) is None:
+                warnings.warn(
+                    f"kernel {s.name}: no tuning record for {target_key(target)} in {where}; "
+                    "using the default schedule",
+                    UntunedKernelWarning,
+                    stacklevel=2,
+                )
+    module, target = compile_specs(specs, target, records)
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     # Write to a temporary name and rename, so a crash never leaves a half library
     # beside a manifest that vouches for it.
     tmp = f"{path}.tmp{os.getpid()}.so"
     module.export_library(tmp)
+
+    def kernel_entry(s):
+        rec = records.get(s.name)
+        entry = {"name": s.name, "spec": s.to_dict(), "tuned": rec is not None}
+        if rec is not None:
+            entry["tuning"] = {"run_ms": round(rec.run_ms, 4), "gflops": round(rec.gflops, 2), "records": rec.records}
+        return entry
+
     manifest = {
         "format": MANIFEST_FORMAT,
         "tvm_version": library.tvm_version(),
@@ -128,7 +184,7 @@ def export_library(specs: Iterable[KernelSpec], path: str | os.PathLike, target:
         "target_key": target_key(target),
         "machine": platform.machine(),
         "cpu_features": _cpu_features(tvm.target.Target(target)) if target.get("kind") == "llvm" else [],
-        "kernels": [{"name": s.name, "spec": s.to_dict(), "tuned": False} for s in specs],
+        "kernels": [kernel_entry(s) for s in specs],
         "sha256": sha256_file(tmp),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
@@ -176,9 +232,11 @@ def get_or_build_kernel(spec: KernelSpec, target: str | dict | None = None) -> K
         hit = library.REGISTRY.find(spec, device)
         if hit is not None and hit.spec == spec:
             return hit
+        record = find_records([spec], target)[spec.name]
         key_src = json.dumps(
             {
                 "spec": spec.to_dict(),
+                "record": str(record.trace) if record is not None else None,
                 "target": target,
                 "tvm": library.tvm_version(),
                 "swa_tvm": __version__,
@@ -198,7 +256,7 @@ def get_or_build_kernel(spec: KernelSpec, target: str | dict | None = None) -> K
                 pass  # corrupt or foreign entry: rebuild below
         with tempfile.TemporaryDirectory(dir=folder) as tmpd:
             tmp = os.path.join(tmpd, os.path.basename(path))
-            export_library([spec], tmp, target)
+            export_library([spec], tmp, target, warn_untuned=False)
             os.replace(library.manifest_path(tmp), library.manifest_path(path))
             os.replace(tmp, path)
         library.load_library(path, _jit_cache=True)

@@ -1,6 +1,7 @@
-"""The ``swa-tvm`` command line: export a library, describe one.
+"""The ``swa-tvm`` command line: tune kernels, export a library, describe one, benchmark.
 
-Exit codes: 0 success, 1 the command failed (message on stderr), 2 usage error.
+Exit codes: 0 success, 1 the command failed (message on stderr), 2 usage error,
+130 interrupted (tune keeps every record measured before the interrupt).
 """
 
 from __future__ import annotations
@@ -10,17 +11,101 @@ import json
 import sys
 
 
-def _cmd_export(args) -> int:
-    from . import export_library
+def _specs(args):
     from .spec import AttentionSpec
 
-    specs = [AttentionSpec.parse(s) for s in args.spec]
-    target = args.target
-    manifest = export_library(specs, args.output, target)
+    return [AttentionSpec.parse(s) for s in args.spec]
+
+
+def _kernel_specs(args):
+    return list(dict.fromkeys(k for s in _specs(args) for k in s.kernels()))
+
+
+def _logs_arg(args):
+    from .build import DEFAULT_LOGS
+
+    if args.no_tuning:
+        return None
+    return args.logs or DEFAULT_LOGS
+
+
+def _cmd_export(args) -> int:
+    import warnings
+
+    from . import export_library
+    from .build import UntunedKernelWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UntunedKernelWarning)
+        manifest = export_library(_specs(args), args.output, args.target, logs=_logs_arg(args))
+    for w in caught:
+        print(f"swa-tvm export: warning: {w.message}", file=sys.stderr)
     print(f"wrote {args.output} ({len(manifest['kernels'])} kernels, target {manifest['target_key']})")
     for k in manifest["kernels"]:
-        print(f"  {k['name']}  ({'tuned' if k['tuned'] else 'default schedule'})")
+        print(f"  {k['name']}  ({_tuned_text(k)})")
     return 0
+
+
+def _tuned_text(k) -> str:
+    if not k["tuned"]:
+        return "default schedule"
+    t = k.get("tuning", {})
+    return f"tuned: {t.get('gflops', 0):.1f} GFLOP/s at the tuning shape, best of {t.get('records', '?')} records"
+
+
+def _cmd_tune(args) -> int:
+    import os
+    import time
+
+    from .build import normalize_target, target_key
+    from .tuning import log_dir, tune
+
+    target = normalize_target(args.target)
+    if target.get("kind") != "llvm":
+        raise ValueError(
+            f"--target {args.target!r}: only llvm (CPU) tuning is supported by this version; "
+            "CUDA tuning comes with the CUDA backend"
+        )
+    specs = _kernel_specs(args)
+    logs = args.logs or "tuning_logs"
+    work_dir = args.work_dir or os.path.join(logs, ".work", target_key(target))
+    print(
+        f"tuning {len(specs)} kernel(s) for {target_key(target)}, {args.trials} trials each; "
+        f"records -> {log_dir(logs, target)}; MetaSchedule log -> {work_dir}/logs",
+        file=sys.stderr,
+    )
+    t0 = time.time()
+    try:
+        results = tune(
+            specs,
+            target,
+            args.trials,
+            logs,
+            work_dir,
+            rpc_tracker=args.rpc_tracker,
+            rpc_key=args.rpc_key,
+            num_trials_per_iter=args.trials_per_iter,
+            seed=args.seed,
+            progress=not args.quiet,
+        )
+    except KeyboardInterrupt:
+        print(
+            f"swa-tvm tune: interrupted after {time.time() - t0:.0f}s; every record measured so far "
+            f"is in {log_dir(logs, target)}; run the same command again to continue",
+            file=sys.stderr,
+        )
+        return 130
+    for r in results:
+        best = f"{r.best_ms:.2f} ms, {r.best_gflops:.1f} GFLOP/s" if r.best_ms else "no valid record"
+        print(f"  {r.spec.name}: {r.records} records (+{r.trials}), best {best}")
+    print(f"done in {time.time() - t0:.0f}s")
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    from .bench import main as bench_main
+
+    return bench_main(args.bench_args)
 
 
 def _cmd_info(args) -> int:
@@ -42,27 +127,46 @@ def _cmd_info(args) -> int:
         print(f"loadable     no: {e}")
     print("kernels:")
     for k in manifest["kernels"]:
-        print(f"  {k['name']}  ({'tuned' if k['tuned'] else 'default schedule'})")
+        print(f"  {k['name']}  ({_tuned_text(k)})")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="swa-tvm", description="Sliding-window attention kernels built with Apache TVM.")
     sub = p.add_subparsers(dest="command", required=True)
+    spec_help = "pattern, e.g. head_dim=64,window=511:0,dilation=2,globals,sinks (repeatable)"
+    target_help = "'llvm' (this CPU: detected -mcpu, all cores) or a JSON target dict"
+
+    t = sub.add_parser("tune", help="tune kernels with MetaSchedule; records go to LOGS/<target-key>/")
+    t.add_argument("--spec", action="append", required=True, help=spec_help)
+    t.add_argument("--target", default="llvm", help=target_help)
+    t.add_argument("--trials", type=int, required=True, help="measured candidates per kernel, this run")
+    t.add_argument("--logs", help="tuning log root (default: ./tuning_logs)")
+    t.add_argument("--work-dir", help="MetaSchedule scratch and log folder (default: LOGS/.work/<target-key>)")
+    t.add_argument("--rpc-tracker", metavar="HOST:PORT", help="measure on the devices of this TVM RPC tracker")
+    t.add_argument("--rpc-key", help="device key registered with the RPC tracker")
+    t.add_argument("--trials-per-iter", type=int, default=32, help="candidates built and measured per batch")
+    t.add_argument("--seed", type=int, help="random seed of the search")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(func=_cmd_tune)
+
     e = sub.add_parser("export", help="compile specs into a shared library with its manifest")
-    e.add_argument(
-        "--spec",
-        action="append",
-        required=True,
-        help="pattern, e.g. head_dim=64,window=511:0,dilation=2,globals,sinks (repeatable)",
-    )
-    e.add_argument("--target", default="llvm", help="'llvm' (this CPU) or a JSON target dict")
+    e.add_argument("--spec", action="append", required=True, help=spec_help)
+    e.add_argument("--target", default="llvm", help=target_help)
     e.add_argument("-o", "--output", required=True, help="path of the .so to write (manifest goes to PATH.json)")
+    e.add_argument("--logs", help="tuning log root (default: $SWA_TVM_TUNING_LOGS or the committed tuning_logs/)")
+    e.add_argument("--no-tuning", action="store_true", help="ignore tuning logs: default schedules only")
     e.set_defaults(func=_cmd_export)
-    i = sub.add_parser("info", help="what a library holds: kernels, target, TVM version")
+
+    i = sub.add_parser("info", help="what a library holds: kernels, target, TVM version, tuned or default")
     i.add_argument("library")
     i.add_argument("--json", action="store_true", help="print the raw manifest")
     i.set_defaults(func=_cmd_info)
+
+    b = sub.add_parser("bench", help="benchmark against SDPA, FlexAttention and sliding chunks (see --help)",
+                       add_help=False)
+    b.add_argument("bench_args", nargs=argparse.REMAINDER)
+    b.set_defaults(func=_cmd_bench)
     return p
 
 

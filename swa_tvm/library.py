@@ -226,7 +226,8 @@ def load_library(path: str | os.PathLike, *, _jit_cache: bool = False) -> list[K
         specs.append(spec)
     if not _jit_cache:  # JIT cache entries do not count as user libraries
         with REGISTRY._lock:
-            REGISTRY._libraries.append(path)
+            if path not in REGISTRY._libraries:
+                REGISTRY._libraries.append(path)
     return specs
 
 

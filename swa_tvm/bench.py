@@ -1,0 +1,441 @@
+"""``swa-tvm bench`` / ``examples/benchmark.py``: every CPU peer, one process, same inputs.
+
+Methods: swa_tvm tuned (a library exported with the tuning logs), swa_tvm default (the
+same specs, default schedules), torch SDPA with a boolean banded mask, FlexAttention
+(block mask, under torch.compile) and a pure-torch "sliding chunks" implementation in
+Longformer's style. Every method is checked against ours on the same inputs before it
+is timed. Times are medians of ``--runs`` runs after a warm-up; GFLOP/s counts useful
+work only (4*D per visible (query, key) pair); % of peak is against a large
+torch.matmul timed in the same run. Peak memory is measured in a fresh subprocess per
+(method, config) at the largest T. Writes ``results.json`` and ``scaling.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+B, H, D = 1, 8, 64
+CONFIGS = {
+    "causal W=512": dict(window=(511, 0), dilation=1, G=0),
+    "symmetric (256,256)": dict(window=(256, 256), dilation=1, G=0),
+    "dilation 2, W=256": dict(window=(255, 0), dilation=2, G=0),
+    "W=512 + 16 globals": dict(window=(511, 0), dilation=1, G=16),
+}
+METHODS = ["swa_tvm tuned", "swa_tvm default", "FlexAttention", "sliding chunks", "SDPA + mask"]
+DENSE_MAX_T = 16384  # SDPA's T x T boolean mask: 4 GiB at T=65536
+
+
+def spec_strings() -> list[str]:
+    """The shipped spec set: what the benchmark exports and the committed logs tune."""
+    out = []
+    for cfg in CONFIGS.values():
+        left, right = cfg["window"]
+        s = f"head_dim={D},window={left}:{right}"
+        if cfg["dilation"] > 1:
+            s += f",dilation={cfg['dilation']}"
+        if cfg["G"]:
+            s += ",globals"
+        out.append(s)
+    return out
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def global_positions(T: int, G: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.sort(torch.randperm(T, generator=g)[:G]).values.to(torch.int32).view(1, G)
+
+
+def visible_pairs(T: int, cfg: dict) -> int:
+    """Exact number of (query, key) pairs the pattern allows (the useful work)."""
+    left, right = cfg["window"]
+    d = cfg["dilation"]
+    i = np.arange(T, dtype=np.int64)
+    # Steps s with -left <= s <= right and 0 <= i + s*d < T.
+    smin = -np.minimum(left if left >= 0 else T, i // d)
+    smax = np.minimum(right if right >= 0 else T, (T - 1 - i) // d)
+    total = int((smax - smin + 1).sum())
+    G = cfg["G"]
+    if G:
+        gi = global_positions(T, G).numpy()[0].astype(np.int64)
+        is_g = np.zeros(T, bool)
+        is_g[gi] = True
+        # Global rows see every key j <= i (causal) or all keys; they replace their window.
+        causal = right == 0
+        for r in gi:
+            s_lo, s_hi = smin[r], smax[r]
+            total -= int(s_hi - s_lo + 1)
+            total += int(r + 1) if causal else T
+        # Other rows also see the global keys outside their window (and causal).
+        rows = np.flatnonzero(~is_g)
+        for g in gi:
+            diff = g - rows
+            in_win = (diff % d == 0) & (diff // d >= smin[rows]) & (diff // d <= smax[rows])
+            ok = ~in_win & ((g <= rows) if causal else True)
+            total += int(ok.sum())
+    return total
+
+
+# --------------------------------------------------------------------------- methods
+
+
+def band_mask_mod(cfg: dict, is_global: torch.Tensor | None):
+    left, right = cfg["window"]
+    d = cfg["dilation"]
+    causal = right == 0
+
+    def mask_mod(b, h, qi, kj):
+        diff = kj - qi
+        ok = (diff % d == 0) & (diff >= -left * d) & (diff <= right * d)
+        if is_global is not None:
+            extra = is_global[kj] | is_global[qi]
+            if causal:
+                extra = extra & (kj <= qi)
+            ok = ok | extra
+        return ok
+
+    return mask_mod
+
+
+def dense_mask(T: int, cfg: dict, gi: torch.Tensor | None) -> torch.Tensor:
+    qi = torch.arange(T).view(T, 1)
+    kj = torch.arange(T).view(1, T)
+    is_g = None
+    if gi is not None:
+        is_g = torch.zeros(T, dtype=torch.bool)
+        is_g[gi.long().view(-1)] = True
+    return band_mask_mod(cfg, is_g)(None, None, qi, kj)
+
+
+def sliding_chunks(q, k, v, cfg: dict, gi: torch.Tensor | None):
+    """Longformer-style banded attention in plain torch: queries in chunks of c rows,
+    each against the (left/c + 1 + right/c) key chunks around it, masked to the band.
+    Uniform dilation d is exact as d interleaved undilated problems. Global keys are
+    extra columns of every row's softmax; global rows are recomputed densely."""
+    left, right = cfg["window"]
+    d = cfg["dilation"]
+    Bq, Hq, T, Dq = q.shape
+    scale = 1.0 / math.sqrt(Dq)
+    if d > 1:
+        out = torch.empty_like(q)
+        for r in range(d):
+            sub = dict(cfg, dilation=1, G=0)
+            out[:, :, r::d] = sliding_chunks(q[:, :, r::d], k[:, :, r::d], v[:, :, r::d], sub, None)
+        if gi is None:
+            return out
+        raise NotImplementedError("sliding chunks with dilation and globals")
+    c = max(left, right, 1)
+    nl, nr = -(-left // c), -(-right // c)
+    n = -(-T // c)
+    pad_q = n * c - T
+    qp = torch.nn.functional.pad(q, (0, 0, 0, pad_q)).view(Bq, Hq, n, c, Dq)
+    kp = torch.nn.functional.pad(k, (0, 0, nl * c, pad_q + nr * c))
+    vp = torch.nn.functional.pad(v, (0, 0, nl * c, pad_q + nr * c))
+    span = (nl + 1 + nr) * c
+    kc = kp.unfold(2, span, c).transpose(-1, -2)  # [B,H,n,span,D]
+    vc = vp.unfold(2, span, c).transpose(-1, -2)
+    scores = torch.matmul(qp, kc.transpose(-1, -2)) * scale  # [B,H,n,c,span]
+    qpos = (torch.arange(n).view(n, 1, 1) * c + torch.arange(c).view(1, c, 1))
+    kpos = torch.arange(n).view(n, 1, 1) * c - nl * c + torch.arange(span).view(1, 1, span)
+    diff = kpos - qpos
+    ok = (diff >= -left) & (diff <= right) & (kpos >= 0) & (kpos < T)
+    if gi is not None:
+        gl = gi.long().view(-1)
+        is_g = torch.zeros(T + 1, dtype=torch.bool)
+        is_g[gl] = True
+        # Global keys inside the band are already there: count them once.
+        in_band = ((gl.view(1, -1) - torch.arange(T).view(-1, 1)) >= -left) & (
+            (gl.view(1, -1) - torch.arange(T).view(-1, 1)) <= right
+        )
+        g_ok = ~in_band & ((gl.view(1, -1) <= torch.arange(T).view(-1, 1)) if right == 0 else True)
+        gscores = torch.matmul(q, k[:, :, gl].transpose(-1, -2)) * scale  # [B,H,T,G]
+        gscores = gscores.masked_fill(~g_ok, float("-inf"))
+        gscores = torch.nn.functional.pad(gscores, (0, 0, 0, pad_q)).view(Bq, Hq, n, c, -1)
+        allsc = torch.cat([scores.masked_fill(~ok, float("-inf")), gscores], dim=-1)
+        p = torch.softmax(allsc, dim=-1)
+        out = torch.matmul(p[..., :span], vc) + torch.matmul(p[..., span:], v[:, :, gl].unsqueeze(2))
+        out = out.reshape(Bq, Hq, n * c, Dq)[:, :, :T].contiguous()
+        # Global rows see every (causal) key.
+        qg = q[:, :, gl]
+        full = torch.matmul(qg, k.transpose(-1, -2)) * scale
+        if right == 0:
+            full = full.masked_fill(torch.arange(T).view(1, -1) > gl.view(-1, 1), float("-inf"))
+        out[:, :, gl] = torch.matmul(torch.softmax(full, dim=-1), v)
+        return out
+    p = torch.softmax(scores.masked_fill(~ok, float("-inf")), dim=-1)
+    out = torch.matmul(p, vc)
+    return out.reshape(Bq, Hq, n * c, Dq)[:, :, :T].contiguous()
+
+
+def make_method(name: str, T: int, cfg: dict, gi, libs: dict):
+    """A no-argument callable computing attention on (q, k, v) for one method, or None
+    where it does not apply (dense peers past DENSE_MAX_T)."""
+    import swa_tvm
+
+    if name.startswith("swa_tvm"):
+        # Both libraries hold the same kernel names; loading one (re)registers its kernels.
+        swa_tvm.load_library(libs["tuned" if name.endswith("tuned") else "default"])
+
+        def run(q, k, v):
+            return swa_tvm.sliding_window_attention(
+                q, k, v, window_size=cfg["window"], dilation=cfg["dilation"], global_idx=gi
+            )
+
+        return run
+    if name == "SDPA + mask":
+        if T > DENSE_MAX_T:
+            return None
+        mask = dense_mask(T, cfg, gi)
+        return lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if name == "FlexAttention":
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        is_g = None
+        if gi is not None:
+            is_g = torch.zeros(T, dtype=torch.bool)
+            is_g[gi.long().view(-1)] = True
+        block_mask = create_block_mask(band_mask_mod(cfg, is_g), None, None, T, T, device="cpu")
+        compiled = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+        return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
+    if name == "sliding chunks":
+        return lambda q, k, v: sliding_chunks(q, k, v, cfg, gi)
+    raise ValueError(name)
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def median_ms(fn, runs: int) -> float:
+    fn()  # warm-up (compiles FlexAttention at this shape)
+    ts = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(ts)
+
+
+def matmul_peak_gflops(runs: int = 5, n: int = 4096) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    ms = median_ms(lambda: torch.matmul(a, b), runs)
+    return 2.0 * n**3 / (ms * 1e-3) / 1e9
+
+
+def _rss_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _memory_child(method: str, config: str, T: int, libs: dict) -> dict:
+    """In a fresh process: bytes the call needs beyond the process at rest, inputs and
+    output included (peak RSS with the high-water mark reset after a warm-up)."""
+    cfg = CONFIGS[config]
+    gi = global_positions(T, cfg["G"]) if cfg["G"] else None
+    _load_libs(libs)
+    fn = make_method(method, T, cfg, gi, libs)
+    q, k, v = (torch.randn(B, H, T, D) for _ in range(3))
+    fn(q, k, v)  # warm-up: compiles, allocates caches
+    del q, k, v
+    gc.collect()
+    base = _rss_kb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    q, k, v = (torch.randn(B, H, T, D) for _ in range(3))
+    out = fn(q, k, v)
+    peak = _rss_kb("VmHWM")
+    qkvo = 4 * q.numel() * q.element_size()
+    del out
+    return {"peak_bytes": (peak - base) * 1024, "qkvo_bytes": qkvo, "ratio": (peak - base) * 1024 / qkvo}
+
+
+def memory_in_subprocess(method: str, config: str, T: int, libs: dict, timeout: int = 900) -> dict | None:
+    code = (
+        "import json, sys; from swa_tvm import bench; "
+        "print('RESULT' + json.dumps(bench._memory_child(sys.argv[1], sys.argv[2], int(sys.argv[3]), "
+        "json.loads(sys.argv[4]))))"
+    )
+    try:
+        p = subprocess.run(
+            [sys.executable, "-c", code, method, config, str(T), json.dumps(libs)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": "timeout"}
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT"):
+            return json.loads(line[6:])
+    return {"error": (p.stderr or p.stdout)[-500:]}
+
+
+def _load_libs(libs: dict) -> None:
+    import swa_tvm
+
+    for path in libs.values():
+        swa_tvm.load_library(path)
+
+
+def build_libraries(out_dir: str, logs: str | None) -> dict:
+    import warnings
+
+    import swa_tvm
+    from swa_tvm.build import DEFAULT_LOGS, UntunedKernelWarning
+    from swa_tvm.spec import AttentionSpec
+
+    specs = [AttentionSpec.parse(s) for s in spec_strings()]
+    libs = {"tuned": os.path.join(out_dir, "swa_bench_tuned.so"), "default": os.path.join(out_dir, "swa_bench_default.so")}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UntunedKernelWarning)
+        m = swa_tvm.export_library(specs, libs["tuned"], logs=logs or DEFAULT_LOGS)
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
+    swa_tvm.export_library(specs, libs["default"], logs=None, warn_untuned=False)
+    return libs, {k["name"]: k["tuned"] for k in m["kernels"]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="swa-tvm bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--T", type=int, nargs="+", default=[1024, 4096, 16384, 65536], help="sequence lengths")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), metavar="CONFIG",
+                   help=f"subset of: {'; '.join(CONFIGS)}")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS, metavar="METHOD",
+                   help=f"subset of: {'; '.join(METHODS)}")
+    p.add_argument("--runs", type=int, default=5, help="timed runs per measurement (median reported)")
+    p.add_argument("--out", default="bench", help="folder for results.json, scaling.png and the libraries")
+    p.add_argument("--logs", help="tuning log root (default: the committed tuning_logs/)")
+    p.add_argument("--memory-T", type=int, default=None, help="T of the peak-memory runs (default: largest T)")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    args = p.parse_args(argv)
+    if args.runs < 5:
+        print("swa-tvm bench: --runs below 5 gives medians too noisy to quote", file=sys.stderr)
+
+    import swa_tvm
+
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.time()
+    libs, tuned = build_libraries(args.out, args.logs)
+    print(f"libraries built in {time.time() - t0:.0f}s; tuned kernels: {sum(tuned.values())}/{len(tuned)}")
+    _load_libs(libs)
+    threads = torch.get_num_threads()
+    peak = matmul_peak_gflops()
+    print(f"torch.matmul 4096^2 fp32 on {threads} threads: {peak:.1f} GFLOP/s (the peak below)")
+    rows = []
+    for config in args.configs:
+        cfg = CONFIGS[config]
+        for T in args.T:
+            gi = global_positions(T, cfg["G"]) if cfg["G"] else None
+            torch.manual_seed(T)
+            q, k, v = (torch.randn(B, H, T, D) for _ in range(3))
+            pairs = visible_pairs(T, cfg)
+            flop = 4.0 * B * H * pairs * D
+            ref = None
+            for method in args.methods:
+                fn = make_method(method, T, cfg, gi, libs)
+                if fn is None:
+                    rows.append(dict(config=config, T=T, method=method, skipped="dense T x T mask does not fit"))
+                    continue
+                out = fn(q, k, v)
+                if ref is None and method.startswith("swa_tvm"):
+                    ref = out
+                err = None
+                if ref is not None:
+                    err = float((out - ref).norm() / ref.norm())
+                    if err > 1e-3:
+                        print(f"  {config} T={T} {method}: disagrees with swa_tvm (rel err {err:.2e}); not timed")
+                        rows.append(dict(config=config, T=T, method=method, rel_err=err, skipped="wrong result"))
+                        continue
+                del out
+                ms = median_ms(lambda: fn(q, k, v), args.runs)
+                g = flop / (ms * 1e-3) / 1e9
+                rows.append(dict(config=config, T=T, method=method, ms=ms, gflops=g, pct_peak=100 * g / peak, rel_err=err))
+                print(f"  {config:22s} T={T:6d} {method:16s} {ms:10.1f} ms {g:7.1f} GFLOP/s {100 * g / peak:5.1f}%")
+            del q, k, v
+            gc.collect()
+    memory = []
+    if not args.no_memory:
+        mT = args.memory_T or max(args.T)
+        for config in args.configs:
+            for method in args.methods:
+                if method == "SDPA + mask" and mT > DENSE_MAX_T:
+                    continue
+                r = memory_in_subprocess(method, config, mT, libs)
+                memory.append(dict(config=config, T=mT, method=method, **(r or {})))
+                if r and "ratio" in r:
+                    print(f"  memory {config:22s} T={mT} {method:16s} {r['peak_bytes'] / 2**20:8.0f} MiB "
+                          f"({r['ratio']:.2f}x q+k+v+out)")
+                else:
+                    print(f"  memory {config} {method}: {r}")
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "swa-tvm bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": {"cpu": _cpu_name(), "machine": platform.machine(), "threads": threads},
+        "versions": {"torch": torch.__version__, "tvm": swa_tvm.library.tvm_version(), "swa_tvm": swa_tvm.__version__},
+        "shape": {"B": B, "H": H, "D": D, "dtype": "float32"},
+        "matmul_peak_gflops": peak,
+        "tuned_kernels": tuned,
+        "rows": rows,
+        "memory": memory,
+    }
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    plot(result, os.path.join(args.out, "scaling.png"))
+    print(f"wrote {args.out}/results.json and {args.out}/scaling.png in {time.time() - t0:.0f}s")
+    return 0
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(dict.fromkeys(r["config"] for r in result["rows"]))
+    fig, axes = plt.subplots(1, len(configs), figsize=(4.2 * len(configs), 4), squeeze=False)
+    for ax, config in zip(axes[0], configs):
+        for method in METHODS:
+            pts = [(r["T"], r["ms"]) for r in result["rows"] if r["config"] == config and r["method"] == method and "ms" in r]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.loglog(xs, ys, marker="o", label=method)
+        ax.set_title(config)
+        ax.set_xlabel("T")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("median ms (B=1, H=8, D=64, fp32)")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(f"{result['machine']['cpu']}, {result['machine']['threads']} threads, {result['date'][:10]}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,514 @@
+"""MetaSchedule tuning: the search space, the tuning logs, and applying their records.
+
+What is tuned. A record is measured on a *tuning workload*: the kernel's PrimFunc at a
+concrete shape (``TUNE_SHAPES``) with the scale folded to a constant, because
+MetaSchedule's runner needs concrete tensors. The search space is the CPU schedule in
+``schedules/cpu.py`` run with ``Sampled`` knobs; it samples only loops whose extent the
+spec fixes, so a record's trace replays unchanged on the symbolic-T kernel that is
+exported (``apply_record``).
+
+Where records live. ``<logs>/<target-key>/`` (for instance ``tuning_logs/llvm-znver3/``)
+holds MetaSchedule's own JSON database files, ``database_workload.json`` and
+``database_tuning_record.json``, readable by ``ms.database.JSONDatabase``. Records of one
+target class are never applied to another: export looks only in its own class's folder
+and also checks each record's target.
+
+Why a custom writer. ``TuningLog`` appends every line with a single ``write(2)`` on an
+O_APPEND descriptor and fsyncs it, so killing a tune (Ctrl-C, SIGKILL) loses at most the
+candidates in flight and never leaves a torn line; a torn last line from a power loss is
+skipped with a warning when loading.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+
+from .compute import flops, prim_func
+from .spec import KernelSpec
+
+WORKLOAD_FILE = "database_workload.json"
+RECORD_FILE = "database_tuning_record.json"
+
+# The shape records are measured at. T=2048 keeps one measurement near 50-100 ms on two
+# cores while giving every core hundreds of work items, as long sequences do.
+TUNE_SHAPES = {
+    "local": {"B": 1, "H": 8, "Hkv": 8, "T": 2048, "E": 16},
+    "global": {"B": 1, "H": 8, "Hkv": 8, "T": 2048, "G": 16},
+}
+
+
+def tune_shapes(spec: KernelSpec, shapes: dict | None = None) -> dict:
+    base = dict(TUNE_SHAPES[spec.kind])
+    base.update(shapes or {})
+    return base
+
+
+def tuning_workload(spec: KernelSpec, shapes: dict | None = None):
+    """The IRModule MetaSchedule tunes for ``spec``: concrete shapes, constant scale."""
+    import tvm
+    from tvm import tirx
+
+    func = prim_func(spec, tune_shapes(spec, shapes))
+    scale = next(p for p in func.params if p.name == "scale")
+    acc = "float64" if spec.dtype == "float64" else "float32"
+    func = func.specialize({scale: tirx.const(1.0 / spec.head_dim**0.5, acc)})
+    return tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
+
+
+def workload_flops(spec: KernelSpec, shapes: dict | None = None) -> float:
+    s = tune_shapes(spec, shapes)
+    if spec.kind == "global":
+        return flops(spec, s["B"], s["H"], s["T"], G=s["G"])
+    # Bounded windows: the full band per row (edges ignored); unbounded: half or all of T.
+    if spec.left >= 0 and spec.right >= 0:
+        w = spec.left + spec.right + 1
+    else:
+        w = s["T"] // 2 if (spec.left < 0) != (spec.right < 0) else s["T"]
+    return flops(spec, s["B"], s["H"], s["T"], window_entries=w + (s["E"] if spec.extras else 0))
+
+
+# --------------------------------------------------------------------------- startup
+
+
+def preload_tensor_intrin() -> None:
+    """Import ``tvm.s_tir.tensor_intrin`` quickly.
+
+    MetaSchedule imports it in every process that tunes or builds. It parses hundreds
+    of TVMScript functions, and the parser calls ``inspect.stack()``, which resolves a
+    source file for every frame of the (deep, import-machinery) stack by scanning
+    ``sys.modules``: 80 s per process on this 2-core machine. The parser only reads the
+    source line of the third frame (``is_defined_in_class``), so while importing, frames
+    past the third get their file name from the code object and no source context.
+    """
+    import inspect
+    import sys
+
+    if "tvm.s_tir.tensor_intrin" in sys.modules:
+        return
+    original = inspect.stack
+
+    def stack(context: int = 1):
+        frames = []
+        frame = sys._getframe(1)
+        while frame is not None:
+            if len(frames) < 3:
+                info = inspect.getframeinfo(frame, context)
+                frames.append(inspect.FrameInfo(frame, *info[:5], positions=info.positions))
+            else:
+                code = frame.f_code
+                frames.append(
+                    inspect.FrameInfo(frame, code.co_filename, frame.f_lineno, code.co_name, None, None, positions=None)
+                )
+            frame = frame.f_back
+        return frames
+
+    inspect.stack = stack
+    try:
+        import tvm.s_tir.tensor_intrin  # noqa: F401
+    finally:
+        inspect.stack = original
+
+
+# --------------------------------------------------------------------------- logs
+
+
+def default_logs_root() -> str | None:
+    """$SWA_TVM_TUNING_LOGS, else the repository's committed ``tuning_logs/`` when the
+    package runs from a source checkout, else None."""
+    env = os.environ.get("SWA_TVM_TUNING_LOGS")
+    if env:
+        return env
+    repo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tuning_logs")
+    return repo if os.path.isdir(repo) else None
+
+
+def log_dir(logs_root: str, target: dict) -> str:
+    from .build import target_key
+
+    return os.path.join(logs_root, target_key(target))
+
+
+def _read_lines(path: str) -> list:
+    """Parse a JSON-lines table, skipping (with a warning) a torn last line only."""
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        lines = [ln for ln in f.read().split("\n") if ln.strip()]
+    rows = []
+    for n, ln in enumerate(lines):
+        try:
+            rows.append(json.loads(ln))
+        except json.JSONDecodeError:
+            if n == len(lines) - 1:
+                warnings.warn(f"{path}: skipping a torn last line (an interrupted write)", stacklevel=3)
+            else:
+                raise ValueError(f"{path}: line {n + 1} is not JSON; the tuning log is damaged") from None
+    return rows
+
+
+def _make_tuning_log_class():
+    from tvm.s_tir.meta_schedule.database import MemoryDatabase, PyDatabase, TuningRecord, Workload
+    from tvm.ir.utils import derived_object
+
+    @derived_object
+    class TuningLog(PyDatabase):
+        """A MetaSchedule database over the two JSON files of one target-class folder.
+
+        Queries go to an in-memory database; commits are appended to the files, one
+        fsynced ``write(2)`` per line. ``readonly`` opens without ever writing.
+        """
+
+        def __init__(self, folder: str, readonly: bool = False):
+            super().__init__()
+            self.folder = folder
+            self.readonly = readonly
+            self._mem = MemoryDatabase(module_equality="structural")
+            self._index: dict[str, int] = {}  # workload structural hash -> line number
+            self._records = 0
+            wl_path, rec_path = self.paths
+            workloads = []
+            for row in _read_lines(wl_path):
+                wl = self._mem.commit_workload(Workload.from_json(row).mod)
+                self._index[row[0]] = len(workloads)
+                workloads.append(wl)
+            for idx, rec in _read_lines(rec_path):
+                self._mem.commit_tuning_record(TuningRecord.from_json(rec, workloads[idx]))
+                self._records += 1
+
+        @property
+        def paths(self) -> tuple[str, str]:
+            return os.path.join(self.folder, WORKLOAD_FILE), os.path.join(self.folder, RECORD_FILE)
+
+        def _append(self, path: str, row) -> None:
+            if self.readonly:
+                raise RuntimeError(f"{self.folder} was opened read-only")
+            os.makedirs(self.folder, exist_ok=True)
+            data = (json.dumps(row) + "\n").encode()
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                written = os.write(fd, data)
+                if written != len(data):  # only on a full disk; never leave half a line
+                    os.ftruncate(fd, os.fstat(fd).st_size - written)
+                    raise OSError(f"{path}: short write ({written} of {len(data)} bytes)")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        def _key(self, workload) -> str:
+            return workload.as_json()[0]
+
+        def has_workload(self, mod) -> bool:
+            return self._mem.has_workload(mod)
+
+        def commit_workload(self, mod):
+            known = self._mem.has_workload(mod)
+            wl = self._mem.commit_workload(mod)
+            if not known:
+                row = wl.as_json()
+                if row[0] not in self._index:
+                    self._append(self.paths[0], row)
+                    self._index[row[0]] = len(self._index)
+            return wl
+
+        def commit_tuning_record(self, record) -> None:
+            idx = self._index[self._key(record.workload)]
+            self._append(self.paths[1], [idx, record.as_json()])
+            self._mem.commit_tuning_record(record)
+            self._records += 1
+
+        def get_top_k(self, workload, top_k: int):
+            return self._mem.get_top_k(workload, top_k)
+
+        def get_all_tuning_records(self):
+            return self._mem.get_all_tuning_records()
+
+        def __len__(self) -> int:
+            return self._records
+
+    return TuningLog
+
+
+_TUNING_LOG_CLS = None
+
+
+def open_log(folder: str, readonly: bool = False):
+    """The ``TuningLog`` database of one target-class folder."""
+    global _TUNING_LOG_CLS
+    if _TUNING_LOG_CLS is None:
+        _TUNING_LOG_CLS = _make_tuning_log_class()
+    return _TUNING_LOG_CLS(folder, readonly)
+
+
+@dataclass
+class BestRecord:
+    trace: object
+    run_ms: float
+    gflops: float
+    records: int  # how many records this workload has
+
+
+def _same_target_class(record_target, target: dict) -> bool:
+    from .build import target_key
+
+    if record_target is None:
+        return True  # the folder already names the class
+    attrs = dict(record_target.export())
+    rec = {"kind": attrs.get("kind"), "mcpu": attrs.get("mcpu"), "arch": attrs.get("arch")}
+    return target_key({k: v for k, v in rec.items() if v is not None}) == target_key(target)
+
+
+def best_record(spec: KernelSpec, target: dict, logs_root: str | None) -> BestRecord | None:
+    """The fastest valid record for ``spec`` in ``logs_root``'s folder for ``target``."""
+    if not logs_root:
+        return None
+    folder = log_dir(logs_root, target)
+    if not os.path.exists(os.path.join(folder, RECORD_FILE)):
+        return None
+    db = open_log(folder, readonly=True)
+    mod = tuning_workload(spec)
+    if not db.has_workload(mod):
+        return None
+    wl = db._mem.commit_workload(mod)  # in memory only: a lookup, not a write
+    recs = [r for r in db.get_top_k(wl, 64) if _same_target_class(r.target, target)]
+    if not recs:
+        return None
+    best = recs[0]
+    secs = float(np.mean([float(s) for s in best.run_secs]))
+    return BestRecord(best.trace, secs * 1e3, workload_flops(spec) / secs / 1e9, len(db.get_top_k(wl, 1 << 20)))
+
+
+def apply_record(spec: KernelSpec, trace):
+    """Replay a tuned trace on the symbolic-T kernel; returns the scheduled PrimFunc."""
+    import tvm
+    from tvm import s_tir
+
+    sch = s_tir.Schedule(tvm.IRModule({"main": prim_func(spec)}))
+    trace.apply_to_schedule(sch, remove_postproc=True)
+    return sch.mod["main"].with_attr("global_symbol", spec.name)
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def _fill(info) -> np.ndarray:
+    """Tuning inputs: random floats, ones for the int32 tables (dilation 1, extra key
+    position 1), so every index the kernel computes from them is in range."""
+    _, dtype, shape = info
+    if dtype.startswith("int"):
+        return np.ones(shape, dtype=dtype)
+    return np.random.default_rng(0).standard_normal(shape).astype(dtype)
+
+
+def alloc_args_local(device, args_info, alloc_repeat):
+    import tvm
+
+    return [[tvm.runtime.tensor(_fill(a), device=device) for a in args_info] for _ in range(alloc_repeat)]
+
+
+def alloc_args_rpc(session, device, args_info, alloc_repeat):
+    return alloc_args_local(device, args_info, alloc_repeat)
+
+
+def _evaluator():
+    from tvm.s_tir.meta_schedule.runner import EvaluatorConfig
+
+    # Each candidate runs 50-200 ms on two cores: three timed runs are enough.
+    return EvaluatorConfig(number=1, repeat=3, min_repeat_ms=0, enable_cpu_cache_flush=False)
+
+
+def make_runner(rpc_tracker: str | None = None, rpc_key: str | None = None, timeout_s: float = 120.0):
+    from tvm.s_tir.meta_schedule.runner import LocalRunner, RPCConfig, RPCRunner
+
+    if not rpc_tracker:
+        return LocalRunner(timeout_sec=timeout_s, evaluator_config=_evaluator(), f_alloc_argument=alloc_args_local)
+    host, _, port = rpc_tracker.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"rpc_tracker {rpc_tracker!r}: expected HOST:PORT")
+    if not rpc_key:
+        raise ValueError("rpc_key is required with rpc_tracker")
+    config = RPCConfig(tracker_host=host, tracker_port=int(port), tracker_key=rpc_key, session_timeout_sec=int(timeout_s))
+    servers = config.count_num_servers(allow_missing=False)
+    return RPCRunner(
+        rpc_config=config,
+        evaluator_config=_evaluator(),
+        f_alloc_argument=alloc_args_rpc,
+        max_workers=servers,
+    )
+
+
+# --------------------------------------------------------------------------- tuning
+
+
+@dataclass
+class TuneResult:
+    spec: KernelSpec
+    trials: int  # measured this run
+    records: int  # in the log for this kernel after the run
+    best_ms: float | None
+    best_gflops: float | None
+
+
+def _progress_callback(specs, total, bar):
+    from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
+    from tvm.ir.utils import derived_object
+
+    @derived_object
+    class Progress(PyMeasureCallback):
+        def __init__(self):
+            super().__init__()
+            self.done = 0
+            self.best = {}
+            self.start = time.time()
+
+        def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results):
+            spec = specs[task_id]
+            for res in runner_results:
+                self.done += 1
+                if res.run_secs:
+                    secs = float(np.mean([float(s) for s in res.run_secs]))
+                    if secs > 0:
+                        g = workload_flops(spec) / secs / 1e9
+                        self.best[spec.name] = max(self.best.get(spec.name, 0.0), g)
+            if bar is not None:
+                bar.update(len(runner_results))
+                best = max(self.best.values(), default=0.0)
+                bar.set_postfix_str(f"best {best:.1f} GFLOP/s ({spec.name})")
+
+    return Progress()
+
+
+def tune(
+    specs: Iterable[KernelSpec],
+    target: dict,
+    trials: int,
+    logs_root: str,
+    work_dir: str,
+    *,
+    rpc_tracker: str | None = None,
+    rpc_key: str | None = None,
+    num_trials_per_iter: int = 32,
+    seed: int | None = None,
+    progress: bool = True,
+) -> list[TuneResult]:
+    """Tune every kernel of ``specs`` for ``trials`` more measured candidates each,
+    appending records to ``<logs_root>/<target-key>/``. Existing records seed the
+    search, so a second run continues where the first stopped."""
+    import logging
+
+    import tvm
+    from tvm.s_tir import meta_schedule as ms
+    from tvm.s_tir.meta_schedule.logging import get_loggers_from_work_dir
+
+    from .build import _vector_lanes
+    from .schedules import cpu as cpu_schedules
+
+    preload_tensor_intrin()
+    specs = list(dict.fromkeys(specs))
+    if trials < 1:
+        raise ValueError(f"trials must be >= 1, got {trials}")
+    tvm_target = tvm.target.Target(target)
+    if tvm_target.kind.name != "llvm":
+        raise NotImplementedError(f"tuning for target kind {tvm_target.kind.name!r} is not supported yet")
+    lanes = _vector_lanes(tvm_target)
+    cores = int(target.get("num-cores", os.cpu_count() or 1))
+    folder = log_dir(logs_root, target)
+    db = open_log(folder)
+    os.makedirs(work_dir, exist_ok=True)
+
+    names = [s.name for s in specs]
+    loggers = get_loggers_from_work_dir(work_dir, names)
+    # MetaSchedule's console handler would print its tables through the progress bar;
+    # its full log still goes to <work_dir>/logs/.
+    ms_logger = logging.getLogger("tvm.s_tir.meta_schedule")
+    for h in list(ms_logger.handlers):
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+            ms_logger.removeHandler(h)
+
+    def space(spec):
+        def fn(sch):
+            cpu_schedules.schedule(sch, spec, lanes, cpu_schedules.Sampled())
+            return sch
+
+        return ms.space_generator.ScheduleFn(fn, sch_rules=[], postprocs=[], mutator_probs="from-target")
+
+    per_iter = max(1, min(num_trials_per_iter, trials))
+    strategy = ms.search_strategy.EvolutionarySearch(
+        population_size=max(64, 2 * per_iter), init_min_unmeasured=per_iter, genetic_num_iters=2
+    )
+    tasks = [
+        ms.TuneContext(
+            mod=tuning_workload(spec),
+            target=tvm_target,
+            space_generator=space(spec),
+            search_strategy=strategy,
+            task_name=spec.name,
+            rand_state=-1 if seed is None else seed + i,
+            num_threads=cores,
+            logger=logger,
+        ).clone()
+        for i, (spec, logger) in enumerate(zip(specs, loggers))
+    ]
+    before = {s.name: _count(db, s) for s in specs}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=trials * len(specs), unit="trial", desc="tune", dynamic_ncols=True)
+    callbacks = ms.measure_callback.MeasureCallback.create("default") + [_progress_callback(specs, trials, bar)]
+    try:
+        ms.tune.tune_tasks(
+            tasks=tasks,
+            task_weights=[1.0] * len(tasks),
+            work_dir=work_dir,
+            max_trials_global=trials * len(tasks),
+            max_trials_per_task=trials,
+            num_trials_per_iter=per_iter,
+            builder=ms.builder.LocalBuilder(max_workers=cores, timeout_sec=300, initializer=preload_tensor_intrin),
+            runner=make_runner(rpc_tracker, rpc_key),
+            database=db,
+            cost_model=ms.cost_model.XGBModel(num_tuning_cores=cores),
+            measure_callbacks=callbacks,
+            task_scheduler="round-robin",
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    results = []
+    for spec in specs:
+        best = best_record(spec, target, logs_root)
+        results.append(
+            TuneResult(
+                spec,
+                _count(db, spec) - before[spec.name],
+                _count(db, spec),
+                best.run_ms if best else None,
+                best.gflops if best else None,
+            )
+        )
+    return results
+
+
+def _count(db, spec: KernelSpec) -> int:
+    mod = tuning_workload(spec)
+    if not db.has_workload(mod):
+        return 0
+    return len(db.get_top_k(db._mem.commit_workload(mod), 1 << 20))
+
+
+__all__ = [
+    "TUNE_SHAPES",
+    "tuning_workload",
+    "open_log",
+    "best_record",
+    "apply_record",
+    "tune",
+    "default_logs_root",
+    "log_dir",
+]

@@ -1,0 +1,245 @@
+"""MetaSchedule tuning: the search space replays on the symbolic kernel and computes the
+right answer, the logs survive kills, a rerun continues, export applies records only to
+their own CPU class, and an RPC tracker with two servers measures candidates.
+
+Tuning stays tiny here (a D=16 kernel, 2-4 trials): one batch of full-size candidates
+takes minutes to build on two cores."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import swa_tvm
+from swa_tvm import tuning
+from swa_tvm.build import host_target, target_key
+from swa_tvm.reference import sliding_window_attention_ref
+from swa_tvm.spec import AttentionSpec, KernelSpec
+
+from .conftest import rel_err
+
+SPEC_STR = "head_dim=16,window=7:0"
+SPEC = AttentionSpec.parse(SPEC_STR)
+KSPEC = SPEC.kernels()[0]
+CLI = [sys.executable, "-m", "swa_tvm.cli"]
+
+
+def _compile_one(func):
+    import tvm
+
+    return tvm.compile(tvm.IRModule({func.attrs["global_symbol"]: func}), target=tvm.target.Target(host_target()))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_sampled_schedules_replay_on_symbolic_kernel_and_are_correct(seed):
+    """A random point of the search space, sampled on the concrete tuning workload and
+    replayed on the symbolic-T kernel (what export does with a record), is correct at
+    shapes other than the tuning shape."""
+    import tvm
+    from tvm import s_tir
+
+    from swa_tvm.build import _vector_lanes
+    from swa_tvm.schedules import cpu
+
+    spec = KernelSpec("local", 16, "float32", 5, 2, 2, True, 16)
+    sch = s_tir.Schedule(tuning.tuning_workload(spec), seed=seed)
+    cpu.schedule(sch, spec, _vector_lanes(tvm.target.Target(host_target())), cpu.Sampled())
+    assert any(i.kind.name in ("SamplePerfectTile", "SampleCategorical") for i in sch.trace.insts)
+    func = tuning.apply_record(spec, sch.trace)
+    f = _compile_one(func)[spec.name]
+
+    B, H, T, D, E = 2, 3, 77, 16, 3
+    q, k, v = (torch.randn(B, H, T, D) for _ in range(3))
+    dil = torch.tensor([1, 2, 2], dtype=torch.int32)
+    extra = torch.tensor([[0, 40, -1], [5, 6, 70]], dtype=torch.int32)
+    out, lse = torch.empty(B, H, T, D), torch.empty(B, H, T)
+    f(q, k, v, dil, extra, torch.full((H,), float("-inf")), D**-0.5, out, lse)
+    # The local kernel's contract: each row sees its dilated window plus the extra key
+    # positions of its batch row (-1 = unused); right > 0, so no causal cut.
+    from swa_tvm.reference import window_mask
+
+    ref_out = torch.empty(B, H, T, D, dtype=torch.float64)
+    for b in range(B):
+        cols = torch.zeros(T, dtype=torch.bool)
+        cols[extra[b][extra[b] >= 0].long()] = True
+        for h in range(H):
+            m = window_mask(T, 5, 2, int(dil[h])) | cols.view(1, T)
+            s = (q[b, h].double() @ k[b, h].double().T) * D**-0.5
+            ref_out[b, h] = torch.softmax(s.masked_fill(~m, float("-inf")), -1) @ v[b, h].double()
+    assert rel_err(out, ref_out) < 1e-5
+
+
+def _tune_cmd(logs, work, trials, per_iter, *extra):
+    return CLI + ["tune", "--spec", SPEC_STR, "--trials", str(trials), "--trials-per-iter", str(per_iter),
+                  "--logs", str(logs), "--work-dir", str(work), "--seed", "0", "--quiet", *extra]  # fmt: skip
+
+
+def _record_lines(folder):
+    path = os.path.join(folder, tuning.RECORD_FILE)
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return sum(1 for line in f if line.strip())
+
+
+def _check_logs_readable(folder):
+    """TVM's own JSONDatabase and ours both read every line."""
+    from tvm.s_tir.meta_schedule.database import JSONDatabase
+
+    db = JSONDatabase(
+        os.path.join(folder, tuning.WORKLOAD_FILE), os.path.join(folder, tuning.RECORD_FILE), allow_missing=False
+    )
+    n = len(db.get_all_tuning_records())
+    assert n == _record_lines(folder) == len(tuning.open_log(folder, readonly=True))
+    return n
+
+
+@pytest.fixture(scope="module")
+def tuned_logs(tmp_path_factory):
+    """Tune, SIGKILL mid-run, check the logs, continue with a second run."""
+    logs = tmp_path_factory.mktemp("logs")
+    work = tmp_path_factory.mktemp("work")
+    folder = tuning.log_dir(str(logs), host_target())
+    p = subprocess.Popen(_tune_cmd(logs, work, 6, 2), start_new_session=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    deadline = time.time() + 400
+    while _record_lines(folder) < 2 and time.time() < deadline and p.poll() is None:
+        time.sleep(0.5)
+    assert p.poll() is None, "tune ended before it could be killed:\n" + p.stdout.read().decode()
+    os.killpg(p.pid, signal.SIGKILL)  # the tuner and its builder/runner workers
+    p.wait()
+    killed = _check_logs_readable(folder)
+    assert killed >= 2
+
+    r = subprocess.run(_tune_cmd(logs, work, 2, 2), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    after = _check_logs_readable(folder)
+    assert after >= killed + 2, (killed, after, r.stdout)
+    assert f"{KSPEC.name}: {after} records (+" in r.stdout
+    return logs
+
+
+def test_interrupt_keeps_records_and_exits_130(tmp_path):
+    folder = tuning.log_dir(str(tmp_path / "logs"), host_target())
+    p = subprocess.Popen(_tune_cmd(tmp_path / "logs", tmp_path / "work", 6, 2),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.time() + 400
+    while _record_lines(folder) < 2 and time.time() < deadline and p.poll() is None:
+        time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, out + err
+    assert "interrupted" in err and "run the same command again" in err
+    assert _check_logs_readable(folder) >= 2
+
+
+def test_export_applies_records_and_result_is_correct(tuned_logs, tmp_path, fresh_registry):
+    lib = tmp_path / "tuned.so"
+    r = subprocess.run(CLI + ["export", "--spec", SPEC_STR, "--logs", str(tuned_logs), "-o", str(lib)],
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "warning" not in r.stderr  # the only kernel is tuned
+    m = swa_tvm.library.read_manifest(lib)
+    (k,) = m["kernels"]
+    assert k["tuned"] is True and k["tuning"]["records"] >= 4 and k["tuning"]["gflops"] > 0
+    info = subprocess.run(CLI + ["info", str(lib)], capture_output=True, text=True)
+    assert "tuned:" in info.stdout
+    swa_tvm.load_library(lib)
+    q, kk, v = (torch.randn(2, 2, 333, 16) for _ in range(3))
+    out = swa_tvm.sliding_window_attention(q, kk, v, window_size=(7, 0))
+    ref, _ = sliding_window_attention_ref(q, kk, v, window_size=(7, 0))
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_records_never_cross_cpu_classes(tuned_logs, tmp_path):
+    """Records live per class; even copied into another class's folder, a record whose
+    own target is another CPU is not applied there."""
+    import shutil
+
+    here = host_target()
+    other = dict(here, mcpu="skylake-avx512" if here["mcpu"] != "skylake-avx512" else "znver4")
+    assert tuning.best_record(KSPEC, here, str(tuned_logs)) is not None
+    assert tuning.best_record(KSPEC, other, str(tuned_logs)) is None  # no folder for it
+    shutil.copytree(tuning.log_dir(str(tuned_logs), here), tmp_path / target_key(other))
+    assert tuning.best_record(KSPEC, other, str(tmp_path)) is None  # folder, foreign records
+
+
+def test_untuned_export_warns_naming_the_kernel(tmp_path):
+    r = subprocess.run(CLI + ["export", "--spec", "head_dim=16,window=2:2", "--logs", str(tmp_path), "-o",
+                              str(tmp_path / "x.so")], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "warning: kernel swa_local_d16_f32_l2_r2_md1_x0_bq32: no tuning record" in r.stderr
+    assert "default schedule" in r.stdout
+
+
+def test_torn_last_line_is_skipped_other_damage_is_an_error(tuned_logs, tmp_path):
+    import shutil
+
+    folder = tmp_path / "f"
+    shutil.copytree(tuning.log_dir(str(tuned_logs), host_target()), folder)
+    rec = folder / tuning.RECORD_FILE
+    lines = rec.read_text().splitlines()
+    rec.write_text("\n".join(lines) + "\n" + lines[-1][: len(lines[-1]) // 2])
+    with pytest.warns(UserWarning, match="torn last line"):
+        assert len(tuning.open_log(str(folder), readonly=True)) == len(lines)
+    rec.write_text(lines[0][:10] + "\n" + "\n".join(lines[1:]) + "\n")
+    with pytest.raises(ValueError, match="line 1 is not JSON"):
+        tuning.open_log(str(folder), readonly=True)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_rpc_tracker_with_two_servers(tmp_path):
+    """A short tune measured through TVM's RPC tracker on two local RPC servers."""
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1",
+                               "--port", str(port), "--port-end", str(port + 1)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]  # fmt: skip
+    try:
+        time.sleep(2)
+        for _ in range(2):
+            procs.append(
+                subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_server", "--tracker", f"127.0.0.1:{port}",
+                                  "--key", "swa-test", "--host", "127.0.0.1", "--port", str(_free_port())],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+            )
+        from tvm.s_tir.meta_schedule.runner import RPCConfig
+
+        cfg = RPCConfig("127.0.0.1", port, "swa-test", session_timeout_sec=10)
+        deadline = time.time() + 60
+        while cfg.count_num_servers() < 2 and time.time() < deadline:
+            time.sleep(1)
+        assert cfg.count_num_servers() == 2
+        logs = tmp_path / "logs"
+        r = subprocess.run(_tune_cmd(logs, tmp_path / "work", 2, 2, "--rpc-tracker", f"127.0.0.1:{port}",
+                                     "--rpc-key", "swa-test"), capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert r.returncode == 0, r.stdout + r.stderr
+        folder = tuning.log_dir(str(logs), host_target())
+        assert _check_logs_readable(folder) >= 2
+        db = tuning.open_log(folder, readonly=True)
+        secs = [float(s) for rec in db.get_all_tuning_records() for s in rec.run_secs]
+        assert secs and all(0 < s < 1e9 for s in secs), secs  # measured, not failure markers
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_bad_tune_arguments():
+    r = subprocess.run(CLI + ["tune", "--spec", SPEC_STR, "--trials", "0"], capture_output=True, text=True)
+    assert r.returncode == 1 and "trials must be >= 1" in r.stderr
+    r = subprocess.run(CLI + ["tune", "--spec", SPEC_STR, "--trials", "2", "--rpc-tracker", "nohost"],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 1 and "HOST:PORT" in r.stderr
+    r = subprocess.run(CLI + ["tune", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "--rpc-tracker" in r.stdout and "--work-dir" in r.stdout
