@@ -107,8 +107,26 @@ def find_records(specs: Iterable[KernelSpec], target: dict, logs: str | None = D
     """The best tuning record of each spec for ``target`` (None where there is none)."""
     from .tuning import best_record, default_logs_root
 
+    from .tuning import apply_record
+
     root = default_logs_root() if logs == DEFAULT_LOGS else logs
-    return {s.name: best_record(s, target, root) for s in specs}
+    found = {}
+    for s in specs:
+        rec = best_record(s, target, root)
+        if rec is not None:
+            try:
+                apply_record(s, rec.trace)
+            except Exception as e:  # noqa: BLE001 - a stale record must not break a build
+                # The schedule code changed since the record was made: it no longer replays.
+                warnings.warn(
+                    f"kernel {s.name}: its tuning record no longer replays on this schedule "
+                    f"({type(e).__name__}: {str(e).splitlines()[0][:120]}); re-tune to refresh it",
+                    UntunedKernelWarning,
+                    stacklevel=2,
+                )
+                rec = None
+        found[s.name] = rec
+    return found
 
 
 def compile_specs(specs: Iterable[KernelSpec], target: str | dict | None = None, records: dict | None = None):

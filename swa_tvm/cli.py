@@ -55,6 +55,7 @@ def _tuned_text(k) -> str:
 
 def _cmd_tune(args) -> int:
     import os
+    import signal
     import time
 
     from .build import normalize_target, target_key
@@ -75,6 +76,15 @@ def _cmd_tune(args) -> int:
         file=sys.stderr,
     )
     t0 = time.time()
+    # Ctrl-C inside MetaSchedule's C++ loop reaches Python as an FFI error, not as
+    # KeyboardInterrupt, so the handler leaves a mark to tell the two apart.
+    interrupted = []
+
+    def on_sigint(signum, frame):
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
     try:
         results = tune(
             specs,
@@ -88,13 +98,17 @@ def _cmd_tune(args) -> int:
             seed=args.seed,
             progress=not args.quiet,
         )
-    except KeyboardInterrupt:
+    except BaseException:
+        if not interrupted:
+            raise
         print(
             f"swa-tvm tune: interrupted after {time.time() - t0:.0f}s; every record measured so far "
             f"is in {log_dir(logs, target)}; run the same command again to continue",
             file=sys.stderr,
         )
         return 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
     for r in results:
         best = f"{r.best_ms:.2f} ms, {r.best_gflops:.1f} GFLOP/s" if r.best_ms else "no valid record"
         print(f"  {r.spec.name}: {r.records} records (+{r.trials}), best {best}")

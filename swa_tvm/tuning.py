@@ -378,8 +378,7 @@ def _progress_callback(specs, total, bar):
                         self.best[spec.name] = max(self.best.get(spec.name, 0.0), g)
             if bar is not None:
                 bar.update(len(runner_results))
-                best = max(self.best.values(), default=0.0)
-                bar.set_postfix_str(f"best {best:.1f} GFLOP/s ({spec.name})")
+                bar.set_postfix_str(f"{spec.name}: best {self.best.get(spec.name, 0.0):.1f} GFLOP/s")
 
     return Progress()
 

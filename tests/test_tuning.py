@@ -22,7 +22,7 @@ from swa_tvm.build import host_target, target_key
 from swa_tvm.reference import sliding_window_attention_ref
 from swa_tvm.spec import AttentionSpec, KernelSpec
 
-from .conftest import rel_err
+from conftest import rel_err
 
 SPEC_STR = "head_dim=16,window=7:0"
 SPEC = AttentionSpec.parse(SPEC_STR)

@@ -1,0 +1,47 @@
+"""The benchmark's own pieces: its FLOP count and its peers compute what they claim,
+checked against the float64 dense reference (the timings themselves are not tested)."""
+
+import pytest
+import torch
+
+from swa_tvm import bench
+from swa_tvm.reference import attention_mask, sliding_window_attention_ref
+
+from conftest import rel_err
+
+
+def _ref_kwargs(cfg, gi):
+    return dict(window_size=cfg["window"], dilation=cfg["dilation"], global_idx=gi)
+
+
+@pytest.mark.parametrize("config", list(bench.CONFIGS))
+@pytest.mark.parametrize("T", [200, 777])
+def test_visible_pairs_matches_reference_mask(config, T):
+    cfg = bench.CONFIGS[config]
+    gi = bench.global_positions(T, cfg["G"]) if cfg["G"] else None
+    mask, _ = attention_mask(T, 1, cfg["window"], cfg["dilation"], gi, 0)
+    assert bench.visible_pairs(T, cfg) == int(mask.sum())
+
+
+@pytest.mark.parametrize("config", list(bench.CONFIGS))
+def test_peers_compute_the_pattern(config):
+    """sliding chunks, SDPA's mask and FlexAttention's mask_mod all mean our pattern."""
+    cfg = bench.CONFIGS[config]
+    T = 1100  # several chunks of every chunk size used, plus a ragged tail
+    gi = bench.global_positions(T, cfg["G"]) if cfg["G"] else None
+    q, k, v = (torch.randn(1, 2, T, 16) for _ in range(3))
+    ref, _ = sliding_window_attention_ref(q, k, v, **_ref_kwargs(cfg, gi))
+    assert rel_err(bench.sliding_chunks(q, k, v, cfg, gi), ref) < 1e-5
+    mask = bench.dense_mask(T, cfg, gi)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert rel_err(sdpa, ref) < 1e-5
+    ref_mask, _ = attention_mask(T, 1, cfg["window"], cfg["dilation"], gi, 0)
+    assert torch.equal(mask, ref_mask[0, 0])
+
+
+def test_spec_strings_cover_every_config():
+    from swa_tvm.spec import AttentionSpec
+
+    kernels = {k.name for s in bench.spec_strings() for k in AttentionSpec.parse(s).kernels()}
+    assert len(bench.spec_strings()) == len(bench.CONFIGS)
+    assert any(n.startswith("swa_global") for n in kernels)
