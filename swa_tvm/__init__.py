@@ -4,7 +4,7 @@ Public API::
 
     swa_tvm.sliding_window_attention(q, k, v, window_size=(left, right), ...)
     swa_tvm.AttentionSpec / KernelSpec       # what a library serves
-    swa_tvm.export_library(specs, path)      # compile + write .so and manifest
+    swa_tvm.export_library(specs, path)      # compile (tuned records applied) + .so and manifest
     swa_tvm.load_library(path)               # check manifest, register kernels
 """
 
@@ -16,14 +16,19 @@ from .spec import AttentionSpec, KernelSpec  # noqa: E402
 from . import ops  # noqa: E402,F401  (registers torch.ops.swa_tvm.*)
 
 
-def export_library(specs, path, target=None):
-    """Compile specs (KernelSpec or AttentionSpec) into ``path`` plus ``path + '.json'``."""
+def export_library(specs, path, target=None, logs="default", warn_untuned=True):
+    """Compile specs (KernelSpec or AttentionSpec) into ``path`` plus ``path + '.json'``.
+
+    Each kernel uses its best tuning record for the target's CPU class from ``logs``
+    (default: $SWA_TVM_TUNING_LOGS or the committed ``tuning_logs/``; None: no records),
+    else the default schedule, warning (UntunedKernelWarning) with the kernel's name.
+    """
     from .build import export_library as _export
 
     kernels = []
     for s in specs:
         kernels.extend(s.kernels() if isinstance(s, AttentionSpec) else [s])
-    return _export(kernels, path, target)
+    return _export(kernels, path, target, logs=logs, warn_untuned=warn_untuned)
 
 
 __all__ = [

@@ -206,11 +206,19 @@ def test_rpc_tracker_with_two_servers(tmp_path):
                                "--port", str(port), "--port-end", str(port + 1)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]  # fmt: skip
     try:
-        time.sleep(2)
+        deadline = time.time() + 60  # the tracker imports TVM first: seconds on this machine
+        while time.time() < deadline:
+            assert procs[0].poll() is None, "the RPC tracker exited"
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.5)
         for _ in range(2):
+            sport = _free_port()
             procs.append(
                 subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_server", "--tracker", f"127.0.0.1:{port}",
-                                  "--key", "swa-test", "--host", "127.0.0.1", "--port", str(_free_port())],
+                                  "--key", "swa-test", "--host", "127.0.0.1", "--port", str(sport), "--port-end", str(sport + 1)],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
             )
         from tvm.s_tir.meta_schedule.runner import RPCConfig
