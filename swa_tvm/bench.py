@@ -397,8 +397,30 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(result, f, indent=2)
     plot(result, os.path.join(args.out, "scaling.png"))
+    print(markdown_table(result))
     print(f"wrote {args.out}/results.json and {args.out}/scaling.png in {time.time() - t0:.0f}s")
     return 0
+
+
+def markdown_table(result: dict) -> str:
+    """The README's table: median ms per method, and ours against FlexAttention."""
+    rows = result["rows"]
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    Ts = sorted({r["T"] for r in rows})
+    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    out = ["| pattern | T | " + " | ".join(methods) + " | tuned GFLOP/s (% of matmul) | FlexAttention / tuned |",
+           "| --- | --- |" + " --- |" * len(methods) + " --- | --- |"]
+    for config in configs:
+        for T in Ts:
+            cell = {r["method"]: r for r in rows if r["config"] == config and r["T"] == T}
+            if not cell:
+                continue
+            vals = [f"{cell[m]['ms']:.1f}" if m in cell and "ms" in cell[m] else "—" for m in methods]
+            ours, flex = cell.get("swa_tvm tuned", {}), cell.get("FlexAttention", {})
+            g = f"{ours['gflops']:.1f} ({ours['pct_peak']:.0f}%)" if "ms" in ours else "—"
+            ratio = f"{flex['ms'] / ours['ms']:.2f}×" if "ms" in ours and "ms" in flex else "—"
+            out.append(f"| {config} | {T} | " + " | ".join(vals) + f" | {g} | {ratio} |")
+    return "\n".join(out)
 
 
 def _cpu_name() -> str:
