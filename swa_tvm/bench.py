@@ -208,7 +208,9 @@ def make_method(name: str, T: int, cfg: dict, gi, libs: dict):
         if gi is not None:
             is_g = torch.zeros(T, dtype=torch.bool)
             is_g[gi.long().view(-1)] = True
-        block_mask = create_block_mask(band_mask_mod(cfg, is_g), None, None, T, T, device="cpu")
+        # _compile=True builds the block mask block by block; the eager path evaluates
+        # mask_mod on all T x T pairs at once (32 GiB at T=65536).
+        block_mask = create_block_mask(band_mask_mod(cfg, is_g), None, None, T, T, device="cpu", _compile=True)
         compiled = torch.compile(flex_attention, fullgraph=True, dynamic=False)
         return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
     if name == "sliding chunks":
@@ -277,6 +279,9 @@ def memory_in_subprocess(method: str, config: str, T: int, libs: dict, timeout: 
             capture_output=True,
             text=True,
             timeout=timeout,
+            # A fixed mmap threshold: freed large buffers go back to the OS at once, so the
+            # resident size before the measured call is not inflated by the warm-up's.
+            env=dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072"),
         )
     except subprocess.TimeoutExpired:
         return {"error": "timeout"}
@@ -293,7 +298,7 @@ def _load_libs(libs: dict) -> None:
         swa_tvm.load_library(path)
 
 
-def build_libraries(out_dir: str, logs: str | None) -> dict:
+def build_libraries(out_dir: str, logs: str | None, reuse: bool = False) -> dict:
     import warnings
 
     import swa_tvm
@@ -302,6 +307,13 @@ def build_libraries(out_dir: str, logs: str | None) -> dict:
 
     specs = [AttentionSpec.parse(s) for s in spec_strings()]
     libs = {"tuned": os.path.join(out_dir, "swa_bench_tuned.so"), "default": os.path.join(out_dir, "swa_bench_default.so")}
+    if reuse and all(os.path.exists(p) for p in libs.values()):
+        try:
+            _load_libs(libs)  # checks hashes, TVM version and CPU
+            m = swa_tvm.library.read_manifest(libs["tuned"])
+            return libs, {k["name"]: k["tuned"] for k in m["kernels"]}
+        except swa_tvm.LibraryError as e:
+            print(f"not reusing the libraries in {out_dir}: {e}", file=sys.stderr)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UntunedKernelWarning)
         m = swa_tvm.export_library(specs, libs["tuned"], logs=logs or DEFAULT_LOGS)
@@ -323,6 +335,7 @@ def main(argv=None) -> int:
     p.add_argument("--logs", help="tuning log root (default: the committed tuning_logs/)")
     p.add_argument("--memory-T", type=int, default=None, help="T of the peak-memory runs (default: largest T)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    p.add_argument("--reuse-libs", action="store_true", help="reuse OUT's libraries from an earlier run if they load")
     args = p.parse_args(argv)
     if args.runs < 5:
         print("swa-tvm bench: --runs below 5 gives medians too noisy to quote", file=sys.stderr)
@@ -331,12 +344,22 @@ def main(argv=None) -> int:
 
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
-    libs, tuned = build_libraries(args.out, args.logs)
+    libs, tuned = build_libraries(args.out, args.logs, args.reuse_libs)
     print(f"libraries built in {time.time() - t0:.0f}s; tuned kernels: {sum(tuned.values())}/{len(tuned)}")
     _load_libs(libs)
     threads = torch.get_num_threads()
     peak = matmul_peak_gflops()
     print(f"torch.matmul 4096^2 fp32 on {threads} threads: {peak:.1f} GFLOP/s (the peak below)")
+
+    def save(rows, memory) -> dict:
+        """Write results.json after every step, so an interrupted run keeps what it measured."""
+        result = _result(args, argv, tuned, threads, peak, rows, memory)
+        tmp = os.path.join(args.out, "results.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=2)
+        os.replace(tmp, os.path.join(args.out, "results.json"))
+        return result
+
     rows = []
     for config in args.configs:
         cfg = CONFIGS[config]
@@ -348,11 +371,18 @@ def main(argv=None) -> int:
             flop = 4.0 * B * H * pairs * D
             ref = None
             for method in args.methods:
-                fn = make_method(method, T, cfg, gi, libs)
-                if fn is None:
-                    rows.append(dict(config=config, T=T, method=method, skipped="dense T x T mask does not fit"))
+                try:
+                    fn = make_method(method, T, cfg, gi, libs)
+                    if fn is None:
+                        rows.append(dict(config=config, T=T, method=method, skipped="dense T x T mask does not fit"))
+                        continue
+                    out = fn(q, k, v)
+                except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
+                    msg = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                    print(f"  {config} T={T} {method}: failed ({msg})")
+                    rows.append(dict(config=config, T=T, method=method, skipped=msg))
+                    gc.collect()
                     continue
-                out = fn(q, k, v)
                 if ref is None and method.startswith("swa_tvm"):
                     ref = out
                 err = None
@@ -369,6 +399,7 @@ def main(argv=None) -> int:
                 print(f"  {config:22s} T={T:6d} {method:16s} {ms:10.1f} ms {g:7.1f} GFLOP/s {100 * g / peak:5.1f}%")
             del q, k, v
             gc.collect()
+            save(rows, [])
     memory = []
     if not args.no_memory:
         mT = args.memory_T or max(args.T)
@@ -383,23 +414,28 @@ def main(argv=None) -> int:
                           f"({r['ratio']:.2f}x q+k+v+out)")
                 else:
                     print(f"  memory {config} {method}: {r}")
-    result = {
+            save(rows, memory)
+    result = save(rows, memory)
+    plot(result, os.path.join(args.out, "scaling.png"))
+    print(markdown_table(result))
+    print(f"wrote {args.out}/results.json and {args.out}/scaling.png in {time.time() - t0:.0f}s")
+    return 0
+
+
+def _result(args, argv, libs_tuned, threads, peak, rows, memory) -> dict:
+    import swa_tvm
+
+    return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "swa-tvm bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"cpu": _cpu_name(), "machine": platform.machine(), "threads": threads},
         "versions": {"torch": torch.__version__, "tvm": swa_tvm.library.tvm_version(), "swa_tvm": swa_tvm.__version__},
         "shape": {"B": B, "H": H, "D": D, "dtype": "float32"},
         "matmul_peak_gflops": peak,
-        "tuned_kernels": tuned,
+        "tuned_kernels": libs_tuned,
         "rows": rows,
         "memory": memory,
     }
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    plot(result, os.path.join(args.out, "scaling.png"))
-    print(markdown_table(result))
-    print(f"wrote {args.out}/results.json and {args.out}/scaling.png in {time.time() - t0:.0f}s")
-    return 0
 
 
 def markdown_table(result: dict) -> str:

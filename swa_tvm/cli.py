@@ -82,6 +82,7 @@ def _cmd_tune(args) -> int:
 
     def on_sigint(signum, frame):
         interrupted.append(signum)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # one interrupt is enough
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGINT, on_sigint)
@@ -106,7 +107,11 @@ def _cmd_tune(args) -> int:
             f"is in {log_dir(logs, target)}; run the same command again to continue",
             file=sys.stderr,
         )
-        return 130
+        # Exit now: MetaSchedule's worker pools would otherwise re-raise the interrupt
+        # while shutting down. Every record is already on disk (fsynced per line).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     finally:
         signal.signal(signal.SIGINT, previous)
     for r in results:
