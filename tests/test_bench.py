@@ -45,3 +45,11 @@ def test_spec_strings_cover_every_config():
     kernels = {k.name for s in bench.spec_strings() for k in AttentionSpec.parse(s).kernels()}
     assert len(bench.spec_strings()) == len(bench.CONFIGS)
     assert any(n.startswith("swa_global") for n in kernels)
+
+
+def test_cli_bench_help():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "swa_tvm.cli", "bench", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "--reuse-libs" in r.stdout and "--T" in r.stdout
