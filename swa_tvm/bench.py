@@ -340,7 +340,6 @@ def main(argv=None) -> int:
     if args.runs < 5:
         print("swa-tvm bench: --runs below 5 gives medians too noisy to quote", file=sys.stderr)
 
-    import swa_tvm
 
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
@@ -393,7 +392,7 @@ def main(argv=None) -> int:
                         rows.append(dict(config=config, T=T, method=method, rel_err=err, skipped="wrong result"))
                         continue
                 del out
-                ms = median_ms(lambda: fn(q, k, v), args.runs)
+                ms = median_ms(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v), args.runs)
                 g = flop / (ms * 1e-3) / 1e9
                 rows.append(dict(config=config, T=T, method=method, ms=ms, gflops=g, pct_peak=100 * g / peak, rel_err=err))
                 print(f"  {config:22s} T={T:6d} {method:16s} {ms:10.1f} ms {g:7.1f} GFLOP/s {100 * g / peak:5.1f}%")

@@ -355,7 +355,7 @@ class TuneResult:
     best_gflops: float | None
 
 
-def _progress_callback(specs, total, bar):
+def _progress_callback(specs, bar):
     from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
     from tvm.ir.utils import derived_object
 
@@ -460,7 +460,7 @@ def tune(
         from tqdm import tqdm
 
         bar = tqdm(total=trials * len(specs), unit="trial", desc="tune", dynamic_ncols=True)
-    callbacks = ms.measure_callback.MeasureCallback.create("default") + [_progress_callback(specs, trials, bar)]
+    callbacks = ms.measure_callback.MeasureCallback.create("default") + [_progress_callback(specs, bar)]
     try:
         ms.tune.tune_tasks(
             tasks=tasks,

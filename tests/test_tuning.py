@@ -5,7 +5,6 @@ their own CPU class, and an RPC tracker with two servers measures candidates.
 Tuning stays tiny here (a D=16 kernel, 2-4 trials): one batch of full-size candidates
 takes minutes to build on two cores."""
 
-import json
 import os
 import signal
 import socket
@@ -54,7 +53,7 @@ def test_sampled_schedules_replay_on_symbolic_kernel_and_are_correct(seed):
     func = tuning.apply_record(spec, sch.trace)
     f = _compile_one(func)[spec.name]
 
-    B, H, T, D, E = 2, 3, 77, 16, 3
+    B, H, T, D = 2, 3, 77, 16  # E = 3 extra key slots per batch row
     q, k, v = (torch.randn(B, H, T, D) for _ in range(3))
     dil = torch.tensor([1, 2, 2], dtype=torch.int32)
     extra = torch.tensor([[0, 40, -1], [5, 6, 70]], dtype=torch.int32)
