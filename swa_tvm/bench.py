@@ -211,6 +211,9 @@ def make_method(name: str, T: int, cfg: dict, gi, libs: dict):
         # _compile=True builds the block mask block by block; the eager path evaluates
         # mask_mod on all T x T pairs at once (32 GiB at T=65536).
         block_mask = create_block_mask(band_mask_mod(cfg, is_g), None, None, T, T, device="cpu", _compile=True)
+        # Each (pattern, T) compiles afresh: past dynamo's recompile limit (8),
+        # fullgraph=True turns a recompile into an error.
+        torch._dynamo.reset()
         compiled = torch.compile(flex_attention, fullgraph=True, dynamic=False)
         return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
     if name == "sliding chunks":
