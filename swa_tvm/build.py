@@ -169,7 +169,7 @@ def export_library(
     specs = list(dict.fromkeys(specs))
     target = normalize_target(target)
     records = find_records(specs, target, logs) if logs is not None else {}
-    if warn_untuned:
+    if warn_untuned and logs is not None:  # logs=None asks for default schedules: nothing to warn
         root = default_logs_root() if logs == DEFAULT_LOGS else logs
         where = log_dir(root, target) if root else "(no tuning logs configured)"
         for s in specs:
