@@ -7,26 +7,16 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
 import time
 
 import torch
 
 import swa_tvm
+from swa_tvm.bench import median_ms
 from swa_tvm.reference import attention_mask, sliding_window_attention_ref
 
 B, H, T, D, W, G = 1, 8, 4096, 64, 512, 16
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "demo_out")
-
-
-def median_ms(fn, runs=5):
-    fn()  # warm-up
-    ts = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(ts)
 
 
 def main():

@@ -105,14 +105,13 @@ DEFAULT_LOGS = "default"
 
 def find_records(specs: Iterable[KernelSpec], target: dict, logs: str | None = DEFAULT_LOGS) -> dict:
     """The best tuning record of each spec for ``target`` (None where there is none)."""
-    from .tuning import best_record, default_logs_root
+    from .tuning import apply_record, best_records, default_logs_root
 
-    from .tuning import apply_record
-
+    specs = list(specs)
     root = default_logs_root() if logs == DEFAULT_LOGS else logs
-    found = {}
+    found = best_records(specs, target, root)  # reads the log folder once
     for s in specs:
-        rec = best_record(s, target, root)
+        rec = found[s.name]
         if rec is not None:
             try:
                 apply_record(s, rec.trace)

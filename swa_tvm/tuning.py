@@ -226,6 +226,13 @@ def _make_tuning_log_class():
         def get_top_k(self, workload, top_k: int):
             return self._mem.get_top_k(workload, top_k)
 
+        def records_for(self, mod) -> list:
+            """Every valid record of the workload ``mod``, fastest first (a lookup: the
+            workload is committed to the in-memory table only)."""
+            if not self._mem.has_workload(mod):
+                return []
+            return list(self._mem.get_top_k(self._mem.commit_workload(mod), 1 << 20))
+
         def get_all_tuning_records(self):
             return self._mem.get_all_tuning_records()
 
@@ -264,24 +271,29 @@ def _same_target_class(record_target, target: dict) -> bool:
     return target_key({k: v for k, v in rec.items() if v is not None}) == target_key(target)
 
 
+def _best_in(db, spec: KernelSpec, target: dict) -> BestRecord | None:
+    recs = db.records_for(tuning_workload(spec))
+    mine = [r for r in recs if _same_target_class(r.target, target)]
+    if not mine:
+        return None
+    secs = float(np.mean([float(s) for s in mine[0].run_secs]))
+    return BestRecord(mine[0].trace, secs * 1e3, workload_flops(spec) / secs / 1e9, len(recs))
+
+
+def best_records(specs: Iterable[KernelSpec], target: dict, logs_root: str | None) -> dict:
+    """The fastest valid record of each spec in ``logs_root``'s folder for ``target``
+    (None where there is none), reading that folder once."""
+    specs = list(specs)
+    folder = log_dir(logs_root, target) if logs_root else None
+    if folder is None or not os.path.exists(os.path.join(folder, RECORD_FILE)):
+        return {s.name: None for s in specs}
+    db = open_log(folder, readonly=True)
+    return {s.name: _best_in(db, s, target) for s in specs}
+
+
 def best_record(spec: KernelSpec, target: dict, logs_root: str | None) -> BestRecord | None:
     """The fastest valid record for ``spec`` in ``logs_root``'s folder for ``target``."""
-    if not logs_root:
-        return None
-    folder = log_dir(logs_root, target)
-    if not os.path.exists(os.path.join(folder, RECORD_FILE)):
-        return None
-    db = open_log(folder, readonly=True)
-    mod = tuning_workload(spec)
-    if not db.has_workload(mod):
-        return None
-    wl = db._mem.commit_workload(mod)  # in memory only: a lookup, not a write
-    recs = [r for r in db.get_top_k(wl, 64) if _same_target_class(r.target, target)]
-    if not recs:
-        return None
-    best = recs[0]
-    secs = float(np.mean([float(s) for s in best.run_secs]))
-    return BestRecord(best.trace, secs * 1e3, workload_flops(spec) / secs / 1e9, len(db.get_top_k(wl, 1 << 20)))
+    return best_records([spec], target, logs_root)[spec.name]
 
 
 def apply_record(spec: KernelSpec, trace):
@@ -454,7 +466,7 @@ def tune(
         ).clone()
         for i, (spec, logger) in enumerate(zip(specs, loggers))
     ]
-    before = {s.name: _count(db, s) for s in specs}
+    before = {s.name: len(db.records_for(tuning_workload(s))) for s in specs}
     bar = None
     if progress:
         from tqdm import tqdm
@@ -481,12 +493,13 @@ def tune(
             bar.close()
     results = []
     for spec in specs:
-        best = best_record(spec, target, logs_root)
+        best = _best_in(db, spec, target)  # the log in memory already holds this run's records
+        records = len(db.records_for(tuning_workload(spec)))
         results.append(
             TuneResult(
                 spec,
-                _count(db, spec) - before[spec.name],
-                _count(db, spec),
+                records - before[spec.name],
+                records,
                 best.run_ms if best else None,
                 best.gflops if best else None,
             )
@@ -494,18 +507,12 @@ def tune(
     return results
 
 
-def _count(db, spec: KernelSpec) -> int:
-    mod = tuning_workload(spec)
-    if not db.has_workload(mod):
-        return 0
-    return len(db.get_top_k(db._mem.commit_workload(mod), 1 << 20))
-
-
 __all__ = [
     "TUNE_SHAPES",
     "tuning_workload",
     "open_log",
     "best_record",
+    "best_records",
     "apply_record",
     "tune",
     "default_logs_root",
