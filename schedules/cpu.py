@@ -168,7 +168,194 @@ def schedule_global(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8
     sch.decompose_reduction(blk, jr)
 
 
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def _widths(extent: int, vector_lanes: int) -> list[int]:
+    """Vector widths (1, 2 or 4 registers) that divide a fixed extent."""
+    return [w for w in (vector_lanes, 2 * vector_lanes, 4 * vector_lanes) if extent % w == 0]
+
+
+def _band_block_product(sch, name, spec, vector_lanes, knobs, bounded):
+    """A [band, block] product reduced over the feature axis: register tile of band
+    rows x block vector(s), the reduction outside the tile."""
+    blk = sch.get_sblock(name)
+    r_l, b_l, c_l = sch.get_loops(blk)[-3:]
+    widths = _widths(spec.block_q, vector_lanes)
+    if not (bounded and widths):
+        sch.reorder(c_l, b_l)
+        return
+    r_in = knobs.tile(sch, r_l, -(-(spec.block_q + spec.left + spec.right) // LANES) * LANES, 4, 8)
+    ro, ri = sch.split(r_l, factors=[None, r_in])
+    bo, bi = sch.split(b_l, factors=[None, knobs.choice(sch, widths, widths[min(1, len(widths) - 1)])])
+    sch.reorder(ro, bo, c_l, ri, bi)
+    sch.unroll(ri)
+    sch.vectorize(bi)
+    sch.decompose_reduction(blk, c_l)
+
+
+def _block_feature_product(sch, name, spec, vector_lanes, knobs, rows: int | None):
+    """[block, D] = sum over the band of [band, block] x [band, D]: register tile of
+    block rows x feature vector(s), the reduction over the band outside the tile."""
+    blk = sch.get_sblock(name)
+    q_l, c_l, kr = sch.get_loops(blk)[-3:]
+    widths = _widths(spec.head_dim, vector_lanes)
+    if rows:
+        q_in = knobs.tile(sch, q_l, rows, 2, 4)
+        qo, qi_in = sch.split(q_l, factors=[None, q_in])
+    else:
+        qo, qi_in = q_l, None
+    if widths:
+        co, ci = sch.split(c_l, factors=[None, knobs.choice(sch, widths, widths[-1])])
+        sch.reorder(*[x for x in (qo, co, kr, qi_in, ci) if x is not None])
+        sch.vectorize(ci)
+    else:
+        sch.reorder(*[x for x in (qo, kr, qi_in, c_l) if x is not None])
+    if qi_in is not None:
+        sch.unroll(qi_in)
+    sch.decompose_reduction(blk, kr)
+
+
+def _items(sch, roots, per_item, knobs):
+    """Merge the item loops (batch x head x item) of ``roots`` (in program order: the
+    merged loop lands where the last one was, and merge does not check dataflow),
+    compute every stage of ``per_item`` at it (innermost consumer first), parallel."""
+    item = None
+    for r in roots:
+        loops = sch.get_loops(sch.get_sblock(r))
+        fused = sch.fuse(*loops[:3])
+        item = fused if item is None else sch.merge(item, fused)
+    for name in per_item:
+        if _has(sch, name):
+            sch.compute_at(sch.get_sblock(name), item, preserve_unit_loops=True)
+    sch.parallel(item)
+    sch.annotate(item, "pragma_auto_unroll_max_step", knobs.choice(sch, UNROLL_STEPS, 0))
+    sch.annotate(item, "pragma_unroll_explicit", 1)
+    return item
+
+
+def _gather_back(sch, names, spec, vector_lanes, rank=4):
+    """The final [B,H,T,D] gathers, merged into one parallel loop over rows."""
+    row = None
+    for name in names:
+        loops = sch.get_loops(sch.get_sblock(name))
+        if spec.head_dim % vector_lanes == 0:
+            _vectorize_inner(sch, loops[-1], vector_lanes)
+        fused = sch.fuse(*loops[: rank - 1])
+        row = fused if row is None else sch.merge(row, fused)
+    sch.parallel(row)
+
+
+def _vectorize_block_axis(sch, names, spec, vector_lanes):
+    if spec.block_q % vector_lanes:
+        return
+    for name in names:
+        if _has(sch, name):
+            _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1], vector_lanes)
+
+
+def schedule_local_dq(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
+    knobs = knobs or Defaults()
+    bounded = spec.left >= 0 and spec.right >= 0
+    _gather_back(sch, ["dq"], spec, vector_lanes)
+    per_item = ["dqx", "dqw", "xds", "ds", "xarg", "arg", "xdp", "xscore", "dp", "score"]
+    per_item += ["vband", "kband", "rstat", "dblk_t", "qblk_t"]
+    _items(sch, ["dq_blk"], per_item, knobs)
+    if spec.head_dim % vector_lanes == 0:
+        _vectorize_inner(sch, sch.get_loops(sch.get_sblock("dq_blk"))[-1], vector_lanes)
+        for name in ("kband", "vband"):
+            _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1], vector_lanes)
+    for name in ("score", "dp"):
+        _band_block_product(sch, name, spec, vector_lanes, knobs, bounded)
+    _vectorize_block_axis(sch, ["arg", "ds", "xarg", "xds"], spec, vector_lanes)
+    _block_feature_product(sch, "dqw", spec, vector_lanes, knobs, spec.block_q)
+    if _has(sch, "dqx"):
+        _block_feature_product(sch, "dqx", spec, vector_lanes, knobs, spec.block_q)
+        for name in ("xscore", "xdp"):
+            blk = sch.get_sblock(name)
+            qi, c = sch.get_loops(blk)[-2:]
+            sch.reorder(c, qi)
+
+
+def schedule_local_dkv(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
+    knobs = knobs or Defaults()
+    bounded = spec.left >= 0 and spec.right >= 0
+    _gather_back(sch, ["dk", "dv"], spec, vector_lanes)
+    per_item = ["ds", "prob", "arg", "dp", "score", "bstat", "dband", "qband", "vblk_t", "kblk_t"]
+    _items(sch, ["dv_blk", "dk_blk"], per_item, knobs)
+    if spec.head_dim % vector_lanes == 0:
+        for name in ("qband", "dband"):
+            _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1], vector_lanes)
+    for name in ("score", "dp"):
+        _band_block_product(sch, name, spec, vector_lanes, knobs, bounded)
+    _vectorize_block_axis(sch, ["arg", "prob", "ds"], spec, vector_lanes)
+    for name in ("dv_blk", "dk_blk"):
+        _block_feature_product(sch, name, spec, vector_lanes, knobs, spec.block_q)
+
+
+def _per_head(sch, roots, per_head, knobs):
+    """Merge the (batch x head) loops of ``roots``, compute ``per_head`` at it, parallel.
+    ``roots`` go in program order: the merged loop lands where the last one was."""
+    bh = None
+    for r in roots:
+        loops = sch.get_loops(sch.get_sblock(r))
+        fused = sch.fuse(*loops[:2])
+        bh = fused if bh is None else sch.merge(bh, fused)
+    for name in per_head:
+        sch.compute_at(sch.get_sblock(name), bh, preserve_unit_loops=True)
+    sch.parallel(bh)
+    sch.annotate(bh, "pragma_auto_unroll_max_step", knobs.choice(sch, UNROLL_STEPS, 0))
+    sch.annotate(bh, "pragma_unroll_explicit", 1)
+
+
+def _row_reduce_product(sch, name, spec, vector_lanes):
+    """[rows, D] = sum over r of [r, rows] x [r, D] with a runtime-length r: the
+    feature axis vectorized innermost, the reduction outside it."""
+    blk = sch.get_sblock(name)
+    _, c_l, r_l = sch.get_loops(blk)[-3:]
+    sch.reorder(r_l, c_l)
+    if spec.head_dim % vector_lanes == 0:
+        _vectorize_inner(sch, c_l, vector_lanes)
+    sch.decompose_reduction(blk, r_l)
+
+
+def schedule_local_dx(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
+    knobs = knobs or Defaults()
+    per_head = ["dv_extra_acc", "dk_extra_acc", "ds", "prob", "arg", "dp", "score", "xv_t", "xk_t"]
+    _per_head(sch, ["dk_extra", "dv_extra"], per_head, knobs)
+    for name in ("dv_extra_acc", "dk_extra_acc"):
+        _row_reduce_product(sch, name, spec, vector_lanes)
+    for name in ("score", "dp"):
+        blk = sch.get_sblock(name)
+        e, c = sch.get_loops(blk)[-2:]
+        sch.reorder(c, e)
+
+
+def schedule_global_bwd(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
+    knobs = knobs or Defaults()
+    per_head = ["dq_global_acc", "dk_global_acc", "dv_global_acc", "gds", "gprob", "garg", "gdp", "gscore", "dg_t", "qg_t"]
+    _per_head(sch, ["dq_global", "dk_global", "dv_global"], per_head, knobs)
+    for name in ("dq_global_acc", "dk_global_acc", "dv_global_acc"):
+        _row_reduce_product(sch, name, spec, vector_lanes)
+    for name in ("gscore", "gdp"):
+        blk = sch.get_sblock(name)
+        g, c = sch.get_loops(blk)[-2:]
+        sch.reorder(c, g)
+
+
+SCHEDULES = {
+    "local": schedule_local,
+    "global": schedule_global,
+    "local_dq": schedule_local_dq,
+    "local_dkv": schedule_local_dkv,
+    "local_dx": schedule_local_dx,
+    "global_bwd": schedule_global_bwd,
+}
+
+
 def schedule(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
     """Apply the schedule for ``spec`` to ``sch`` (working on spec.name): the default
     one, or with ``knobs=Sampled()`` one point of the MetaSchedule search space."""
-    (schedule_local if spec.kind == "local" else schedule_global)(sch, spec, vector_lanes, knobs)
+    SCHEDULES[spec.kind](sch, spec, vector_lanes, knobs)

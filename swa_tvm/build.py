@@ -225,11 +225,11 @@ def _kernel_code_digest() -> str:
     schedules), so an edited checkout never reuses a cached build of older code."""
     import hashlib
 
-    from swa_tvm import compute
+    from swa_tvm import compute, compute_backward
     from swa_tvm.schedules import cpu
 
     h = hashlib.sha256()
-    for mod in (compute, cpu):
+    for mod in (compute, compute_backward, cpu):
         with open(mod.__file__, "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]

@@ -32,7 +32,6 @@ from .spec import KernelSpec
 LANES = 16
 
 
-
 def _neg_inf(dtype: str):
     return tirx.infinity(dtype) * tirx.const(-1, dtype)
 
@@ -71,6 +70,108 @@ def _dims(shapes: dict | None, names: str):
     shapes = shapes or {}
     return [shapes[n] if n in shapes else te.var(n, dtype="int64") for n in names.split()]
 
+def i64(x):
+    return x.astype("int64") if hasattr(x, "astype") else x
+
+
+class Band:
+    """The blocked band structure shared by the local kernels (forward and backward).
+
+    A *work item* is one block of ``block`` consecutive positions of one residue class
+    mod d (the head's dilation). Block position p sees partner position p + s*d for
+    -lo <= s <= hi, so an item's partners form one contiguous band of ``width``
+    positions: the forward and dq kernels use (lo, hi) = (left, right) with queries as
+    block positions and keys as partners; the dk/dv kernel uses (right, left) with the
+    roles swapped (key j is seen by query i = j + u*d, -right <= u <= left).
+
+    Item beta of head h covers ib = beta // d, r = beta % d:
+        block positions  pos(qi) = ib*block*d + r + d*qi,            qi < block
+        partners         partner(kj) = pos(0) + d*(kj - lo),          kj < width
+    (partner(kj) = r + d*kj when lo is unbounded). ``info`` [H, nitems, 4] holds, per
+    item, pos(0), partner(0), ib*block and r, so inner loops never divide by the
+    runtime dilation.
+    """
+
+    def __init__(self, lo: int, hi: int, block: int, max_dilation: int, T, H, dil, name: str = "item_info"):
+        self.lo, self.hi, self.block, self.T, self.dil = lo, hi, block, T, dil
+        self.nitems = tirx.floordiv(T + (block - 1), block) + (max_dilation - 1)
+        if lo >= 0 and hi >= 0:
+            # Rounded up to whole SIMD vectors; the extra partners are masked like any
+            # position beyond the window.
+            self.width = -(-(block + lo + hi) // LANES) * LANES
+        else:  # unbounded side: the band is the whole (residue) sequence, O(T^2) as the math says
+            self.width = T + max(lo, 0)
+
+        def field(h, beta, f):
+            d = i64(dil[h])
+            ib, r = tirx.floordiv(beta, d), tirx.floormod(beta, d)
+            row0 = ib * (block * d) + r
+            key0 = row0 - lo * d if lo >= 0 else r
+            return tirx.Select(f == 0, row0, tirx.Select(f == 1, key0, tirx.Select(f == 2, ib * block, r)))
+
+        self.info = te.compute((H, self.nitems, 4), field, name=name)
+
+    def pos(self, h, beta, qi):
+        return self.info[h, beta, 0] + i64(self.dil[h]) * qi
+
+    def partner(self, h, beta, kj):
+        return self.info[h, beta, 1] + i64(self.dil[h]) * kj
+
+    def clamp(self, x):
+        return tirx.max(tirx.min(x, self.T - 1), 0)
+
+    def ok(self, h, beta, qi, kj):
+        """Partner kj of the band is in range and inside block position qi's window. In
+        residue space its offset from qi is kj - lo - qi (bounded lo) or
+        kj - t(pos 0) - qi (unbounded lo), independent of the dilation."""
+        T, lo, hi = self.T, self.lo, self.hi
+        j = self.partner(h, beta, kj)
+        ok = tirx.all(j >= 0, j < T, self.pos(h, beta, qi) < T)
+        off = kj - lo - qi if lo >= 0 else kj - self.info[h, beta, 2] - qi
+        if lo >= 0:
+            ok = tirx.all(ok, off >= -lo)
+        if hi >= 0:
+            ok = tirx.all(ok, off <= hi)
+        return ok
+
+    def item_of(self, h, i):
+        """(item, block position) of sequence position i: for gathering results back."""
+        d = i64(self.dil[h])
+        span = self.block * d
+        return tirx.floordiv(i, span) * d + tirx.floormod(i, d), tirx.floordiv(tirx.floormod(i, span), d)
+
+
+class Extras:
+    """Visibility of the extra keys (global positions and sinks, [B, E] int32, -1 =
+    padding) to ordinary rows. Calling it with a row's position i, residue-space index
+    t and residue r (so no division by the dilation is needed per score) says whether
+    extra e is visible: not padding, not in the future of a causal row, and not already
+    inside the row's window (a position counts once)."""
+
+    def __init__(self, xidx, dil, B, H, E, left: int, right: int, T):
+        self.xidx, self.left, self.right, self.T = xidx, left, right, T
+        # Residue and residue-space index of each extra position under each head's dilation.
+        self.info = te.compute(
+            (B, H, E, 2),
+            lambda b, h, e, f: tirx.Select(
+                f == 0, tirx.floormod(i64(xidx[b, e]), i64(dil[h])), tirx.floordiv(i64(xidx[b, e]), i64(dil[h]))
+            ),
+            name="extra_info",
+        )
+
+    def __call__(self, b, h, e, i, t, r):
+        x = i64(self.xidx[b, e])
+        s = self.info[b, h, e, 1] - t
+        in_band = self.info[b, h, e, 0] == r
+        if self.left >= 0:
+            in_band = tirx.all(in_band, s >= -self.left)
+        if self.right >= 0:
+            in_band = tirx.all(in_band, s <= self.right)
+        ok = tirx.all(x >= 0, i < self.T, tirx.Not(in_band))
+        if self.right == 0:
+            ok = tirx.all(ok, x <= i)
+        return ok
+
 
 def local_attention(spec: KernelSpec, shapes: dict | None = None):
     """TE for the local (window + extra keys) kernel.
@@ -95,50 +196,11 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None):
     sink = te.placeholder((H,), acc, name="sink_logit")
     scale = te.var("scale", dtype=acc)
 
-    i64 = lambda x: x.astype("int64") if hasattr(x, "astype") else x  # noqa: E731
-    nitems = tirx.floordiv(T + (Bq - 1), Bq) + (spec.max_dilation - 1)
-    if left >= 0 and right >= 0:
-        # Rounded up to whole SIMD vectors; the extra columns are masked like any key
-        # beyond the window.
-        kw = -(-(Bq + left + right) // LANES) * LANES
-    else:  # unbounded side: the band is the whole (residue) sequence, O(T^2) as the math says
-        kw = T + max(left, 0)
+    band = Band(left, right, Bq, spec.max_dilation, T, H, dil)
+    nitems, kw, item_info = band.nitems, band.width, band.info
+    row_of, key_of, key_ok, clamp = band.pos, band.partner, band.ok, band.clamp
     group = tirx.floordiv(H, Hkv)
     ninf = _neg_inf(acc)
-
-    # Per-item integers, computed once per item so that the inner loops see no division
-    # by the runtime dilation: [0] sequence position of the item's first row, [1] that of
-    # its first key, [2] the first row's residue-space index t, [3] the residue r.
-    def _item_field(h, beta, f):
-        d = i64(dil[h])
-        ib, r = tirx.floordiv(beta, d), tirx.floormod(beta, d)
-        row0 = ib * (Bq * d) + r
-        key0 = row0 - left * d if left >= 0 else r
-        return tirx.Select(f == 0, row0, tirx.Select(f == 1, key0, tirx.Select(f == 2, ib * Bq, r)))
-
-    item_info = te.compute((H, nitems, 4), _item_field, name="item_info")
-
-    def row_of(h, beta, qi):
-        return item_info[h, beta, 0] + i64(dil[h]) * qi
-
-    def key_of(h, beta, kj):
-        return item_info[h, beta, 1] + i64(dil[h]) * kj
-
-    def clamp(x):
-        return tirx.max(tirx.min(x, T - 1), 0)
-
-    def key_ok(h, beta, qi, kj):
-        """Key kj of the band is in range and inside row qi's window. In residue space
-        the offset of key kj from row qi is kj - left - qi (bounded left) or
-        kj - t(row 0) - qi (unbounded left), independent of the dilation."""
-        j = key_of(h, beta, kj)
-        ok = tirx.all(j >= 0, j < T, row_of(h, beta, qi) < T)
-        off = kj - left - qi if left >= 0 else kj - item_info[h, beta, 2] - qi
-        if left >= 0:
-            ok = tirx.all(ok, off >= -left)
-        if right >= 0:
-            ok = tirx.all(ok, off <= right)
-        return ok
 
     # Per-item gathers: the item's query rows, its key band transposed (so the score
     # product runs along contiguous keys) and its value band. Out-of-range indices are
@@ -171,31 +233,10 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None):
     stages_x = None
     if spec.extras:
 
-        # Residue and residue-space index of each extra position under each head's
-        # dilation, so the per-score window test needs no division.
-        extra_info = te.compute(
-            (B, H, E, 2),
-            lambda b, h, e, f: tirx.Select(
-                f == 0, tirx.floormod(i64(xidx[b, e]), i64(dil[h])), tirx.floordiv(i64(xidx[b, e]), i64(dil[h]))
-            ),
-            name="extra_info",
+        extra_ok = Extras(xidx, dil, B, H, E, left, right, T)
+        band_extra_ok = lambda b, h, beta, qi, e: extra_ok(  # noqa: E731
+            b, h, e, row_of(h, beta, qi), item_info[h, beta, 2] + qi, item_info[h, beta, 3]
         )
-
-        def extra_ok(b, h, beta, qi, e):
-            """Extra key x is visible to row i unless padding, in the future of a causal
-            row, or already inside the row's window (a position counts once)."""
-            i = row_of(h, beta, qi)
-            x = i64(xidx[b, e])
-            s = extra_info[b, h, e, 1] - (item_info[h, beta, 2] + qi)
-            in_band = extra_info[b, h, e, 0] == item_info[h, beta, 3]
-            if left >= 0:
-                in_band = tirx.all(in_band, s >= -left)
-            if right >= 0:
-                in_band = tirx.all(in_band, s <= right)
-            ok = tirx.all(x >= 0, i < T, tirx.Not(in_band))
-            if right == 0:
-                ok = tirx.all(ok, x <= i)
-            return ok
 
         c2 = te.reduce_axis((0, D), name="c2")
         xscore = te.compute(
@@ -209,7 +250,7 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None):
         )
         xmasked = te.compute(
             (B, H, nitems, Bq, E),
-            lambda b, h, beta, qi, e: tirx.Select(extra_ok(b, h, beta, qi, e), xscore[b, h, beta, qi, e] * scale, ninf),
+            lambda b, h, beta, qi, e: tirx.Select(band_extra_ok(b, h, beta, qi, e), xscore[b, h, beta, qi, e] * scale, ninf),
             name="xmasked",
         )
         stages_x = (xscore, xmasked)
@@ -277,10 +318,7 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None):
         name="blk_out",
     )
 
-    def item_of_row(h, i):
-        d = i64(dil[h])
-        span = Bq * d
-        return tirx.floordiv(i, span) * d + tirx.floormod(i, d), tirx.floordiv(tirx.floormod(i, span), d)
+    item_of_row = band.item_of
 
     out = te.compute(
         (B, H, T, D),
@@ -357,17 +395,24 @@ def global_attention(spec: KernelSpec, shapes: dict | None = None):
 
 def prim_func(spec: KernelSpec, shapes: dict | None = None) -> tvm.tirx.PrimFunc:
     """The unscheduled PrimFunc of a spec, named by ``spec.name``."""
-    args = (local_attention if spec.kind == "local" else global_attention)(spec, shapes)
+    from .compute_backward import BACKWARD_COMPUTES
+
+    computes = {"local": local_attention, "global": global_attention, **BACKWARD_COMPUTES}
+    args = computes[spec.kind](spec, shapes)
     func = te.create_prim_func(args)
     return func.with_attr("global_symbol", spec.name)
 
 
 def flops(spec: KernelSpec, B: int, H: int, T: int, G: int = 0, window_entries: int | None = None) -> float:
-    """Useful FLOPs (4*D per visible score: QK^T and PV), for GFLOP/s reports."""
-    if spec.kind == "global":
-        return 4.0 * B * H * G * T * spec.head_dim
+    """Useful FLOPs, for GFLOP/s reports: 2*D per visible score and product (forward:
+    QK^T and PV; dq: QK^T, dO V^T, dS K; dk/dv: those plus P^T dO, dS^T Q recomputed).
+    For "local_dx" the visible scores are the E extras of every row (pass them as
+    window_entries)."""
+    products = {"local": 2, "global": 2, "local_dq": 3, "local_dkv": 4, "local_dx": 4, "global_bwd": 5}[spec.kind]
+    if spec.is_global:
+        return 2.0 * products * B * H * G * T * spec.head_dim
     w = window_entries if window_entries is not None else spec.left + spec.right + 1
-    return 4.0 * B * H * T * w * spec.head_dim
+    return 2.0 * products * B * H * T * w * spec.head_dim
 
 
 __all__ = ["local_attention", "global_attention", "prim_func", "flops"]

@@ -164,6 +164,32 @@ def _extra_positions(global_idx, num_sinks: int, B: int, device) -> Optional[tor
     return x.masked_fill(dup, -1).contiguous()
 
 
+def _local_spec(q, left, right, dil, extra) -> KernelSpec:
+    dtype = str(q.dtype).replace("torch.", "")
+    return KernelSpec(
+        "local", q.shape[3], dtype, left, right, max(1, int(dil.max())), extras=extra is not None, block_q=DEFAULT_BLOCK_Q
+    )
+
+
+def _global_spec(q, right) -> KernelSpec:
+    return KernelSpec("global", q.shape[3], str(q.dtype).replace("torch.", ""), 0, 0 if right == 0 else -1)
+
+
+def _sink_or_none(sink_logits, H, acc, device):
+    """Learned sinks as the kernels take them: [H] in the accumulation dtype, -inf = none."""
+    if sink_logits is not None:
+        return sink_logits.to(acc).contiguous()
+    return torch.full((H,), float("-inf"), dtype=acc, device=device)
+
+
+def _global_rows(x, gi):
+    """Rows global_idx of x [B, H, T, ...] -> [B, H, G, ...]."""
+    idx = gi[:, None, :].expand(x.shape[0], x.shape[1], gi.shape[1])
+    if x.dim() == 4:
+        idx = idx[..., None].expand(*idx.shape, x.shape[3])
+    return torch.gather(x, 2, idx), idx
+
+
 def attention_forward(
     q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, scale, left, right
 ):
@@ -173,20 +199,12 @@ def attention_forward(
     )
     B, H, T, D = q.shape
     device = q.device.type
-    dtype = str(q.dtype).replace("torch.", "")
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     dil = dilation.to(torch.int32).contiguous()
-    sink = (
-        sink_logits.to(acc).contiguous()
-        if sink_logits is not None
-        else torch.full((H,), float("-inf"), dtype=acc, device=q.device)
-    )
+    sink = _sink_or_none(sink_logits, H, acc, q.device)
     extra = _extra_positions(global_idx, num_sinks, B, q.device)
-    want = KernelSpec(
-        "local", D, dtype, left, right, max(1, int(dil.max())), extras=extra is not None, block_q=DEFAULT_BLOCK_Q
-    )
-    kern = _kernel(want, device)
+    kern = _kernel(_local_spec(q, left, right, dil, extra), device)
     out = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, T, dtype=acc, device=q.device)
     args = [q, k, v, dil] + ([extra] if extra is not None else []) + [sink, float(scale), out, lse]
@@ -194,13 +212,9 @@ def attention_forward(
 
     G = global_idx.shape[1] if global_idx is not None else 0
     if G:
-        gkern = _kernel(KernelSpec("global", D, dtype, 0, 0 if right == 0 else -1), device)
+        gkern = _kernel(_global_spec(q, right), device)
         gi = global_idx.long()
-        qg = (
-            q_global.contiguous()
-            if q_global is not None
-            else torch.gather(q, 2, gi[:, None, :, None].expand(B, H, G, D))
-        )
+        qg = q_global.contiguous() if q_global is not None else _global_rows(q, gi)[0]
         kg = k_global.contiguous() if k_global is not None else k
         vg = v_global.contiguous() if v_global is not None else v
         gout = torch.empty(B, H, G, D, dtype=q.dtype, device=q.device)
@@ -209,6 +223,98 @@ def attention_forward(
         out.scatter_(2, gi[:, None, :, None].expand(B, H, G, D), gout)
         lse.scatter_(2, gi[:, None, :].expand(B, H, G), glse)
     return out, lse
+
+
+def _group_sum(x, Hkv):
+    """[B, H, ...] per query head -> [B, H_kv, ...]: the gradient of a GQA group's k/v."""
+    B, H = x.shape[:2]
+    return x if H == Hkv else x.view(B, Hkv, H // Hkv, *x.shape[2:]).sum(2)
+
+
+def attention_backward(
+    dout, dlse, q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, scale, left, right, out, lse
+):
+    """Eager implementation behind ``torch.ops.swa_tvm.attention_backward``.
+
+    Returns (dq, dk, dv, dq_global, dk_global, dv_global, dsink_logits); the gradient
+    of an input that was not given is an empty tensor. ``dlse`` (the gradient flowing
+    into the returned lse) may be None.
+    """
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    device = q.device.type
+    acc = lse.dtype
+    q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
+    dil = dilation.to(torch.int32).contiguous()
+    # delta_i = dout_i . out_i - dlse_i: the one row statistic every gradient kernel needs.
+    delta = (dout.to(acc) * out.to(acc)).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.to(acc)
+    lse = lse.contiguous()
+    none = q.new_empty(0)
+    dsink = none
+    if sink_logits is not None:
+        # d lse_i / d sink_h = exp(sink_h - lse_i), and d out_i / d sink_h = -exp(sink_h - lse_i) out_i.
+        p_sink = torch.exp(sink_logits.to(acc).view(1, H, 1) - lse)
+        dsink = -(p_sink * delta).sum((0, 2)).to(sink_logits.dtype)
+
+    G = global_idx.shape[1] if global_idx is not None else 0
+    dout_l, lse_l, delta_l = dout, lse, delta
+    if G:
+        gi = global_idx.long()
+        dout_g, idx4 = _global_rows(dout, gi)
+        lse_g, idx3 = _global_rows(lse, gi)
+        delta_g = _global_rows(delta, gi)[0]
+        # Global rows are the global kernel's: the local kernels see them as rows with
+        # no gradient and lse = +inf, so every one of their probabilities is 0.
+        dout_l = dout.scatter(2, idx4, 0.0)
+        lse_l = lse.scatter(2, idx3, float("inf"))
+        delta_l = delta.scatter(2, idx3, 0.0)
+
+    extra = _extra_positions(global_idx, num_sinks, B, q.device)
+    fwd = _local_spec(q, left, right, dil, extra)
+    kernels = {s.kind: _kernel(s, device) for s in fwd.backward_kernels()}
+    common = [q, k, v, dil] + ([extra] if extra is not None else []) + [dout_l, lse_l.contiguous(), delta_l.contiguous(), float(scale)]
+    dq = torch.empty_like(q)
+    kernels["local_dq"].func(*common, dq)
+    dk = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
+    dv = torch.empty_like(dk)
+    kernels["local_dkv"].func(*common, dk, dv)
+    if extra is not None:
+        E = extra.shape[1]
+        dkx = torch.empty(B, H, E, D, dtype=q.dtype, device=q.device)
+        dvx = torch.empty_like(dkx)
+        kernels["local_dx"].func(*common, dkx, dvx)
+        # Padding entries (-1) have zero gradient; send them to row 0 harmlessly.
+        xi = extra.long().clamp_min(0)[:, None, :, None].expand(B, H, E, D)
+        dk.scatter_add_(2, xi, dkx)
+        dv.scatter_add_(2, xi, dvx)
+    dk, dv = _group_sum(dk, Hkv), _group_sum(dv, Hkv)
+
+    dqg = dkg = dvg = none
+    if G:
+        gkern = _kernel(_global_spec(q, right).backward_kernels()[0], device)
+        qg = q_global.contiguous() if q_global is not None else _global_rows(q, gi)[0]
+        kg = k_global.contiguous() if k_global is not None else k
+        vg = v_global.contiguous() if v_global is not None else v
+        g_dq = torch.empty(B, H, G, D, dtype=q.dtype, device=q.device)
+        g_dk = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
+        g_dv = torch.empty_like(g_dk)
+        gkern.func(qg, kg, vg, global_idx.contiguous(), dout_g, lse_g, delta_g, float(scale), g_dq, g_dk, g_dv)
+        g_dk, g_dv = _group_sum(g_dk, Hkv), _group_sum(g_dv, Hkv)
+        if q_global is not None:
+            dqg = g_dq
+        else:
+            dq.scatter_add_(2, idx4, g_dq)
+        if k_global is not None:
+            dkg = g_dk
+        else:
+            dk += g_dk
+        if v_global is not None:
+            dvg = g_dv
+        else:
+            dv += g_dv
+    return dq, dk, dv, dqg, dkg, dvg, dsink
 
 
 def sliding_window_attention(

@@ -68,8 +68,10 @@ def sliding_window_attention_ref(
     sink_logits=None,
     scale=None,
 ):
-    """float64 (out, lse) by dense masked softmax. Same arguments as the kernel API."""
-    q, k, v = (x.detach().double() for x in (q, k, v))
+    """float64 (out, lse) by dense masked softmax. Same arguments as the kernel API.
+
+    Differentiable: torch autograd through it gives the reference gradients."""
+    q, k, v = (x.double() for x in (q, k, v))
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     rep = lambda x: x.repeat_interleave(H // Hkv, dim=1)  # noqa: E731
@@ -83,9 +85,9 @@ def sliding_window_attention_ref(
     if global_idx is not None and global_idx.numel():
         gi = global_idx.long()
         G = gi.shape[1]
-        qg = q_global.detach().double() if q_global is not None else torch.gather(q, 2, gi[:, None, :, None].expand(B, H, G, D))
-        kg = rep(k_global.detach().double()) if k_global is not None else k
-        vg = rep(v_global.detach().double()) if v_global is not None else v
+        qg = q_global.double() if q_global is not None else torch.gather(q, 2, gi[:, None, :, None].expand(B, H, G, D))
+        kg = rep(k_global.double()) if k_global is not None else k
+        vg = rep(v_global.double()) if v_global is not None else v
         gscores = (qg @ kg.transpose(-1, -2)) * scale  # [B, H, G, T]
         scores = scores.scatter(2, gi[:, None, :, None].expand(B, H, G, T), gscores)
         # Global rows take their values from v_global: handle them as a separate product.
@@ -94,7 +96,7 @@ def sliding_window_attention_ref(
         vg, glob_rows = None, None
     scores = scores.masked_fill(~mask, float("-inf"))
     if sink_logits is not None:
-        sink = sink_logits.detach().double().view(1, H, 1, 1).expand(B, H, T, 1)
+        sink = sink_logits.double().view(1, H, 1, 1).expand(B, H, T, 1)
         full = torch.cat([scores, sink], dim=-1)
     else:
         full = scores

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 
 SUPPORTED_DTYPES = ("float32", "float64")
 
+FORWARD_KINDS = ("local", "global")
+BACKWARD_KINDS = ("local_dq", "local_dkv", "local_dx", "global_bwd")
+KINDS = FORWARD_KINDS + BACKWARD_KINDS
+
 # Rows per query block in the blocked ("chunks") formulation. The window's keys for one
 # block form a contiguous band of block_q + left + right keys, so the score stage is a
 # small dense matmul per block that tiling rules can work with; the waste is
@@ -35,9 +39,12 @@ class KernelSpec:
     kind "local": every row attends to its dilated window, plus (with ``extras``) a runtime
     list of extra key positions (global tokens and sinks) that it does not already see.
     kind "global": global rows attend to every key allowed by causality.
+    The backward kinds (see :mod:`swa_tvm.compute_backward`) are the gradients of these:
+    "local_dq", "local_dkv" and "local_dx" (extras' key gradients) of a local kernel,
+    "global_bwd" of a global one.
     """
 
-    kind: str  # "local" | "global"
+    kind: str  # one of KINDS
     head_dim: int
     dtype: str = "float32"
     left: int = 0
@@ -47,8 +54,8 @@ class KernelSpec:
     block_q: int = DEFAULT_BLOCK_Q
 
     def __post_init__(self) -> None:
-        if self.kind not in ("local", "global"):
-            raise ValueError(f"kind must be 'local' or 'global', got {self.kind!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if not isinstance(self.head_dim, int) or self.head_dim < 1:
             raise ValueError(f"head_dim must be a positive int, got {self.head_dim!r}")
         if self.dtype not in SUPPORTED_DTYPES:
@@ -65,16 +72,29 @@ class KernelSpec:
         return self.right == 0
 
     @property
+    def is_global(self) -> bool:
+        return self.kind in ("global", "global_bwd")
+
+    @property
     def name(self) -> str:
         """The function's symbol in the compiled module; unique per spec."""
         dt = {"float32": "f32", "float64": "f64"}[self.dtype]
-        if self.kind == "global":
-            return f"swa_global_d{self.head_dim}_{dt}_{'causal' if self.causal else 'full'}"
+        if self.is_global:
+            return f"swa_{self.kind}_d{self.head_dim}_{dt}_{'causal' if self.causal else 'full'}"
         side = lambda x: "inf" if x < 0 else str(x)  # noqa: E731
         return (
-            f"swa_local_d{self.head_dim}_{dt}_l{side(self.left)}_r{side(self.right)}"
+            f"swa_{self.kind}_d{self.head_dim}_{dt}_l{side(self.left)}_r{side(self.right)}"
             f"_md{self.max_dilation}_x{int(self.extras)}_bq{self.block_q}"
         )
+
+    def backward_kernels(self) -> list["KernelSpec"]:
+        """The gradient kernels of this forward kernel."""
+        if self.kind == "global":
+            return [dataclasses.replace(self, kind="global_bwd")]
+        if self.kind != "local":
+            raise ValueError(f"{self.name} is not a forward kernel")
+        kinds = ("local_dq", "local_dkv") + (("local_dx",) if self.extras else ())
+        return [dataclasses.replace(self, kind=k) for k in kinds]
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -91,7 +111,8 @@ class AttentionSpec:
     ``window=(left, right)`` and ``head_dim`` are exact. ``max_dilation`` bounds the
     runtime dilation (uniform or per head). ``globals`` adds global tokens (global rows
     with optional separate projections); ``sinks`` adds StreamingLLM sink positions.
-    Learned sink logits need no flag: every kernel takes them.
+    Learned sink logits need no flag: every kernel takes them. ``backward`` adds the
+    gradient kernels, for training.
     """
 
     head_dim: int
@@ -101,6 +122,7 @@ class AttentionSpec:
     sinks: bool = False
     dtype: str = "float32"
     block_q: int = DEFAULT_BLOCK_Q
+    backward: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.window, tuple) and len(self.window) == 2):
@@ -124,11 +146,13 @@ class AttentionSpec:
             # Only causality matters to a global row; left/right are normalised so that
             # every causal pattern shares one global kernel.
             out.append(KernelSpec("global", self.head_dim, self.dtype, 0, 0 if right == 0 else -1))
+        if self.backward:
+            out += [b for f in out for b in f.backward_kernels()]
         return out
 
     @classmethod
     def parse(cls, text: str) -> "AttentionSpec":
-        """Parse ``head_dim=64,window=255:0,dilation=2,globals,sinks,dtype=float32``."""
+        """Parse ``head_dim=64,window=255:0,dilation=2,globals,sinks,backward,dtype=float32``."""
         fields: dict = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, _, val = part.partition("=")
@@ -142,7 +166,7 @@ class AttentionSpec:
                 fields["window"] = (int(m.group(1)), int(m.group(2)))
             elif key in ("dilation", "max_dilation"):
                 fields["max_dilation"] = int(val)
-            elif key in ("globals", "sinks"):
+            elif key in ("globals", "sinks", "backward"):
                 fields[key] = val.strip().lower() not in ("0", "false", "no") if val else True
             elif key == "dtype":
                 fields["dtype"] = val.strip()

@@ -45,7 +45,7 @@ TUNE_SHAPES = {
 
 
 def tune_shapes(spec: KernelSpec, shapes: dict | None = None) -> dict:
-    base = dict(TUNE_SHAPES[spec.kind])
+    base = dict(TUNE_SHAPES["global" if spec.is_global else "local"])
     base.update(shapes or {})
     return base
 
@@ -64,8 +64,10 @@ def tuning_workload(spec: KernelSpec, shapes: dict | None = None):
 
 def workload_flops(spec: KernelSpec, shapes: dict | None = None) -> float:
     s = tune_shapes(spec, shapes)
-    if spec.kind == "global":
+    if spec.is_global:
         return flops(spec, s["B"], s["H"], s["T"], G=s["G"])
+    if spec.kind == "local_dx":
+        return flops(spec, s["B"], s["H"], s["T"], window_entries=s["E"])
     # Bounded windows: the full band per row (edges ignored); unbounded: half or all of T.
     if spec.left >= 0 and spec.right >= 0:
         w = spec.left + spec.right + 1
