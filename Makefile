@@ -23,14 +23,18 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(VPY) examples/demo.py
 
-# The full benchmark (tens of minutes on 2 cores): bench/results.json, bench/scaling.png.
+# The full benchmark (tens of minutes on 2 cores): bench/results.json, bench/scaling.png,
+# then forward + backward against the peers that train: bench/training.json.
 bench: $(STAMP)
 	$(VPY) examples/benchmark.py
+	$(VPY) examples/benchmark.py --training
 
-# Tune the shipped spec set for this CPU class into tuning_logs/ (continues from what is there).
+# Tune the shipped spec set (the benchmark's forward kernels and the training benchmark's
+# backward kernels) for this CPU class into tuning_logs/ (continues from what is there).
 TRIALS ?= 64
+SPECS_PY := from swa_tvm import bench, bench_train; print(' '.join('--spec ' + s for s in bench.spec_strings() + bench_train.spec_strings()))
 tune: $(STAMP)
-	$(VENV)/bin/swa-tvm tune --trials $(TRIALS) $$($(VPY) -c "from swa_tvm.bench import spec_strings; print(' '.join('--spec ' + s for s in spec_strings()))")
+	$(VENV)/bin/swa-tvm tune --trials $(TRIALS) $$($(VPY) -c "$(SPECS_PY)")
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo_out

@@ -329,7 +329,17 @@ def build_libraries(out_dir: str, logs: str | None, reuse: bool = False) -> dict
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="swa-tvm bench", description=__doc__.split("\n\n")[0])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--training" in argv:  # forward + backward against the peers that train
+        from . import bench_train
+
+        argv.remove("--training")
+        return bench_train.main(argv)
+    p = argparse.ArgumentParser(
+        prog="swa-tvm bench",
+        description=__doc__.split("\n\n")[0],
+        epilog="swa-tvm bench --training [...] times forward + backward instead (see --training --help).",
+    )
     p.add_argument("--T", type=int, nargs="+", default=[1024, 4096, 16384, 65536], help="sequence lengths")
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), metavar="CONFIG",
                    help=f"subset of: {'; '.join(CONFIGS)}")
@@ -431,7 +441,7 @@ def _result(args, argv, libs_tuned, threads, peak, rows, memory) -> dict:
 
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "swa-tvm bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "swa-tvm bench " + " ".join(argv),
         "machine": {"cpu": _cpu_name(), "machine": platform.machine(), "threads": threads},
         "versions": {"torch": torch.__version__, "tvm": swa_tvm.library.tvm_version(), "swa_tvm": swa_tvm.__version__},
         "shape": {"B": B, "H": H, "D": D, "dtype": "float32"},

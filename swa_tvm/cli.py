@@ -68,6 +68,12 @@ def _cmd_tune(args) -> int:
             "CUDA tuning comes with the CUDA backend"
         )
     specs = _kernel_specs(args)
+    if args.kernels != "all":
+        from .spec import BACKWARD_KINDS
+
+        specs = [k for k in specs if (k.kind in BACKWARD_KINDS) == (args.kernels == "backward")]
+        if not specs:
+            raise ValueError(f"--kernels {args.kernels}: the specs have no such kernels (add ',backward' to a spec)")
     logs = args.logs or "tuning_logs"
     work_dir = args.work_dir or os.path.join(logs, ".work", target_key(target))
     print(
@@ -147,7 +153,7 @@ def _cmd_info(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="swa-tvm", description="Sliding-window attention kernels built with Apache TVM.")
     sub = p.add_subparsers(dest="command", required=True)
-    spec_help = "pattern, e.g. head_dim=64,window=511:0,dilation=2,globals,sinks (repeatable)"
+    spec_help = "pattern, e.g. head_dim=64,window=511:0,dilation=2,globals,sinks,backward (repeatable)"
     target_help = "'llvm' (this CPU: detected -mcpu, all cores) or a JSON target dict"
 
     t = sub.add_parser("tune", help="tune kernels with MetaSchedule; records go to LOGS/<target-key>/")
@@ -161,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--trials-per-iter", type=int, default=32, help="candidates built and measured per batch")
     t.add_argument("--seed", type=int, help="random seed of the search")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--kernels", choices=("all", "forward", "backward"), default="all",
+                   help="tune only the forward or only the backward (gradient) kernels of the specs")
     t.set_defaults(func=_cmd_tune)
 
     e = sub.add_parser("export", help="compile specs into a shared library with its manifest")

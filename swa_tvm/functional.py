@@ -251,8 +251,9 @@ def attention_backward(
     if dlse is not None:
         delta = delta - dlse.to(acc)
     lse = lse.contiguous()
-    none = q.new_empty(0)
-    dsink = none
+    # Distinct empty tensors: a custom op's outputs may not alias each other.
+    none = lambda: q.new_empty(0)  # noqa: E731
+    dsink = none()
     if sink_logits is not None:
         # d lse_i / d sink_h = exp(sink_h - lse_i), and d out_i / d sink_h = -exp(sink_h - lse_i) out_i.
         p_sink = torch.exp(sink_logits.to(acc).view(1, H, 1) - lse)
@@ -291,7 +292,7 @@ def attention_backward(
         dv.scatter_add_(2, xi, dvx)
     dk, dv = _group_sum(dk, Hkv), _group_sum(dv, Hkv)
 
-    dqg = dkg = dvg = none
+    dqg, dkg, dvg = none(), none(), none()
     if G:
         gkern = _kernel(_global_spec(q, right).backward_kernels()[0], device)
         qg = q_global.contiguous() if q_global is not None else _global_rows(q, gi)[0]

@@ -1,7 +1,9 @@
-"""Torch binding: every custom op of swa_tvm and its fake (meta) implementation, here.
+"""Torch binding: every custom op of swa_tvm, its fake (meta) implementation and its
+autograd formula, here.
 
-``torch.ops.swa_tvm.attention`` is opaque to torch.compile: the fake below gives it
-shapes, so ``torch.compile(fullgraph=True)`` traces through it without a graph break.
+``torch.ops.swa_tvm.attention`` and ``torch.ops.swa_tvm.attention_backward`` are opaque
+to torch.compile: the fakes below give them shapes, so ``torch.compile(fullgraph=True)``
+traces through forward and backward without a graph break.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from .functional import attention_backward as _backward_impl
 from .functional import attention_forward, check_inputs
 
 
@@ -45,3 +48,73 @@ def _attention_fake(
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, H, T, D = q.shape
     return q.new_empty(B, H, T, D), q.new_empty(B, H, T, dtype=acc)
+
+
+@torch.library.custom_op("swa_tvm::attention_backward", mutates_args=())
+def attention_backward(
+    dout: torch.Tensor,
+    dlse: Optional[torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dilation: torch.Tensor,
+    global_idx: Optional[torch.Tensor],
+    q_global: Optional[torch.Tensor],
+    k_global: Optional[torch.Tensor],
+    v_global: Optional[torch.Tensor],
+    num_sinks: int,
+    sink_logits: Optional[torch.Tensor],
+    scale: float,
+    left: int,
+    right: int,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dq_global, dk_global, dv_global, dsink_logits); an input that was
+    not given gets an empty tensor. Uses the forward's out and lse, no T x T tensor."""
+    return _backward_impl(
+        dout, dlse, q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, scale, left, right, out, lse
+    )
+
+
+@attention_backward.register_fake
+def _attention_backward_fake(
+    dout, dlse, q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, scale, left, right, out, lse
+):
+    like = lambda x: torch.empty_like(x) if x is not None else q.new_empty(0)  # noqa: E731
+    return (
+        torch.empty_like(q),
+        torch.empty_like(k),
+        torch.empty_like(v),
+        like(q_global),
+        like(k_global),
+        like(v_global),
+        like(sink_logits),
+    )
+
+
+# Only what the backward reads is saved: the inputs it recomputes scores from, the
+# integer tables, and the forward's out and lse (no probabilities).
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, scale, left, right = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, dilation, global_idx, q_global, k_global, v_global, sink_logits, out, lse)
+    ctx.num_sinks, ctx.scale, ctx.window = num_sinks, scale, (left, right)
+    ctx.given = tuple(x is not None for x in (q_global, k_global, v_global, sink_logits))
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, dilation, global_idx, q_global, k_global, v_global, sink_logits, out, lse = ctx.saved_tensors
+    grads = torch.ops.swa_tvm.attention_backward(
+        dout, dlse, q, k, v, dilation, global_idx, q_global, k_global, v_global,
+        ctx.num_sinks, sink_logits, ctx.scale, *ctx.window, out, lse,
+    )  # fmt: skip
+    dq, dk, dv, dqg, dkg, dvg, dsink = grads
+    dqg, dkg, dvg, dsink = (g if given else None for g, given in zip((dqg, dkg, dvg, dsink), ctx.given))
+    # One entry per op input: dilation, global_idx, num_sinks, scale, left and right
+    # have no gradient.
+    return dq, dk, dv, None, None, dqg, dkg, dvg, None, dsink, None, None, None
+
+
+attention.register_autograd(_backward, setup_context=_setup_context)

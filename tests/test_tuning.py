@@ -250,3 +250,34 @@ def test_bad_tune_arguments():
     assert r.returncode == 1 and "HOST:PORT" in r.stderr
     r = subprocess.run(CLI + ["tune", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "--rpc-tracker" in r.stdout and "--work-dir" in r.stdout
+
+
+def test_backward_kernels_tune_and_export_with_their_own_records(tmp_path, fresh_registry):
+    """`tune --kernels backward` tunes only the gradient kernels of a spec, each under its
+    own workload; export applies those records and the gradients stay exact."""
+    spec = "head_dim=16,window=7:0,backward"
+    r = subprocess.run(CLI + ["tune", "--spec", "head_dim=16,window=7:0", "--kernels", "backward", "--trials", "1",
+                              "--logs", str(tmp_path / "logs")], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 1 and "add ',backward'" in r.stderr
+    r = subprocess.run(CLI + ["tune", "--spec", spec, "--kernels", "backward", "--trials", "2", "--trials-per-iter", "2",
+                              "--logs", str(tmp_path / "logs"), "--work-dir", str(tmp_path / "work"), "--seed", "0",
+                              "--quiet"], capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    kernels = AttentionSpec.parse(spec).kernels()
+    found = {k.kind: tuning.best_record(k, host_target(), str(tmp_path / "logs")) for k in kernels}
+    assert found["local"] is None and found["local_dq"] is not None and found["local_dkv"] is not None
+    lib = tmp_path / "train.so"
+    r = subprocess.run(CLI + ["export", "--spec", spec, "--logs", str(tmp_path / "logs"), "-o", str(lib)],
+                       capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    tuned = {k["spec"]["kind"]: k["tuned"] for k in swa_tvm.library.read_manifest(lib)["kernels"]}
+    assert tuned == {"local": False, "local_dq": True, "local_dkv": True}
+    swa_tvm.load_library(lib)
+    q, kk, v = (torch.randn(1, 2, 150, 16, requires_grad=True) for _ in range(3))
+    out = swa_tvm.sliding_window_attention(q, kk, v, window_size=(7, 0))
+    ref, _ = sliding_window_attention_ref(q, kk, v, window_size=(7, 0))
+    d = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, kk, v), d)
+    want = torch.autograd.grad(ref, (q, kk, v), d.double())
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-5
