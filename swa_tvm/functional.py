@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from . import library
-from .spec import DEFAULT_BLOCK_Q, KernelSpec
+from .spec import BACKWARD_KINDS, DEFAULT_BLOCK_Q, KernelSpec
 
 # Devices and dtypes the kernels of this build serve.
 SERVED_DEVICES = ("cpu",)
@@ -137,10 +137,13 @@ def _kernel(want: KernelSpec, device: str) -> library.Kernel:
                 f"head dim D={want.head_dim} is not served by the loaded libraries "
                 f"({', '.join(library.REGISTRY.libraries)}); they have head dims {dims}"
             )
+        hint = ""
+        if want.kind in BACKWARD_KINDS:
+            hint = "; gradients need the backward kernels: export with 'backward' in the spec"
         raise ValueError(
             f"no kernel in the loaded libraries computes {want.name} "
             f"(window ({want.left}, {want.right}), dilation up to {want.max_dilation}, extras={want.extras}, "
-            f"{want.dtype}); they hold: {_available(device)}"
+            f"{want.dtype}); they hold: {_available(device)}{hint}"
         )
     from .build import get_or_build_kernel
 
@@ -367,6 +370,12 @@ def sliding_window_attention(
       log-sum-exp of its visible scaled scores, with the sink term exp(sink_logits[h])
       included when given, so out[i] = sum_j exp(score_ij - lse_i) * v_j exactly. Use it
       to merge partial results.
+
+    **Gradients.** Differentiable in q, k, v, q_global, k_global, v_global and
+    sink_logits, through both out and lse (GQA: dk/dv summed over each group);
+    dilation, global_idx and num_sinks are integer inputs without gradient. The
+    backward saves only the inputs, out and lse, and costs O(T * (W + G)) like the
+    forward.
 
     Inputs may be non-contiguous. Bad input raises TypeError or ValueError naming the
     argument. When a library is loaded (:func:`swa_tvm.load_library`) its kernels are

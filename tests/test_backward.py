@@ -79,7 +79,7 @@ def test_float64_matches_reference_autograd(name):
     check_grads(*_make(name), tol=1e-10)
 
 
-@pytest.mark.parametrize("name", ["dilation_per_head", "globals_causal_separate", "everything", "unbounded"])
+@pytest.mark.parametrize("name", list(CASES))
 def test_gradcheck(name):
     qkv, kw = _make(name, seed=1, B=1, T=13)
     float_kw = {n: kw.pop(n) for n in ("q_global", "k_global", "v_global", "sink_logits") if n in kw}
@@ -142,11 +142,11 @@ def test_torch_compile_fullgraph_backward():
         return (out * out).sum() + lse.sum()
 
     leaves = _leaves(qkv, kw)
-    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(loss, fullgraph=True, backend="inductor")
     got = torch.autograd.grad(compiled(*leaves), leaves)
     want = torch.autograd.grad(loss(*leaves), leaves)
     for a, b in zip(got, want):
-        assert rel_err(a, b) < 1e-12
+        assert rel_err(a, b) < 1e-10
     r_out, r_lse = ref(*qkv, **kw)
     r = torch.autograd.grad((r_out * r_out).sum() + r_lse.sum(), leaves)
     for a, b in zip(got, r):
@@ -178,3 +178,18 @@ def test_sampled_backward_schedules_replay_and_are_correct(fresh_registry):
     for spec in specs:
         fresh_registry.add(library.Kernel(spec, module[spec.name], "cpu", "test"), module)
     check_grads(*_make("everything", seed=3), tol=1e-10)
+
+
+def test_library_without_backward_kernels_says_so(fresh_registry):
+    from swa_tvm import library
+    from swa_tvm.build import get_or_build_kernel
+    from swa_tvm.spec import KernelSpec
+
+    qkv, kw = _make("asymmetric")
+    fwd = get_or_build_kernel(KernelSpec("local", D64, "float64", 3, 1, 4, False))
+    fresh_registry.clear()
+    fresh_registry.add(library.Kernel(fwd.spec, fwd.func, "cpu", "forward_only.so"))
+    fresh_registry._libraries.append("forward_only.so")  # as if that library were loaded
+    out = swa_tvm.sliding_window_attention(*qkv, **kw)  # the forward is served
+    with pytest.raises(ValueError, match="export with 'backward' in the spec"):
+        out.sum().backward()

@@ -53,3 +53,22 @@ def test_cli_bench_help():
 
     r = subprocess.run([sys.executable, "-m", "swa_tvm.cli", "bench", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "--reuse-libs" in r.stdout and "--T" in r.stdout
+
+
+@pytest.mark.parametrize("config", ["causal W=512", "W=512 + 16 globals"])
+def test_training_peers_give_reference_gradients(config):
+    """The training benchmark's torch peers (autograd through sliding chunks and SDPA
+    with the dense mask) have the reference's gradients."""
+    from swa_tvm import bench_train
+
+    cfg = bench.CONFIGS[config]
+    T = 700
+    gi = bench.global_positions(T, cfg["G"]) if cfg["G"] else None
+    q, k, v = (torch.randn(1, 2, T, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    dout = torch.randn(1, 2, T, 16, dtype=torch.float64)
+    ref, _ = sliding_window_attention_ref(q, k, v, **_ref_kwargs(cfg, gi))
+    want = torch.autograd.grad(ref, (q, k, v), dout)
+    for method in ("sliding chunks", "SDPA + mask"):
+        got = bench_train._grads(bench_train.make_method(method, T, cfg, gi), q, k, v, dout)
+        for a, b in zip(got, want):
+            assert rel_err(a, b) < 1e-10, method
