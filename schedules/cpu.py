@@ -50,6 +50,22 @@ class Sampled:
         return sch.sample_categorical(candidates, [1.0 / len(candidates)] * len(candidates))
 
 
+class DefaultPoint(Sampled):
+    """The default schedule as a point of the search space: the same sampling
+    instructions as ``Sampled``, each with the default as its decision. ``swa-tvm tune``
+    measures it first, so the search starts from the default and a tuned record is
+    never one the default beats at the tuning shape."""
+
+    def tile(self, sch, loop, extent: int, default: int, max_inner: int):
+        inner = Defaults().tile(sch, loop, extent, default, max_inner)
+        return sch.sample_perfect_tile(loop, n=2, max_innermost_factor=max_inner, decision=[extent // inner, inner])[1]
+
+    def choice(self, sch, candidates, default):
+        candidates = list(candidates)
+        n = len(candidates)
+        return sch.sample_categorical(candidates, [1.0 / n] * n, decision=candidates.index(default))
+
+
 def _has(sch: s_tir.Schedule, name: str) -> bool:
     try:
         sch.get_sblock(name)

@@ -105,6 +105,10 @@ def main(argv=None) -> int:
                         continue
                     grads = _grads(fn, q, k, v, dout)
                 except Exception as e:  # noqa: BLE001 - a peer that cannot train is reported, not fatal
+                    # torch.compile wraps the peer's own error ("Unsupported: Observed
+                    # exception"); report the innermost one, which says why.
+                    while e.__cause__ is not None or e.__context__ is not None:
+                        e = e.__cause__ or e.__context__
                     msg = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                     print(f"  {config} T={T} {method}: failed ({msg})")
                     rows.append(dict(row, skipped=msg))

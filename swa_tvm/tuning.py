@@ -397,6 +397,53 @@ def _progress_callback(specs, bar):
     return Progress()
 
 
+def default_point(spec: KernelSpec, lanes: int):
+    """The schedule of the default knobs, as a point of the search space (its trace has
+    the space's sampling instructions with the defaults as decisions)."""
+    from tvm import s_tir
+
+    from .schedules import cpu as cpu_schedules
+
+    sch = s_tir.Schedule(tuning_workload(spec))
+    cpu_schedules.schedule(sch, spec, lanes, cpu_schedules.DefaultPoint())
+    return sch
+
+
+def _measure_default_points(specs, db, builder, runner, tvm_target, lanes) -> None:
+    """Measure each kernel's default point, unless its log already holds it, and commit
+    it as an ordinary record. The evolutionary search seeds its population from the
+    best records, so it starts at the default instead of random points only (32 random
+    trials of the backward kernels' spaces all lost to the default)."""
+    from tvm.s_tir import meta_schedule as ms
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+
+    todo = []
+    for spec in specs:
+        sch = default_point(spec, lanes)
+        mod = tuning_workload(spec)
+        if any(str(r.trace) == str(sch.trace) for r in db.records_for(mod)):
+            continue
+        todo.append((spec, sch, mod))
+    if not todo:
+        return
+    built = builder.build([ms.builder.BuilderInput(sch.mod, tvm_target) for _, sch, _ in todo])
+    inputs, kept = [], []
+    for (spec, sch, mod), b in zip(todo, built):
+        if b.error_msg:
+            raise RuntimeError(f"the default schedule of {spec.name} failed to build: {b.error_msg[:500]}")
+        args = ArgInfo.from_prim_func(sch.mod["main"])
+        device = "cpu" if tvm_target.kind.name == "llvm" else tvm_target.kind.name
+        inputs.append(ms.runner.RunnerInput(b.artifact_path, device, args))
+        kept.append((spec, sch, mod, args))
+    for (spec, sch, mod, args), fut in zip(kept, runner.run(inputs)):
+        res = fut.result()
+        if res.error_msg:
+            raise RuntimeError(f"the default schedule of {spec.name} failed to run: {res.error_msg[:500]}")
+        db.commit_tuning_record(
+            ms.database.TuningRecord(sch.trace, db.commit_workload(mod), res.run_secs, tvm_target, args)
+        )
+
+
 def tune(
     specs: Iterable[KernelSpec],
     target: dict,
@@ -411,8 +458,9 @@ def tune(
     progress: bool = True,
 ) -> list[TuneResult]:
     """Tune every kernel of ``specs`` for ``trials`` more measured candidates each,
-    appending records to ``<logs_root>/<target-key>/``. Existing records seed the
-    search, so a second run continues where the first stopped."""
+    appending records to ``<logs_root>/<target-key>/``. The default schedule's point is
+    measured first (once per log); existing records seed the search, so a second run
+    continues where the first stopped."""
     import logging
 
     import tvm
@@ -451,6 +499,11 @@ def tune(
 
         return ms.space_generator.ScheduleFn(fn, sch_rules=[], postprocs=[], mutator_probs="from-target")
 
+    before = {s.name: len(db.records_for(tuning_workload(s))) for s in specs}
+    builder = ms.builder.LocalBuilder(max_workers=cores, timeout_sec=300, initializer=preload_tensor_intrin)
+    runner = make_runner(rpc_tracker, rpc_key)
+    _measure_default_points(specs, db, builder, runner, tvm_target, lanes)
+
     per_iter = max(1, min(num_trials_per_iter, trials))
     strategy = ms.search_strategy.EvolutionarySearch(
         population_size=max(64, 2 * per_iter), init_min_unmeasured=per_iter, genetic_num_iters=2
@@ -468,7 +521,6 @@ def tune(
         ).clone()
         for i, (spec, logger) in enumerate(zip(specs, loggers))
     ]
-    before = {s.name: len(db.records_for(tuning_workload(s))) for s in specs}
     bar = None
     if progress:
         from tqdm import tqdm
@@ -483,8 +535,8 @@ def tune(
             max_trials_global=trials * len(tasks),
             max_trials_per_task=trials,
             num_trials_per_iter=per_iter,
-            builder=ms.builder.LocalBuilder(max_workers=cores, timeout_sec=300, initializer=preload_tensor_intrin),
-            runner=make_runner(rpc_tracker, rpc_key),
+            builder=builder,
+            runner=runner,
             database=db,
             cost_model=ms.cost_model.XGBModel(num_tuning_cores=cores),
             measure_callbacks=callbacks,
@@ -516,6 +568,7 @@ __all__ = [
     "best_record",
     "best_records",
     "apply_record",
+    "default_point",
     "tune",
     "default_logs_root",
     "log_dir",

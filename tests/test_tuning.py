@@ -266,6 +266,18 @@ def test_backward_kernels_tune_and_export_with_their_own_records(tmp_path, fresh
     kernels = AttentionSpec.parse(spec).kernels()
     found = {k.kind: tuning.best_record(k, host_target(), str(tmp_path / "logs")) for k in kernels}
     assert found["local"] is None and found["local_dq"] is not None and found["local_dkv"] is not None
+    # The search started from the default schedule: its point was measured and logged,
+    # so the best record is never one the default beats at the tuning shape.
+    from swa_tvm.build import _vector_lanes
+
+    import tvm
+
+    db = tuning.open_log(tuning.log_dir(str(tmp_path / "logs"), host_target()), readonly=True)
+    lanes = _vector_lanes(tvm.target.Target(host_target()))
+    for k in kernels[1:]:
+        default = str(tuning.default_point(k, lanes).trace)
+        recs = db.records_for(tuning.tuning_workload(k))
+        assert any(str(r.trace) == default for r in recs), k.name
     lib = tmp_path / "train.so"
     r = subprocess.run(CLI + ["export", "--spec", spec, "--logs", str(tmp_path / "logs"), "-o", str(lib)],
                        capture_output=True, text=True, timeout=900)  # fmt: skip
