@@ -14,13 +14,18 @@ block); every stage of an item is computed at that loop so its intermediates (th
 Bq x Kw score and probability tiles, the gathered key/value bands) stay in L1/L2; the
 two products are register-tiled with the key or feature axis vectorized. The final
 gathers back to [B,H,T,...] run as their own parallel loop.
+
+The backward kernels follow the same plan (items of the query- or key-major band in
+parallel, every stage at the item loop); their [band, block] products are tiled as
+band rows x block vectors, and the [block, D] results as block rows x feature vectors.
+The extras' and global rows' gradients run one parallel loop per (batch, head).
 """
 
 from __future__ import annotations
 
 from tvm import s_tir
 
-from swa_tvm.compute import LANES
+from swa_tvm.compute import LANES, band_width
 from swa_tvm.spec import KernelSpec
 
 # Candidate values of the categorical knobs. Unroll steps feed
@@ -184,8 +189,6 @@ def schedule_global(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8
     sch.decompose_reduction(blk, jr)
 
 
-
-
 # --------------------------------------------------------------------------- backward
 
 
@@ -203,7 +206,7 @@ def _band_block_product(sch, name, spec, vector_lanes, knobs, bounded):
     if not (bounded and widths):
         sch.reorder(c_l, b_l)
         return
-    r_in = knobs.tile(sch, r_l, -(-(spec.block_q + spec.left + spec.right) // LANES) * LANES, 4, 8)
+    r_in = knobs.tile(sch, r_l, band_width(spec.block_q, spec.left, spec.right), 4, 8)
     ro, ri = sch.split(r_l, factors=[None, r_in])
     bo, bi = sch.split(b_l, factors=[None, knobs.choice(sch, widths, widths[min(1, len(widths) - 1)])])
     sch.reorder(ro, bo, c_l, ri, bi)
@@ -212,25 +215,20 @@ def _band_block_product(sch, name, spec, vector_lanes, knobs, bounded):
     sch.decompose_reduction(blk, c_l)
 
 
-def _block_feature_product(sch, name, spec, vector_lanes, knobs, rows: int | None):
+def _block_feature_product(sch, name, spec, vector_lanes, knobs):
     """[block, D] = sum over the band of [band, block] x [band, D]: register tile of
     block rows x feature vector(s), the reduction over the band outside the tile."""
     blk = sch.get_sblock(name)
     q_l, c_l, kr = sch.get_loops(blk)[-3:]
+    qo, qi_in = sch.split(q_l, factors=[None, knobs.tile(sch, q_l, spec.block_q, 2, 4)])
     widths = _widths(spec.head_dim, vector_lanes)
-    if rows:
-        q_in = knobs.tile(sch, q_l, rows, 2, 4)
-        qo, qi_in = sch.split(q_l, factors=[None, q_in])
-    else:
-        qo, qi_in = q_l, None
     if widths:
         co, ci = sch.split(c_l, factors=[None, knobs.choice(sch, widths, widths[-1])])
-        sch.reorder(*[x for x in (qo, co, kr, qi_in, ci) if x is not None])
+        sch.reorder(qo, co, kr, qi_in, ci)
         sch.vectorize(ci)
     else:
-        sch.reorder(*[x for x in (qo, kr, qi_in, c_l) if x is not None])
-    if qi_in is not None:
-        sch.unroll(qi_in)
+        sch.reorder(qo, kr, qi_in, c_l)
+    sch.unroll(qi_in)
     sch.decompose_reduction(blk, kr)
 
 
@@ -252,14 +250,14 @@ def _items(sch, roots, per_item, knobs):
     return item
 
 
-def _gather_back(sch, names, spec, vector_lanes, rank=4):
+def _gather_back(sch, names, spec, vector_lanes):
     """The final [B,H,T,D] gathers, merged into one parallel loop over rows."""
     row = None
     for name in names:
         loops = sch.get_loops(sch.get_sblock(name))
         if spec.head_dim % vector_lanes == 0:
             _vectorize_inner(sch, loops[-1], vector_lanes)
-        fused = sch.fuse(*loops[: rank - 1])
+        fused = sch.fuse(*loops[:3])
         row = fused if row is None else sch.merge(row, fused)
     sch.parallel(row)
 
@@ -286,9 +284,9 @@ def schedule_local_dq(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) 
     for name in ("score", "dp"):
         _band_block_product(sch, name, spec, vector_lanes, knobs, bounded)
     _vectorize_block_axis(sch, ["arg", "ds", "xarg", "xds"], spec, vector_lanes)
-    _block_feature_product(sch, "dqw", spec, vector_lanes, knobs, spec.block_q)
+    _block_feature_product(sch, "dqw", spec, vector_lanes, knobs)
     if _has(sch, "dqx"):
-        _block_feature_product(sch, "dqx", spec, vector_lanes, knobs, spec.block_q)
+        _block_feature_product(sch, "dqx", spec, vector_lanes, knobs)
         for name in ("xscore", "xdp"):
             blk = sch.get_sblock(name)
             qi, c = sch.get_loops(blk)[-2:]
@@ -308,7 +306,7 @@ def schedule_local_dkv(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None)
         _band_block_product(sch, name, spec, vector_lanes, knobs, bounded)
     _vectorize_block_axis(sch, ["arg", "prob", "ds"], spec, vector_lanes)
     for name in ("dv_blk", "dk_blk"):
-        _block_feature_product(sch, name, spec, vector_lanes, knobs, spec.block_q)
+        _block_feature_product(sch, name, spec, vector_lanes, knobs)
 
 
 def _per_head(sch, roots, per_head, knobs):

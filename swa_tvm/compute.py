@@ -70,6 +70,12 @@ def _dims(shapes: dict | None, names: str):
     shapes = shapes or {}
     return [shapes[n] if n in shapes else te.var(n, dtype="int64") for n in names.split()]
 
+def band_width(block: int, lo: int, hi: int) -> int:
+    """Partners of a block of a bounded window: block + lo + hi, rounded up to whole SIMD
+    vectors (the extra partners are masked like any position beyond the window)."""
+    return -(-(block + lo + hi) // LANES) * LANES
+
+
 def i64(x):
     return x.astype("int64") if hasattr(x, "astype") else x
 
@@ -95,12 +101,8 @@ class Band:
     def __init__(self, lo: int, hi: int, block: int, max_dilation: int, T, H, dil, name: str = "item_info"):
         self.lo, self.hi, self.block, self.T, self.dil = lo, hi, block, T, dil
         self.nitems = tirx.floordiv(T + (block - 1), block) + (max_dilation - 1)
-        if lo >= 0 and hi >= 0:
-            # Rounded up to whole SIMD vectors; the extra partners are masked like any
-            # position beyond the window.
-            self.width = -(-(block + lo + hi) // LANES) * LANES
-        else:  # unbounded side: the band is the whole (residue) sequence, O(T^2) as the math says
-            self.width = T + max(lo, 0)
+        # Unbounded side: the band is the whole (residue) sequence, O(T^2) as the math says.
+        self.width = band_width(block, lo, hi) if lo >= 0 and hi >= 0 else T + max(lo, 0)
 
         def field(h, beta, f):
             d = i64(dil[h])
