@@ -123,8 +123,8 @@ def main(argv=None) -> int:
                     continue
                 del grads
                 with torch.no_grad():
-                    fwd = bench.median_ms(lambda: fn(q, k, v), args.runs)
-                train = bench.median_ms(lambda: _grads(fn, q, k, v, dout), args.runs)
+                    fwd = bench.median_ms(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v), args.runs)
+                train = bench.median_ms(lambda fn=fn, q=q, k=k, v=v, d=dout: _grads(fn, q, k, v, d), args.runs)
                 rows.append(dict(row, forward_ms=fwd, train_ms=train, ratio=train / fwd, rel_err=err))
                 print(f"  {config:20s} T={T:6d} {method:15s} fwd {fwd:9.1f} ms  fwd+bwd {train:9.1f} ms  "
                       f"({train / fwd:.2f}x)")

@@ -70,6 +70,7 @@ def _dims(shapes: dict | None, names: str):
     shapes = shapes or {}
     return [shapes[n] if n in shapes else te.var(n, dtype="int64") for n in names.split()]
 
+
 def band_width(block: int, lo: int, hi: int) -> int:
     """Partners of a block of a bounded window: block + lo + hi, rounded up to whole SIMD
     vectors (the extra partners are masked like any position beyond the window)."""

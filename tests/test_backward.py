@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import swa_tvm
-from conftest import rand, rel_err
+from conftest import rel_err
 from swa_tvm.reference import sliding_window_attention_ref as ref
 
 
