@@ -10,6 +10,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import tempfile
 import threading
 import warnings
@@ -18,7 +19,7 @@ from typing import Iterable
 from . import library
 from .compute import prim_func
 from .library import MANIFEST_FORMAT, X86_FEATURES, Kernel, sha256_file
-from .spec import KernelSpec
+from .spec import HALF_DTYPES, KernelSpec
 
 class UntunedKernelWarning(UserWarning):
     """An exported kernel had no tuning record for its target class."""
@@ -35,18 +36,54 @@ def host_target(num_cores: int | None = None) -> dict:
     return {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(), "num-cores": int(cores or 1)}
 
 
+CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+
+
+def local_cuda_arch() -> str | None:
+    """sm_XY of this machine's first CUDA device (via torch), or None without one."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability(0)
+            return f"sm_{major}{minor}"
+    except Exception:  # noqa: BLE001 - no usable CUDA runtime counts as no device
+        pass
+    return None
+
+
+def _cuda_target(arch: str | None) -> dict:
+    arch = arch or local_cuda_arch()
+    if arch is None:
+        raise ValueError(
+            "target 'cuda': this machine has no CUDA device to take the architecture from; "
+            f"name it, e.g. 'cuda -arch=sm_90' (one of {', '.join(CUDA_ARCHS)})"
+        )
+    if not re.fullmatch(r"sm_\d{2,3}a?", arch):
+        raise ValueError(f"CUDA arch {arch!r}: expected sm_XY such as sm_80 or sm_90")
+    return {"kind": "cuda", "arch": arch}
+
+
 def normalize_target(target: str | dict | None) -> dict:
-    """Accept None/"llvm" (host CPU), a JSON string, or a dict; return a plain dict."""
+    """Accept None/"llvm" (host CPU), "cuda" (this machine's GPU), "cuda -arch=sm_90" or
+    "cuda:sm_90", a JSON string, or a dict; return a plain dict."""
     if target is None or target in ("llvm", "cpu", "host"):
         return host_target()
     if isinstance(target, str):
-        if target.strip().startswith("{"):
-            return json.loads(target)
+        text = target.strip()
+        m = re.fullmatch(r"cuda(?:\s+-arch=(\S+)|:(\S+))?", text)
+        if m:
+            return _cuda_target(m.group(1) or m.group(2))
+        if text.startswith("{"):
+            return normalize_target(json.loads(text))
         raise ValueError(
-            f"target {target!r}: use 'llvm' for this CPU, or a JSON dict such as "
-            '{"kind": "llvm", "mcpu": "znver3", "num-cores": 2}'
+            f"target {target!r}: use 'llvm' for this CPU, 'cuda -arch=sm_90' for a GPU class, or a JSON dict "
+            'such as {"kind": "llvm", "mcpu": "znver3", "num-cores": 2}'
         )
-    return dict(target)
+    target = dict(target)
+    if target.get("kind") == "cuda":
+        return _cuda_target(target.get("arch"))
+    return target
 
 
 def target_key(target: dict) -> str:
@@ -85,15 +122,22 @@ def schedule_spec(spec: KernelSpec, tvm_target, record=None):
     from tvm import s_tir
 
     from swa_tvm.schedules import cpu as cpu_schedules
+    from swa_tvm.schedules import cuda as cuda_schedules
 
     from .tuning import apply_record
 
-    if tvm_target.kind.name != "llvm":
-        raise NotImplementedError(f"no schedule for target kind {tvm_target.kind.name!r} yet")
+    kind = tvm_target.kind.name
+    if kind not in ("llvm", "cuda"):
+        raise NotImplementedError(f"no schedule for target kind {kind!r}")
+    if kind == "llvm" and spec.dtype in HALF_DTYPES:
+        raise ValueError(f"kernel {spec.name}: {spec.dtype} kernels are built for CUDA targets; the CPU serves float32/float64")
     if record is not None:
         return apply_record(spec, record.trace)
     sch = s_tir.Schedule(tvm.IRModule({spec.name: prim_func(spec)}))
     sch.work_on(spec.name)
+    if kind == "cuda":
+        cuda_schedules.schedule(sch, spec)
+        return sch.mod[spec.name]
     # AVX2 machines get 8 fp32 lanes, AVX-512 ones 16.
     cpu_schedules.schedule(sch, spec, vector_lanes=_vector_lanes(tvm_target))
     return sch.mod[spec.name]
@@ -142,8 +186,48 @@ def compile_specs(specs: Iterable[KernelSpec], target: str | dict | None = None,
         raise ValueError("specs is empty: give at least one KernelSpec")
     records = records or {}
     funcs = {spec.name: schedule_spec(spec, tvm_target, records.get(spec.name)) for spec in specs}
-    module = tvm.compile(tvm.IRModule(funcs), target=tvm_target)
+    with _nvcc_fatbin(target):
+        module = tvm.compile(tvm.IRModule(funcs), target=tvm_target)
+        if target.get("kind") == "cuda":
+            module = module.mod  # build the device code now, inside this compiler setting
     return module, target
+
+
+class _nvcc_fatbin:
+    """While compiling a CUDA target, compile its device code with nvcc into a fatbin
+    holding the arch's machine code and its PTX (which newer GPUs JIT-compile). TVM's
+    default is NVRTC through the cuda-bindings package, which a GPU-less build machine
+    need not have; nvcc is what the CUDA toolkit always has."""
+
+    def __init__(self, target: dict):
+        self.arch = target.get("arch") if target.get("kind") == "cuda" else None
+
+    def __enter__(self):
+        if self.arch is None:
+            return self
+        import tvm_ffi
+        from tvm.support import nvcc
+
+        num = self.arch[3:]
+        gencode = ["-gencode", f"arch=compute_{num},code=[sm_{num},compute_{num}]"]
+
+        def compile_cuda(code):
+            return nvcc.compile_cuda(code, target_format="fatbin", arch=gencode, compiler="nvcc")
+
+        self.previous = tvm_ffi.get_global_func("tvm_callback_cuda_compile", allow_missing=True)
+        tvm_ffi.register_global_func("tvm_callback_cuda_compile", compile_cuda, override=True)
+        return self
+
+    def __exit__(self, *exc):
+        if self.arch is not None and self.previous is not None:
+            import tvm_ffi
+
+            tvm_ffi.register_global_func("tvm_callback_cuda_compile", self.previous, override=True)
+
+
+def cuda_source(module) -> str:
+    """The CUDA C source TVM generated for a compiled CUDA module (for inspection)."""
+    return "\n".join(m.inspect_source() for m in module.imports if m.kind == "cuda")
 
 
 def export_library(
@@ -201,6 +285,7 @@ def export_library(
         "target_key": target_key(target),
         "machine": platform.machine(),
         "cpu_features": _cpu_features(tvm.target.Target(target)) if target.get("kind") == "llvm" else [],
+        "cuda_arch": target.get("arch") if target.get("kind") == "cuda" else None,
         "kernels": [kernel_entry(s) for s in specs],
         "sha256": sha256_file(tmp),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

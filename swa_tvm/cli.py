@@ -65,7 +65,7 @@ def _cmd_tune(args) -> int:
     if target.get("kind") != "llvm":
         raise ValueError(
             f"--target {args.target!r}: only llvm (CPU) tuning is supported by this version; "
-            "CUDA tuning comes with the CUDA backend"
+            "CUDA libraries export with their default schedules (swa-tvm export --target 'cuda -arch=sm_90')"
         )
     specs = _kernel_specs(args)
     if args.kernels != "all":
@@ -137,7 +137,10 @@ def _cmd_info(args) -> int:
     print(f"library      {args.library}")
     print(f"tvm version  {manifest['tvm_version']}")
     print(f"target       {json.dumps(manifest['target'])}  (class {manifest['target_key']})")
-    print(f"cpu features {', '.join(manifest.get('cpu_features', [])) or '-'}")
+    if manifest.get("cuda_arch"):
+        print(f"cuda arch    {manifest['cuda_arch']} (machine code and PTX)")
+    else:
+        print(f"cpu features {', '.join(manifest.get('cpu_features', [])) or '-'}")
     print(f"sha256       {manifest['sha256']}")
     try:
         check_manifest(args.library, manifest)
@@ -154,7 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="swa-tvm", description="Sliding-window attention kernels built with Apache TVM.")
     sub = p.add_subparsers(dest="command", required=True)
     spec_help = "pattern, e.g. head_dim=64,window=511:0,dilation=2,globals,sinks,backward (repeatable)"
-    target_help = "'llvm' (this CPU: detected -mcpu, all cores) or a JSON target dict"
+    target_help = (
+        "'llvm' (this CPU: detected -mcpu, all cores), 'cuda -arch=sm_90' (a GPU class; plain 'cuda' "
+        "takes this machine's GPU; compiling needs nvcc, not a GPU) or a JSON target dict"
+    )
 
     t = sub.add_parser("tune", help="tune kernels with MetaSchedule; records go to LOGS/<target-key>/")
     t.add_argument("--spec", action="append", required=True, help=spec_help)

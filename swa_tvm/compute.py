@@ -26,7 +26,7 @@ import operator
 import tvm
 from tvm import te, tirx
 
-from .spec import KernelSpec
+from .spec import KernelSpec, accum_dtype
 
 # Key bands are padded to a multiple of this many keys (one AVX-512 vector of fp32).
 LANES = 16
@@ -75,6 +75,11 @@ def band_width(block: int, lo: int, hi: int) -> int:
     """Partners of a block of a bounded window: block + lo + hi, rounded up to whole SIMD
     vectors (the extra partners are masked like any position beyond the window)."""
     return -(-(block + lo + hi) // LANES) * LANES
+
+
+def cast(x, dtype: str):
+    """x in ``dtype``; no Cast node when it already is (keeps fp32 kernels' IR unchanged)."""
+    return x if x.dtype == dtype else x.astype(dtype)
 
 
 def i64(x):
@@ -188,7 +193,7 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None):
     assert spec.kind == "local"
     B, H, Hkv, T, E = _dims(shapes, "B H Hkv T E")
     D, dt, Bq = spec.head_dim, spec.dtype, spec.block_q
-    acc = "float64" if dt == "float64" else "float32"
+    acc = accum_dtype(dt)
     left, right = spec.left, spec.right
 
     q = te.placeholder((B, H, T, D), dt, name="q")
@@ -207,24 +212,25 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None):
 
     # Per-item gathers: the item's query rows, its key band transposed (so the score
     # product runs along contiguous keys) and its value band. Out-of-range indices are
-    # clamped, never read out of bounds; key_ok masks them.
+    # clamped, never read out of bounds; key_ok masks them. They keep the input dtype
+    # (half inputs reach tensor cores as half) and the products accumulate in acc.
     qblk = te.compute(
-        (B, H, nitems, Bq, D), lambda b, h, beta, qi, cc: q[b, h, clamp(row_of(h, beta, qi)), cc].astype(acc), name="qblk"
+        (B, H, nitems, Bq, D), lambda b, h, beta, qi, cc: q[b, h, clamp(row_of(h, beta, qi)), cc], name="qblk"
     )
     kblk_t = te.compute(
         (B, H, nitems, D, kw),
-        lambda b, h, beta, cc, kj: k[b, h // group, clamp(key_of(h, beta, kj)), cc].astype(acc),
+        lambda b, h, beta, cc, kj: k[b, h // group, clamp(key_of(h, beta, kj)), cc],
         name="kblk_t",
     )
     vblk = te.compute(
         (B, H, nitems, kw, D),
-        lambda b, h, beta, kj, cc: v[b, h // group, clamp(key_of(h, beta, kj)), cc].astype(acc),
+        lambda b, h, beta, kj, cc: v[b, h // group, clamp(key_of(h, beta, kj)), cc],
         name="vblk",
     )
     c = te.reduce_axis((0, D), name="c")
     score = te.compute(
         (B, H, nitems, Bq, kw),
-        lambda b, h, beta, qi, kj: te.sum(qblk[b, h, beta, qi, c] * kblk_t[b, h, beta, c, kj], axis=c),
+        lambda b, h, beta, qi, kj: te.sum(cast(qblk[b, h, beta, qi, c], acc) * cast(kblk_t[b, h, beta, c, kj], acc), axis=c),
         name="score",
     )
     masked = te.compute(
@@ -245,8 +251,8 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None):
         xscore = te.compute(
             (B, H, nitems, Bq, E),
             lambda b, h, beta, qi, e: te.sum(
-                qblk[b, h, beta, qi, c2]
-                * k[b, h // group, clamp(i64(xidx[b, e])), c2].astype(acc),
+                cast(qblk[b, h, beta, qi, c2], acc)
+                * cast(k[b, h // group, clamp(i64(xidx[b, e])), c2], acc),
                 axis=c2,
             ),
             name="xscore",
@@ -297,11 +303,11 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None):
         )
         return total, weighted
 
-    parts = [softmax_part("w", masked, kw, lambda b, h, beta, j, cc: vblk[b, h, beta, j, cc])]
+    parts = [softmax_part("w", masked, kw, lambda b, h, beta, j, cc: cast(vblk[b, h, beta, j, cc], acc))]
     if spec.extras:
         parts.append(
             softmax_part(
-                "x", stages_x[1], E, lambda b, h, beta, e, cc: v[b, h // group, clamp(i64(xidx[b, e])), cc].astype(acc)
+                "x", stages_x[1], E, lambda b, h, beta, e, cc: cast(v[b, h // group, clamp(i64(xidx[b, e])), cc], acc)
             )
         )
     sums, accs = zip(*parts)
@@ -348,7 +354,7 @@ def global_attention(spec: KernelSpec, shapes: dict | None = None):
     assert spec.kind == "global"
     B, H, Hkv, T, G = _dims(shapes, "B H Hkv T G")
     D, dt = spec.head_dim, spec.dtype
-    acc = "float64" if dt == "float64" else "float32"
+    acc = accum_dtype(dt)
     qg = te.placeholder((B, H, G, D), dt, name="q_global")
     kg = te.placeholder((B, Hkv, T, D), dt, name="k_global")
     vg = te.placeholder((B, Hkv, T, D), dt, name="v_global")
@@ -361,7 +367,7 @@ def global_attention(spec: KernelSpec, shapes: dict | None = None):
     c = te.reduce_axis((0, D), name="c")
     gscore = te.compute(
         (B, H, G, T),
-        lambda b, h, g, j: te.sum(qg[b, h, g, c].astype(acc) * kg[b, h // group, j, c].astype(acc), axis=c),
+        lambda b, h, g, j: te.sum(cast(qg[b, h, g, c], acc) * cast(kg[b, h // group, j, c], acc), axis=c),
         name="gscore",
     )
     if spec.causal:
@@ -386,7 +392,7 @@ def global_attention(spec: KernelSpec, shapes: dict | None = None):
     jr3 = te.reduce_axis((0, T), name="jr3")
     gacc = te.compute(
         (B, H, G, D),
-        lambda b, h, g, cc: te.sum(gprob[b, h, g, jr3] * vg[b, h // group, jr3, cc].astype(acc), axis=jr3),
+        lambda b, h, g, cc: te.sum(gprob[b, h, g, jr3] * cast(vg[b, h // group, jr3, cc], acc), axis=jr3),
         name="gacc",
     )
     gout = te.compute(

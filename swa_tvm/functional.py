@@ -10,9 +10,9 @@ import torch
 from . import library
 from .spec import BACKWARD_KINDS, DEFAULT_BLOCK_Q, KernelSpec
 
-# Devices and dtypes the kernels of this build serve.
-SERVED_DEVICES = ("cpu",)
-SERVED_DTYPES = {"cpu": (torch.float32, torch.float64)}
+# Devices and dtypes the kernels serve: float16/bfloat16 (fp32 accumulation) on CUDA only.
+SERVED_DEVICES = ("cpu", "cuda")
+SERVED_DTYPES = {"cpu": (torch.float32, torch.float64), "cuda": (torch.float16, torch.bfloat16, torch.float32)}
 
 
 def _check_tensor(name: str, x, rank: int) -> None:
@@ -149,7 +149,28 @@ def _kernel(want: KernelSpec, device: str) -> library.Kernel:
 
     # Round the dilation bound up so nearby dilations share one compiled kernel.
     md = 1 << (want.max_dilation - 1).bit_length()
-    return get_or_build_kernel(KernelSpec(**{**want.to_dict(), "max_dilation": md}))
+    return get_or_build_kernel(KernelSpec(**{**want.to_dict(), "max_dilation": md}), "cuda" if device == "cuda" else None)
+
+
+def _launch(kern: library.Kernel, device: torch.device, *args) -> None:
+    """Call a kernel. CUDA kernels run under ``device`` (a device guard: TVM launches on
+    the current device) and on torch's current stream there, so they order with the
+    surrounding torch work and CUDA graphs capture them."""
+    if kern.device != "cuda" or device.type != "cuda":
+        kern.func(*args)
+        return
+    import tvm_ffi
+
+    if kern.cuda_arch:
+        major, minor = torch.cuda.get_device_capability(device)
+        if major * 10 + minor < int(kern.cuda_arch[3:].rstrip("a")):
+            raise RuntimeError(
+                f"kernel {kern.spec.name} of {kern.origin} was built for {kern.cuda_arch}, but {device} is "
+                f"sm_{major}{minor}; export a library for it with --target 'cuda -arch=sm_{major}{minor}'"
+            )
+    stream = torch.cuda.current_stream(device).cuda_stream
+    with torch.cuda.device(device), tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", device.index or 0), stream):
+        kern.func(*args)
 
 
 def _extra_positions(global_idx, num_sinks: int, B: int, device) -> Optional[torch.Tensor]:
@@ -211,7 +232,7 @@ def attention_forward(
     out = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, T, dtype=acc, device=q.device)
     args = [q, k, v, dil] + ([extra] if extra is not None else []) + [sink, float(scale), out, lse]
-    kern.func(*args)
+    _launch(kern, q.device, *args)
 
     G = global_idx.shape[1] if global_idx is not None else 0
     if G:
@@ -222,7 +243,7 @@ def attention_forward(
         vg = v_global.contiguous() if v_global is not None else v
         gout = torch.empty(B, H, G, D, dtype=q.dtype, device=q.device)
         glse = torch.empty(B, H, G, dtype=acc, device=q.device)
-        gkern.func(qg, kg, vg, global_idx.contiguous(), sink, float(scale), gout, glse)
+        _launch(gkern, q.device, qg, kg, vg, global_idx.contiguous(), sink, float(scale), gout, glse)
         out.scatter_(2, gi[:, None, :, None].expand(B, H, G, D), gout)
         lse.scatter_(2, gi[:, None, :].expand(B, H, G), glse)
     return out, lse
@@ -246,6 +267,11 @@ def attention_backward(
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     device = q.device.type
+    if device != "cpu":
+        raise NotImplementedError(
+            f"gradients of swa_tvm attention are computed on the CPU only; q is on {q.device} "
+            "(CUDA backward kernels are not built yet)"
+        )
     acc = lse.dtype
     q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
     dil = dilation.to(torch.int32).contiguous()

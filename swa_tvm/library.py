@@ -56,13 +56,29 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 
 def tvm_version() -> str:
-    """The installed TVM's version, read without importing TVM (and its compiler)."""
+    """The installed TVM's version, read without importing TVM (and its compiler). A
+    runtime-only install ($SWA_TVM_RUNTIME_DIR, see ``_load_tvm_runtime``) names its
+    version in a ``tvm_version`` file there."""
     try:
         return importlib.metadata.version("apache-tvm")
     except importlib.metadata.PackageNotFoundError:
+        folder = os.environ.get("SWA_TVM_RUNTIME_DIR")
+        if folder and os.path.exists(os.path.join(folder, "tvm_version")):
+            with open(os.path.join(folder, "tvm_version")) as f:
+                return f.read().strip()
         import tvm
 
         return tvm.__version__
+
+
+def _runtime_dir() -> str:
+    folder = os.environ.get("SWA_TVM_RUNTIME_DIR")
+    if folder:
+        return folder
+    spec = importlib.util.find_spec("tvm")
+    if spec is None or not spec.submodule_search_locations:
+        raise LibraryError("the TVM runtime was not found: install apache-tvm or set SWA_TVM_RUNTIME_DIR")
+    return os.path.join(list(spec.submodule_search_locations)[0], "lib")
 
 
 def _load_tvm_runtime() -> None:
@@ -76,16 +92,47 @@ def _load_tvm_runtime() -> None:
     global _RUNTIME
     if _RUNTIME is not None or "tvm" in sys.modules:
         return
-    folder = os.environ.get("SWA_TVM_RUNTIME_DIR")
-    if not folder:
-        spec = importlib.util.find_spec("tvm")
-        if spec is None or not spec.submodule_search_locations:
-            raise LibraryError("the TVM runtime was not found: install apache-tvm or set SWA_TVM_RUNTIME_DIR")
-        folder = os.path.join(list(spec.submodule_search_locations)[0], "lib")
-    _RUNTIME = ctypes.CDLL(os.path.join(folder, "libtvm_runtime.so"), mode=ctypes.RTLD_GLOBAL)
+    _RUNTIME = ctypes.CDLL(os.path.join(_runtime_dir(), "libtvm_runtime.so"), mode=ctypes.RTLD_GLOBAL)
 
 
 _RUNTIME = None
+_CUDA_RUNTIME: dict = {}
+
+
+def cuda_unavailable_reason() -> str | None:
+    """None when CUDA kernels can run here; else why not (for error messages).
+
+    CUDA device code loads through libtvm_runtime_cuda.so, which needs the NVIDIA driver
+    (libcuda.so.1); a machine without a GPU usually has neither driver nor device."""
+    if "reason" in _CUDA_RUNTIME:
+        return _CUDA_RUNTIME["reason"]
+    reason = None
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            reason = "no CUDA device is present (torch.cuda.is_available() is False)"
+    except ImportError:
+        pass
+    if reason is None:
+        try:
+            _load_tvm_runtime()
+            ctypes.CDLL(os.path.join(_runtime_dir(), "libtvm_runtime_cuda.so"), mode=ctypes.RTLD_GLOBAL)
+        except (OSError, LibraryError) as e:
+            reason = f"no CUDA device is present: the TVM CUDA runtime cannot load ({e})"
+    _CUDA_RUNTIME["reason"] = reason
+    return reason
+
+
+class NoDeviceError(RuntimeError):
+    """A kernel was called on a machine that lacks the device it was built for."""
+
+
+def _no_device_kernel(spec: KernelSpec, path: str, reason: str):
+    def call(*args, **kwargs):
+        raise NoDeviceError(f"kernel {spec.name} of {path} is CUDA code, and {reason}; run it on a machine with an NVIDIA GPU")
+
+    return call
 
 
 def host_cpu_flags() -> set[str]:
@@ -105,6 +152,7 @@ class Kernel:
     func: Any  # tvm_ffi Function
     device: str  # torch device type it serves: "cpu" | "cuda"
     origin: str  # library path, or "jit"
+    cuda_arch: str | None = None  # sm_XY the CUDA code was built for
 
 
 class Registry:
@@ -215,14 +263,20 @@ def load_library(path: str | os.PathLike, *, _jit_cache: bool = False) -> list[K
     with open(mpath) as f:
         manifest = json.load(f)
     check_manifest(path, manifest)
-    _load_tvm_runtime()
-    module = tvm_ffi.load_module(path)
     device = device_of_target(manifest["target"])
+    # A CUDA library still loads without a GPU (its manifest checked, its kernels
+    # registered); calling one then raises NoDeviceError saying why.
+    no_device = cuda_unavailable_reason() if device == "cuda" else None
+    module = None
+    if no_device is None:
+        _load_tvm_runtime()
+        module = tvm_ffi.load_module(path)
     specs = []
+    arch = manifest.get("cuda_arch")
     for entry in manifest["kernels"]:
         spec = KernelSpec.from_dict(entry["spec"])
-        func = module[spec.name]
-        REGISTRY.add(Kernel(spec, func, device, "jit" if _jit_cache else path), module)
+        func = module[spec.name] if module is not None else _no_device_kernel(spec, path, no_device)
+        REGISTRY.add(Kernel(spec, func, device, "jit" if _jit_cache else path, arch), module)
         specs.append(spec)
     if not _jit_cache:  # JIT cache entries do not count as user libraries
         with REGISTRY._lock:

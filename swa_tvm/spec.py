@@ -12,7 +12,16 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-SUPPORTED_DTYPES = ("float32", "float64")
+SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16")
+# Half-precision kernels (fp32 accumulation, fp32 lse) are built for CUDA targets only.
+HALF_DTYPES = ("float16", "bfloat16")
+DTYPE_TAGS = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16"}
+
+
+def accum_dtype(dtype: str) -> str:
+    """Scores, softmax statistics and lse are kept in float64 for float64 kernels and in
+    float32 for every other dtype."""
+    return "float64" if dtype == "float64" else "float32"
 
 FORWARD_KINDS = ("local", "global")
 BACKWARD_KINDS = ("local_dq", "local_dkv", "local_dx", "global_bwd")
@@ -66,6 +75,8 @@ class KernelSpec:
             raise ValueError(f"max_dilation must be >= 1, got {self.max_dilation}")
         if self.block_q < 1:
             raise ValueError(f"block_q must be >= 1, got {self.block_q}")
+        if self.dtype in HALF_DTYPES and self.kind not in FORWARD_KINDS:
+            raise ValueError(f"{self.dtype} gradient kernels are not built yet: backward kernels are float32/float64")
 
     @property
     def causal(self) -> bool:
@@ -78,7 +89,7 @@ class KernelSpec:
     @property
     def name(self) -> str:
         """The function's symbol in the compiled module; unique per spec."""
-        dt = {"float32": "f32", "float64": "f64"}[self.dtype]
+        dt = DTYPE_TAGS[self.dtype]
         if self.is_global:
             return f"swa_{self.kind}_d{self.head_dim}_{dt}_{'causal' if self.causal else 'full'}"
         side = lambda x: "inf" if x < 0 else str(x)  # noqa: E731

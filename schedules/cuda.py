@@ -1,0 +1,143 @@
+"""CUDA schedules for the forward computes in ``swa_tvm.compute``: the default schedule
+used when no tuning record applies.
+
+The compute is the one the CPU runs (blocked query x key-band items), so a GPU kernel
+computes exactly what the CPU-tested TE says; only the loop structure differs. Plan:
+
+- the two products (scores = Q_blk K_band^T and acc = P V_band) are shared-memory tiled
+  matmuls: one thread block per (item, column tile), 16 x 16 threads each owning a
+  register tile, the reduction axis staged through shared memory in chunks. The per-item
+  gathers (query rows, key band, value band; runtime dilation) are computed straight
+  into those shared tiles, so the gathered copies never exist in global memory;
+- every other stage (row max, probabilities, sums, the extras, the gather back to
+  [B, H, T, D]) is elementwise or a short row reduction: one thread per output;
+- scores and probabilities of an item are kept in global memory between the stages:
+  O(B*H*T*(W+block_q)) floats, which fits an H200 at the issue's largest shapes but is
+  the first thing a fused (flash-style) schedule should remove.
+
+Blocks follow TE names; ``schedule`` dispatches on the kernel kind.
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir
+
+from swa_tvm.spec import KernelSpec
+
+# Threads of the one-thread-per-output stages.
+THREADS = 256
+# Register tile of a product thread (rows x columns) and its 16 x 16 thread grid.
+TILE_ROWS, TILE_COLS, GRID = 2, 4, 16
+
+
+def _has(sch: s_tir.Schedule, name: str) -> bool:
+    try:
+        sch.get_sblock(name)
+        return True
+    except Exception:  # noqa: BLE001 - get_sblock raises a generic TVM error
+        return False
+
+
+def _spatial_count(sch, block) -> int:
+    return sum(1 for iv in sch.get(block).iter_vars if iv.iter_type == 0)
+
+
+def _one_thread_per_output(sch, block) -> None:
+    """Fuse the spatial loops, one thread per output; reductions run serially inside."""
+    loops = sch.get_loops(block)
+    fused = sch.fuse(*loops[: _spatial_count(sch, block)])
+    bx, tx = sch.split(fused, [None, THREADS])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+
+
+def _largest_divisor(n: int, candidates) -> int:
+    return next((c for c in candidates if n % c == 0), 1)
+
+
+def _cooperative_fetch(sch, block, outer: int, threads_y: int, threads_x: int) -> None:
+    """Let all threads of the block copy a shared tile: fuse its own loops (those under
+    the ``outer`` enclosing ones) and spread them over the threads."""
+    fused = sch.fuse(*sch.get_loops(block)[outer:])
+    _, ty, tx = sch.split(fused, [None, threads_y, threads_x])
+    sch.bind(ty, "threadIdx.y")
+    sch.bind(tx, "threadIdx.x")
+
+
+def _tiled_product(sch, name: str, rows: int, cols: int, red: int, operands=()) -> None:
+    """Schedule block ``name`` [batch..., rows, cols] += A[rows, red] * B[red, cols] as a
+    tiled matmul. The ``operands`` (names of computed stages it reads) reach it through
+    shared-memory tiles: a stage only this block reads is computed straight into them
+    (a gather never lands in global memory); one that others read too is copied in."""
+    blk = sch.get_sblock(name)
+    *batch, i, j, k = sch.get_loops(blk)
+    ri = _largest_divisor(rows, (TILE_ROWS, 1))
+    ti = min(GRID, max(1, rows // ri))
+    tj = min(GRID, cols)
+    rj = next(r for r in (TILE_COLS, 2, 1) if cols % (tj * r) == 0) if cols % tj == 0 else 1
+    kc = _largest_divisor(red, (32, 16, 8, 4, 2, 1))
+    io, ty, ii = sch.split(i, [None, ti, ri])
+    jo, tx, jj = sch.split(j, [None, tj, rj])
+    ko, ki = sch.split(k, [None, kc])
+    sch.reorder(io, jo, ty, tx, ko, ki, ii, jj)
+    # Items (symbolic count, up to B*H*T/block_q) on blockIdx.x, whose limit is 2^31-1;
+    # an item's few tiles on blockIdx.y. Fusing the two would hide from TVM that a
+    # tile's buffers have a constant size.
+    sch.bind(sch.fuse(*batch), "blockIdx.x")
+    sch.bind(sch.fuse(io, jo), "blockIdx.y")
+    sch.bind(ty, "threadIdx.y")
+    sch.bind(tx, "threadIdx.x")
+    local = sch.cache_write(blk, 0, "local")
+    sch.reverse_compute_at(local, tx)
+    for operand in operands:
+        producer = sch.get_sblock(operand)
+        if len(sch.get_consumers(producer)) == 1:
+            sch.set_scope(producer, 0, "shared")
+            tile = producer
+        else:
+            reads = [r.source.name for r in sch.get(blk).reads]
+            tile = sch.cache_read(blk, reads.index(operand), "shared", consumer_blocks=[blk])
+        sch.compute_at(tile, ko)
+        _cooperative_fetch(sch, tile, 5, ti, tj)  # under blockIdx.x/y, threadIdx.y/x, ko
+
+
+def schedule_local(sch: s_tir.Schedule, spec: KernelSpec) -> None:
+    from swa_tvm.compute import band_width
+
+    bounded = spec.left >= 0 and spec.right >= 0
+    for name in ("masked", "xmasked", "blk_out", "blk_lse"):
+        if _has(sch, name):
+            sch.compute_inline(sch.get_sblock(name))
+    if bounded:
+        kw = band_width(spec.block_q, spec.left, spec.right)
+        _tiled_product(sch, "score", spec.block_q, kw, spec.head_dim, operands=("qblk", "kblk_t"))
+        _tiled_product(sch, "wacc", spec.block_q, spec.head_dim, kw, operands=("wprob", "vblk"))
+    for block in _unscheduled_blocks(sch):
+        _one_thread_per_output(sch, block)
+
+
+def _unscheduled_blocks(sch):
+    """Blocks of the function, in program order, that no thread binding covers yet."""
+    out = []
+    for block in sch.get_child_blocks(sch.get_sblock("root")):
+        loops = sch.get_loops(block)
+        if loops and sch.get(loops[0]).thread_binding is None:
+            out.append(block)
+    return out
+
+
+def schedule_global(sch: s_tir.Schedule, spec: KernelSpec) -> None:
+    for block in _unscheduled_blocks(sch):
+        _one_thread_per_output(sch, block)
+
+
+SCHEDULES = {"local": schedule_local, "global": schedule_global}
+
+
+def schedule(sch: s_tir.Schedule, spec: KernelSpec) -> None:
+    """Apply the default CUDA schedule of ``spec`` to the PrimFunc ``sch`` works on."""
+    if spec.kind not in SCHEDULES:
+        raise NotImplementedError(
+            f"kernel {spec.name}: no CUDA schedule for kind {spec.kind!r} yet (CUDA serves the forward kernels)"
+        )
+    SCHEDULES[spec.kind](sch, spec)
