@@ -237,7 +237,8 @@ def export_library(
     logs: str | None = DEFAULT_LOGS,
     warn_untuned: bool = True,
 ) -> dict:
-    """Compile ``specs`` and write ``path`` (a shared library) and ``path + '.json'``.
+    """Compile ``specs`` and write ``path`` (a shared library) and ``path + '.json'``
+    (and, for CUDA, the generated source as ``path + '.cu'``).
 
     Each kernel uses the best record for this target class under ``logs`` (default: the
     committed ``tuning_logs/``; None: no records), else the default schedule, with a
@@ -270,6 +271,10 @@ def export_library(
     # beside a manifest that vouches for it.
     tmp = f"{path}.tmp{os.getpid()}.so"
     module.export_library(tmp)
+    if target.get("kind") == "cuda":
+        # The generated CUDA C beside the library, for reading what the schedule made.
+        with open(f"{path}.cu", "w") as f:
+            f.write(cuda_source(module))
 
     def kernel_entry(s):
         rec = records.get(s.name)

@@ -1,0 +1,105 @@
+"""Build, on a machine without a GPU, everything the GPU check needs on one with a GPU.
+
+The GPU machine has CUDA, torch and Triton but no TVM compiler, and what travels there is
+limited (64 MiB), so the full apache-tvm wheel cannot go. This writes ``build/gpu/``:
+
+- ``lib/*.so`` (+ manifests): CUDA libraries compiled here with nvcc for one arch;
+- ``runtime/``: libtvm_runtime.so and libtvm_runtime_cuda.so from the installed TVM and a
+  ``tvm_version`` file (what ``library.tvm_version`` reads without apache-tvm);
+- ``wheels/``: the apache-tvm-ffi wheel for the GPU machine's Python (fetched by pip).
+
+Then ``examples/gpu_check.sh`` (run there, see :mod:`swa_tvm.gpu_check`) loads and checks
+them. Usage: ``python -m swa_tvm.gpu_bundle [--arch sm_90] [--out build/gpu]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+import time
+import warnings
+
+# Correctness libraries: every pattern in every dtype, at a head dim and windows small
+# enough for a dense float64 reference.
+CHECK_SPECS = (
+    "head_dim=64,window=31:0,dilation=2",
+    "head_dim=64,window=31:0,dilation=2,globals,sinks",
+    "head_dim=64,window=16:16,dilation=2,globals",
+)
+CHECK_DTYPES = ("float16", "bfloat16", "float32")
+# The issue's timing shapes: bf16, D=128, causal W=4096, plain / dilation 2 / globals.
+BENCH_SPECS = (
+    "head_dim=128,window=4095:0,dtype=bfloat16",
+    "head_dim=128,window=4095:0,dilation=2,dtype=bfloat16",
+    "head_dim=128,window=4095:0,globals,dtype=bfloat16",
+)
+
+
+def build_libraries(out: str, arch: str) -> list[str]:
+    from .build import UntunedKernelWarning, export_library, normalize_target
+    from .spec import AttentionSpec
+
+    target = normalize_target(f"cuda -arch={arch}")
+    os.makedirs(os.path.join(out, "lib"), exist_ok=True)
+    jobs = [(f"check_{dt}", [AttentionSpec.parse(f"{s},dtype={dt}") for s in CHECK_SPECS]) for dt in CHECK_DTYPES]
+    jobs.append(("bench_bf16", [AttentionSpec.parse(s) for s in BENCH_SPECS]))
+    paths = []
+    for name, specs in jobs:
+        path = os.path.join(out, "lib", f"{name}_{arch}.so")
+        t0 = time.time()
+        kernels = list(dict.fromkeys(k for s in specs for k in s.kernels()))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UntunedKernelWarning)  # no CUDA records yet: all default
+            export_library(kernels, path, target)
+        print(f"{path}: {len(kernels)} kernels in {time.time() - t0:.0f}s", flush=True)
+        paths.append(path)
+    return paths
+
+
+def copy_runtime(out: str) -> None:
+    import tvm
+
+    src = os.path.join(os.path.dirname(tvm.__file__), "lib")
+    dst = os.path.join(out, "runtime")
+    os.makedirs(dst, exist_ok=True)
+    for name in ("libtvm_runtime.so", "libtvm_runtime_cuda.so"):
+        shutil.copy2(os.path.join(src, name), dst)
+    with open(os.path.join(dst, "tvm_version"), "w") as f:
+        f.write(importlib.metadata.version("apache-tvm") + "\n")
+
+
+def fetch_ffi_wheel(out: str, python_version: str) -> None:
+    """The tvm-ffi wheel matching this TVM, for the GPU machine's CPython."""
+    version = importlib.metadata.version("apache-tvm-ffi")
+    dst = os.path.join(out, "wheels")
+    os.makedirs(dst, exist_ok=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+         "--python-version", python_version, "--platform", "manylinux2014_x86_64",
+         "--platform", "manylinux_2_28_x86_64", "-d", dst, f"apache-tvm-ffi=={version}"],
+        check=True,
+    )
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m swa_tvm.gpu_bundle", description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", default="sm_90", help="CUDA arch of the GPU machine (default sm_90: H100/H200)")
+    p.add_argument("--out", default=os.path.join("build", "gpu"), help="output folder (default build/gpu)")
+    p.add_argument("--python-version", default="3.12", help="the GPU machine's Python (default 3.12)")
+    p.add_argument("--skip-libraries", action="store_true", help="only the runtime and the wheel")
+    args = p.parse_args(argv)
+    copy_runtime(args.out)
+    fetch_ffi_wheel(args.out, args.python_version)
+    if not args.skip_libraries:
+        build_libraries(args.out, args.arch)
+    total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.out) for f in fs)
+    print(f"{args.out}: {total / 2**20:.1f} MiB (the device tool carries up to 64 MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

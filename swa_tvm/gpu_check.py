@@ -1,0 +1,300 @@
+"""The GPU check: run on a machine with an NVIDIA GPU and no TVM compiler.
+
+It loads the CUDA libraries built elsewhere (:mod:`swa_tvm.gpu_bundle`) through the TVM
+runtime only, then, in one process:
+
+1. correctness: every pattern (window causal and symmetric, uniform and per-head
+   dilation, globals with and without their own projections, sinks, learned sink
+   logits, GQA) in float16, bfloat16 and float32 against the float64 dense reference on
+   fresh random inputs, out and lse, with tolerances by dtype; a call on a side stream
+   and under ``torch.compile(fullgraph=True)``;
+2. timing (median of CUDA-event timed runs after warm-up) of ours against FlexAttention
+   (sliding-window block mask, compiled), SDPA with a banded boolean mask and SDPA causal
+   with no window, at bf16 B=1 H=32 H_kv=8 D=128 T=32768 causal W=4096, plain, dilation 2
+   and +64 global tokens; the bf16 matmul rate measured in the same run as the ceiling;
+3. scaling: our forward time at T = 8K ... 128K (as far as memory allows).
+
+Everything goes to ``<out>/gpu_results.json``. Usage (examples/gpu_check.sh sets the
+environment): ``python3 -m swa_tvm.gpu_check --libs build/gpu/lib --out $OUT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import platform
+import statistics
+import time
+import traceback
+
+import torch
+
+TOLERANCE = {torch.float16: (3e-3, 2e-3), torch.bfloat16: (2e-2, 2e-3), torch.float32: (1e-4, 1e-4)}
+
+
+def _rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def check_patterns(results: dict) -> bool:
+    """Every pattern x dtype against the float64 reference; True when all pass."""
+    import swa_tvm
+    from swa_tvm.reference import sliding_window_attention_ref
+
+    dev = torch.device("cuda")
+    B, H, Hkv, T, D = 2, 4, 2, 300, 64
+    cases = [
+        ("causal window", dict(window_size=(31, 0))),
+        ("causal window, dilation 2", dict(window_size=(31, 0), dilation=2)),
+        ("per-head dilation, globals, sinks", dict(window_size=(31, 0), dilation="per_head", globals=5, num_sinks=4)),
+        ("globals with own projections, sink logits", dict(window_size=(31, 0), globals=6, projections=True, sink_logits=True)),
+        ("symmetric window, dilation 2, globals", dict(window_size=(16, 16), dilation=2, globals=3)),
+        ("symmetric, per-head dilation, own projections", dict(window_size=(16, 16), dilation="per_head", globals=4, projections=True)),
+    ]
+    ok_all = True
+    rows = []
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        tol_out, tol_lse = TOLERANCE[dtype]
+        for name, case in cases:
+            case = dict(case)
+            g = torch.Generator(device="cpu").manual_seed(hash((name, str(dtype))) % 2**31)
+            mk = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+            q, k, v = mk(B, H, T, D), mk(B, Hkv, T, D), mk(B, Hkv, T, D)
+            kw = {"window_size": case.pop("window_size")}
+            dil = case.pop("dilation", 1)
+            kw["dilation"] = torch.tensor([1, 2, 1, 2], dtype=torch.int32) if dil == "per_head" else dil
+            G = case.pop("globals", 0)
+            if G:
+                kw["global_idx"] = torch.stack([torch.randperm(T, generator=g)[:G] for _ in range(B)]).int()
+                if case.pop("projections", False):
+                    kw["q_global"], kw["k_global"], kw["v_global"] = mk(B, H, G, D), mk(B, Hkv, T, D), mk(B, Hkv, T, D)
+            kw["num_sinks"] = case.pop("num_sinks", 0)
+            if case.pop("sink_logits", False):
+                kw["sink_logits"] = torch.randn(H, generator=g)
+            to_dev = {n: (x.to(dev) if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
+            entry = {"case": name, "dtype": str(dtype).replace("torch.", "")}
+            try:
+                out, lse = swa_tvm.sliding_window_attention(q.to(dev), k.to(dev), v.to(dev), return_lse=True, **to_dev)
+                ref_out, ref_lse = sliding_window_attention_ref(q, k, v, **kw)
+                entry["out_rel_err"] = _rel(out.cpu(), ref_out)
+                entry["lse_max_abs_err"] = (lse.cpu().double() - ref_lse).abs().max().item()
+                entry["ok"] = bool(entry["out_rel_err"] < tol_out and entry["lse_max_abs_err"] < tol_lse)
+            except Exception as e:  # noqa: BLE001 - record and go on to the next case
+                entry.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-2000:])
+            ok_all &= entry["ok"]
+            rows.append(entry)
+            print(f"  {entry['dtype']:9s} {name:48s} {'ok' if entry['ok'] else 'FAIL'} "
+                  f"{entry.get('out_rel_err', float('nan')):.1e} {entry.get('lse_max_abs_err', float('nan')):.1e}",
+                  flush=True)
+    results["correctness"] = rows
+
+    # Stream and compile: the same call on a side stream, and under torch.compile.
+    q = torch.randn(1, 4, 256, 64, device=dev, dtype=torch.bfloat16)
+    base = swa_tvm.sliding_window_attention(q, q, q, window_size=(31, 0))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        side = swa_tvm.sliding_window_attention(q, q, q, window_size=(31, 0))
+    torch.cuda.current_stream().wait_stream(s)
+    compiled = torch.compile(lambda a: swa_tvm.sliding_window_attention(a, a, a, window_size=(31, 0)), fullgraph=True)
+    extra = {"side_stream_equal": bool(torch.equal(side, base))}
+    try:
+        extra["compile_fullgraph_equal"] = bool(torch.equal(compiled(q), base))
+    except Exception as e:  # noqa: BLE001
+        extra["compile_fullgraph_equal"] = False
+        extra["compile_error"] = f"{type(e).__name__}: {e}"
+    results["stream_and_compile"] = extra
+    print(f"  side stream equal: {extra['side_stream_equal']}, compile(fullgraph) equal: {extra['compile_fullgraph_equal']}")
+    return ok_all and all(v for k, v in extra.items() if k.endswith("_equal"))
+
+
+def _time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def matmul_rate() -> float:
+    """bf16 TFLOP/s of an 8192^3 torch.matmul on random data: the ceiling."""
+    n = 8192
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return 2 * n**3 / (_time_ms(lambda: a @ b) * 1e-3) / 1e12
+
+
+def _visible_mask(T, W, dilation, gidx, device):
+    """[T, T] bool: what a row sees (window of W dilated causal steps, plus globals)."""
+    i = torch.arange(T, device=device)[:, None]
+    j = torch.arange(T, device=device)[None, :]
+    off = i - j
+    m = (off >= 0) & (off % dilation == 0) & (off // dilation < W)
+    if gidx is not None:
+        g = torch.zeros(T, dtype=torch.bool, device=device)
+        g[gidx.long()] = True
+        m |= (g[None, :] | g[:, None]) & (off >= 0)
+    return m
+
+
+def bench(results: dict, quick: bool) -> None:
+    import swa_tvm
+
+    dev = torch.device("cuda")
+    B, H, Hkv, D, T, W = 1, 32, 8, 128, 32768, 4096
+    if quick:
+        T, W = 8192, 1024
+    peak = matmul_rate()
+    results["bf16_matmul_tflops"] = peak
+    print(f"  bf16 matmul: {peak:.0f} TFLOP/s", flush=True)
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        flex = torch.compile(flex_attention, dynamic=False)
+    except Exception as e:  # noqa: BLE001
+        flex = None
+        results["flex_error"] = f"{type(e).__name__}: {e}"
+    configs = [("causal", 1, 0), ("dilation 2", 2, 0), ("64 globals", 1, 64)]
+    rows = []
+    for name, d, G in configs:
+        q = torch.randn(B, H, T, D, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(B, Hkv, T, D, device=dev, dtype=torch.bfloat16)
+        v = torch.randn(B, Hkv, T, D, device=dev, dtype=torch.bfloat16)
+        gidx = torch.randperm(T, device=dev)[:G].sort().values.int() if G else None
+        mask = _visible_mask(T, W, d, gidx, dev)
+        visible = int(mask.sum())
+        flops = 4.0 * B * H * D * visible
+        row = {"config": name, "T": T, "W": W, "dilation": d, "globals": G, "useful_gflop": flops / 1e9}
+        kw = dict(window_size=(W - 1, 0), dilation=d)
+        if G:
+            kw["global_idx"] = gidx[None]
+        ours = lambda: swa_tvm.sliding_window_attention(q, k, v, **kw)  # noqa: E731
+        ref = None
+        try:
+            out = ours()
+            row["ours_ms"] = _time_ms(ours)
+        except Exception as e:  # noqa: BLE001
+            row["ours_error"] = f"{type(e).__name__}: {e}"
+        peers = {}
+        if flex is not None:
+            gmask = None
+            if G:
+                gmask = torch.zeros(T, dtype=torch.bool, device=dev)
+                gmask[gidx.long()] = True
+
+            def mask_mod(b, h, qi, ki):
+                off = qi - ki
+                m = (off >= 0) & (off % d == 0) & (off // d < W)
+                if gmask is not None:
+                    m = m | ((gmask[ki] | gmask[qi]) & (off >= 0))
+                return m
+
+            try:
+                bm = create_block_mask(mask_mod, None, None, T, T, device=dev)
+                peers["flex_attention"] = lambda: flex(q, k, v, block_mask=bm, enable_gqa=True)  # noqa: E731
+            except Exception as e:  # noqa: BLE001
+                row["flex_attention_error"] = f"{type(e).__name__}: {e}"
+        kr, vr = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
+        peers["sdpa_banded_mask"] = lambda: torch.nn.functional.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)  # noqa: E731
+        peers["sdpa_causal_full"] = lambda: torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=True)  # noqa: E731
+        for pname, fn in peers.items():
+            try:
+                po = fn()
+                if pname != "sdpa_causal_full" and "ours_ms" in row:
+                    row[f"{pname}_vs_ours_rel_err"] = _rel(po.float(), out.float())
+                row[f"{pname}_ms"] = _time_ms(fn)
+                if "ours_ms" in row:
+                    row[f"speedup_vs_{pname}"] = row[f"{pname}_ms"] / row["ours_ms"]
+            except Exception as e:  # noqa: BLE001
+                row[f"{pname}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            torch.cuda.empty_cache()
+        if "ours_ms" in row:
+            row["ours_tflops"] = flops / (row["ours_ms"] * 1e-3) / 1e12
+            row["ours_fraction_of_matmul"] = row["ours_tflops"] / peak
+        rows.append(row)
+        print(f"  {json.dumps(row)}", flush=True)
+        del q, k, v, kr, vr, mask, peers
+        torch.cuda.empty_cache()
+    results["timing"] = rows
+
+    scaling = []
+    for T2 in (8192, 16384, 32768, 65536, 131072):
+        if quick and T2 > 16384:
+            break
+        try:
+            q = torch.randn(B, H, T2, D, device=dev, dtype=torch.bfloat16)
+            k = torch.randn(B, Hkv, T2, D, device=dev, dtype=torch.bfloat16)
+            ms = _time_ms(lambda: swa_tvm.sliding_window_attention(q, k, k, window_size=(W - 1, 0)), warmup=1, reps=5)
+            scaling.append({"T": T2, "ours_ms": ms})
+        except Exception as e:  # noqa: BLE001 - out of memory ends the sweep
+            scaling.append({"T": T2, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            break
+        finally:
+            q = k = None
+            torch.cuda.empty_cache()
+        print(f"  scaling {scaling[-1]}", flush=True)
+    results["scaling"] = scaling
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m swa_tvm.gpu_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--libs", default=os.path.join("build", "gpu", "lib"), help="folder of CUDA libraries to load")
+    p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_results.json")
+    p.add_argument("--quick", action="store_true", help="small timing shapes (a smoke run)")
+    p.add_argument("--skip-bench", action="store_true")
+    args = p.parse_args(argv)
+    import swa_tvm
+
+    results: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "gpu_results.json")
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)
+
+    libs = sorted(glob.glob(os.path.join(args.libs, "*.so")))
+    results["libraries"] = []
+    for lib in libs:
+        t0 = time.time()
+        specs = swa_tvm.load_library(lib)
+        results["libraries"].append({"path": lib, "kernels": len(specs), "load_s": time.time() - t0})
+    print(f"loaded {len(libs)} libraries", flush=True)
+    ok = True
+    for stage, fn in (("correctness", lambda: check_patterns(results)),
+                      ("bench", lambda: None if args.skip_bench else bench(results, args.quick))):
+        print(f"== {stage}", flush=True)
+        t0 = time.time()
+        try:
+            r = fn()
+            if r is False:
+                ok = False
+        except Exception as e:  # noqa: BLE001 - keep what was measured
+            ok = False
+            results[f"{stage}_error"] = f"{type(e).__name__}: {e}"
+            results[f"{stage}_trace"] = traceback.format_exc()[-3000:]
+            print(traceback.format_exc(), flush=True)
+        results[f"{stage}_seconds"] = time.time() - t0
+        save()
+    results["ok"] = ok
+    save()
+    print(f"wrote {path}; {'all checks passed' if ok else 'SOME CHECKS FAILED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,136 @@
+"""CUDA without a GPU: compile and export for sm_80/sm_90, load, fail clearly on call,
+and check the CUDA schedule's loop structure numerically on the CPU.
+
+What needs a GPU (running the kernels, timing them) is swa_tvm.gpu_check, run by
+examples/gpu_check.sh on a machine that has one."""
+
+import json
+import re
+import shutil
+import warnings
+
+import pytest
+import torch
+from conftest import rand, rel_err
+
+import swa_tvm
+from swa_tvm import build, library
+from swa_tvm.build import UntunedKernelWarning, normalize_target
+from swa_tvm.spec import AttentionSpec, KernelSpec
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) not on PATH")
+
+
+def test_cuda_targets():
+    assert normalize_target("cuda -arch=sm_90") == {"kind": "cuda", "arch": "sm_90"}
+    assert normalize_target("cuda:sm_80") == {"kind": "cuda", "arch": "sm_80"}
+    assert normalize_target({"kind": "cuda", "arch": "sm_86"}) == {"kind": "cuda", "arch": "sm_86"}
+    assert build.target_key(normalize_target("cuda -arch=sm_90")) == "cuda-sm_90"
+    with pytest.raises(ValueError, match="sm_XY"):
+        normalize_target("cuda -arch=ampere")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device.*name it"):
+            normalize_target("cuda")
+
+
+def test_half_precision_is_cuda_only(tmp_path):
+    with pytest.raises(ValueError, match="float16 kernels are built for CUDA targets"):
+        build.export_library([KernelSpec("local", 16, "float16", 3, 0)], tmp_path / "x.so", target="llvm", logs=None)
+    q = rand(1, 2, 40, 16).to(torch.bfloat16)
+    with pytest.raises(TypeError, match="q has dtype torch.bfloat16; on cpu the kernels support"):
+        swa_tvm.sliding_window_attention(q, q, q, window_size=(3, 0))
+    with pytest.raises(ValueError, match="gradient kernels are not built yet"):
+        KernelSpec("local_dq", 16, "float16", 3, 0)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, fresh_registry):
+    """Export every pattern (dilation, globals, sinks) in fp16 for one arch; the manifest
+    names the arch, the generated CUDA stages the products through shared memory, and
+    the library loads here; a call says no CUDA device is present."""
+    spec = AttentionSpec.parse("head_dim=32,window=15:0,dilation=2,globals,sinks,dtype=float16")
+    path = tmp_path / f"lib_{arch}.so"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        manifest = swa_tvm.export_library([spec], path, target=f"cuda -arch={arch}")
+    untuned = [str(w.message) for w in caught if issubclass(w.category, UntunedKernelWarning)]
+    assert len(untuned) == 2 and all(f"cuda-{arch}" in m for m in untuned)
+    assert manifest["cuda_arch"] == arch and manifest["target"] == {"kind": "cuda", "arch": arch}
+    assert manifest["target_key"] == f"cuda-{arch}" and manifest["cpu_features"] == []
+    assert [k["spec"]["dtype"] for k in manifest["kernels"]] == ["float16", "float16"]
+    assert json.load(open(f"{path}.json")) == manifest
+
+    # The generated CUDA source (written beside the library): half inputs, fp32
+    # accumulation, shared-memory tiles.
+    src = open(f"{path}.cu").read()
+    assert "__global__" in src and "half" in src
+    assert len(re.findall(r"__shared__ (?:alignas\(\d+\) )?half \w+\[\d+\]", src)) >= 2, "products should stage half tiles in shared memory"
+    assert re.search(r"__shared__ (?:alignas\(\d+\) )?float \w+\[\d+\]", src), "the probability tile should be staged in shared memory"
+
+    specs = swa_tvm.load_library(path)
+    assert {s.name for s in specs} == {k.name for k in spec.kernels()}
+    kernels = fresh_registry.kernels("cuda")
+    assert len(kernels) == 2 and all(k.cuda_arch == arch for k in kernels)
+    assert fresh_registry.kernels("cpu") == []
+    if library.cuda_unavailable_reason() is not None:
+        with pytest.raises(library.NoDeviceError, match="no CUDA device is present"):
+            kernels[0].func()
+
+
+def _serial_on_cpu(func):
+    """The CUDA-scheduled PrimFunc with its thread bindings made serial loops and its
+    shared/local buffers global, compiled for the CPU. Every thread then does its part
+    in turn: the same loop nest, tiles, regions and predicates the GPU runs, minus
+    concurrency (races and barriers are the GPU check's business)."""
+    import tvm
+
+    text = func.script()
+    text = text.replace("T.thread_binding(", "T.serial(")
+    text = re.sub(r', thread="[a-zA-Z.]+"\)', ")", text)
+    text = re.sub(r', scope="(shared|local)"', "", text)
+    assert "thread_binding" not in text and 'scope="shared"' not in text
+    mod = tvm.script.from_source(text)
+    return tvm.compile(mod, target="llvm")
+
+
+@pytest.mark.parametrize(
+    "dtype,window,pattern",
+    [("bfloat16", (21, 0), "globals+sinks+per-head dilation"), ("float32", (8, 9), "symmetric, dilation 2")],
+)
+def test_cuda_schedule_computes_the_reference(dtype, window, pattern):
+    import tvm
+    from tvm import s_tir
+
+    from swa_tvm.compute import prim_func
+    from swa_tvm.functional import _extra_positions
+    from swa_tvm.reference import sliding_window_attention_ref
+    from swa_tvm.schedules import cuda
+
+    extras = "globals" in pattern
+    spec = KernelSpec("local", 16, dtype, *window, max_dilation=2, extras=extras)
+    sch = s_tir.Schedule(tvm.IRModule({spec.name: prim_func(spec)}))
+    sch.work_on(spec.name)
+    cuda.schedule(sch, spec)
+    kernel = _serial_on_cpu(sch.mod)[spec.name]
+
+    B, H, T, D = 2, 4, 150, 16
+    tdt = getattr(torch, dtype)
+    q, k, v = (rand(B, H, T, D).to(tdt) for _ in range(3))
+    dil = torch.tensor([1, 2, 1, 2], dtype=torch.int32) if extras else torch.full((H,), 2, dtype=torch.int32)
+    kw = dict(window_size=window, dilation=dil)
+    if extras:
+        kw.update(global_idx=torch.tensor([[3, 77], [100, 5]], dtype=torch.int32), num_sinks=2, sink_logits=rand(H))
+    sink = kw.get("sink_logits", torch.full((H,), float("-inf")))
+    extra = _extra_positions(kw.get("global_idx"), kw.get("num_sinks", 0), B, "cpu")
+    out, lse = torch.empty(B, H, T, D, dtype=tdt), torch.empty(B, H, T)
+    kernel(q, k, v, dil, *([extra] if extras else []), sink, D**-0.5, out, lse)
+    ref_out, ref_lse = sliding_window_attention_ref(q, k, v, **kw)
+    # Global rows are the global kernel's (not scheduled here): compare the others.
+    rows = torch.ones(B, 1, T, dtype=torch.bool)
+    for b, gs in enumerate(kw.get("global_idx", torch.empty(B, 0)).tolist()):
+        rows[b, 0, gs] = False
+    keep = rows.expand(B, H, T)
+    tol = 3e-3 if dtype == "bfloat16" else 1e-5  # bf16: the output's rounding
+    assert rel_err(out[keep], ref_out[keep]) < tol
+    assert (lse.double() - ref_lse)[keep].abs().max() < 1e-5
