@@ -6,7 +6,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
 
-.PHONY: venv test demo bench tune clean
+.PHONY: venv test demo bench tune gpu-bundle clean
 
 venv: $(STAMP)
 
@@ -35,6 +35,12 @@ TRIALS ?= 64
 SPECS_PY := from swa_tvm import bench, bench_train; print(' '.join('--spec ' + s for s in bench.spec_strings() + bench_train.spec_strings()))
 tune: $(STAMP)
 	$(VENV)/bin/swa-tvm tune --trials $(TRIALS) $$($(VPY) -c "$(SPECS_PY)")
+
+# CUDA libraries, the TVM runtime and the tvm-ffi wheel for examples/gpu_check.sh on a
+# GPU machine without TVM (needs nvcc, not a GPU): build/gpu/.
+CUDA_ARCH ?= sm_90
+gpu-bundle: $(STAMP)
+	$(VPY) -m swa_tvm.gpu_bundle --arch $(CUDA_ARCH)
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo_out

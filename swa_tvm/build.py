@@ -316,10 +316,10 @@ def _kernel_code_digest() -> str:
     import hashlib
 
     from swa_tvm import compute, compute_backward
-    from swa_tvm.schedules import cpu
+    from swa_tvm.schedules import cpu, cuda
 
     h = hashlib.sha256()
-    for mod in (compute, compute_backward, cpu):
+    for mod in (compute, compute_backward, cpu, cuda):
         with open(mod.__file__, "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]

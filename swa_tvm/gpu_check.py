@@ -39,12 +39,11 @@ def _rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
-def check_patterns(results: dict) -> bool:
+def check_patterns(results: dict, dev: torch.device) -> bool:
     """Every pattern x dtype against the float64 reference; True when all pass."""
     import swa_tvm
     from swa_tvm.reference import sliding_window_attention_ref
 
-    dev = torch.device("cuda")
     B, H, Hkv, T, D = 2, 4, 2, 300, 64
     cases = [
         ("causal window", dict(window_size=(31, 0))),
@@ -56,7 +55,8 @@ def check_patterns(results: dict) -> bool:
     ]
     ok_all = True
     rows = []
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+    dtypes = (torch.float16, torch.bfloat16, torch.float32) if dev.type == "cuda" else (torch.float32,)
+    for dtype in dtypes:
         tol_out, tol_lse = TOLERANCE[dtype]
         for name, case in cases:
             case = dict(case)
@@ -92,28 +92,37 @@ def check_patterns(results: dict) -> bool:
     results["correctness"] = rows
 
     # Stream and compile: the same call on a side stream, and under torch.compile.
-    q = torch.randn(1, 4, 256, 64, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(1, 4, 256, 64, device=dev, dtype=dtypes[0])
     base = swa_tvm.sliding_window_attention(q, q, q, window_size=(31, 0))
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        side = swa_tvm.sliding_window_attention(q, q, q, window_size=(31, 0))
-    torch.cuda.current_stream().wait_stream(s)
+    extra = {}
+    if dev.type == "cuda":
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            side = swa_tvm.sliding_window_attention(q, q, q, window_size=(31, 0))
+        torch.cuda.current_stream().wait_stream(s)
+        extra["side_stream_equal"] = bool(torch.equal(side, base))
     compiled = torch.compile(lambda a: swa_tvm.sliding_window_attention(a, a, a, window_size=(31, 0)), fullgraph=True)
-    extra = {"side_stream_equal": bool(torch.equal(side, base))}
     try:
         extra["compile_fullgraph_equal"] = bool(torch.equal(compiled(q), base))
     except Exception as e:  # noqa: BLE001
         extra["compile_fullgraph_equal"] = False
         extra["compile_error"] = f"{type(e).__name__}: {e}"
     results["stream_and_compile"] = extra
-    print(f"  side stream equal: {extra['side_stream_equal']}, compile(fullgraph) equal: {extra['compile_fullgraph_equal']}")
+    print(f"  stream and compile: {extra}")
     return ok_all and all(v for k, v in extra.items() if k.endswith("_equal"))
 
 
 def _time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
     for _ in range(warmup):
         fn()
+    if not torch.cuda.is_available():  # the CPU smoke run of this script
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
@@ -126,11 +135,16 @@ def _time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
     return statistics.median(times)
 
 
-def matmul_rate() -> float:
-    """bf16 TFLOP/s of an 8192^3 torch.matmul on random data: the ceiling."""
-    n = 8192
-    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+def matmul_rate(dev: torch.device, dtype) -> float:
+    """TFLOP/s of an 8192^3 torch.matmul on random data (bf16 on the GPU): the ceiling."""
+    n = 8192 if dev.type == "cuda" else 1024
+    a, b = (torch.randn(n, n, device=dev, dtype=dtype) for _ in range(2))
     return 2 * n**3 / (_time_ms(lambda: a @ b) * 1e-3) / 1e12
+
+
+def _empty_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _visible_mask(T, W, dilation, gidx, device):
@@ -146,16 +160,19 @@ def _visible_mask(T, W, dilation, gidx, device):
     return m
 
 
-def bench(results: dict, quick: bool) -> None:
+def bench(results: dict, dev: torch.device, quick: bool) -> None:
     import swa_tvm
 
-    dev = torch.device("cuda")
     B, H, Hkv, D, T, W = 1, 32, 8, 128, 32768, 4096
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if quick:
         T, W = 8192, 1024
-    peak = matmul_rate()
-    results["bf16_matmul_tflops"] = peak
-    print(f"  bf16 matmul: {peak:.0f} TFLOP/s", flush=True)
+    if dev.type != "cuda":  # the CPU smoke run: the harness, not the numbers
+        H, Hkv, D, T, W = 4, 2, 64, 1024, 128
+    peak = matmul_rate(dev, dtype)
+    results["matmul_tflops"] = peak
+    results["bench_dtype"] = str(dtype).replace("torch.", "")
+    print(f"  {results['bench_dtype']} matmul: {peak:.1f} TFLOP/s", flush=True)
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -166,9 +183,9 @@ def bench(results: dict, quick: bool) -> None:
     configs = [("causal", 1, 0), ("dilation 2", 2, 0), ("64 globals", 1, 64)]
     rows = []
     for name, d, G in configs:
-        q = torch.randn(B, H, T, D, device=dev, dtype=torch.bfloat16)
-        k = torch.randn(B, Hkv, T, D, device=dev, dtype=torch.bfloat16)
-        v = torch.randn(B, Hkv, T, D, device=dev, dtype=torch.bfloat16)
+        q = torch.randn(B, H, T, D, device=dev, dtype=dtype)
+        k = torch.randn(B, Hkv, T, D, device=dev, dtype=dtype)
+        v = torch.randn(B, Hkv, T, D, device=dev, dtype=dtype)
         gidx = torch.randperm(T, device=dev)[:G].sort().values.int() if G else None
         mask = _visible_mask(T, W, d, gidx, dev)
         visible = int(mask.sum())
@@ -216,23 +233,23 @@ def bench(results: dict, quick: bool) -> None:
                     row[f"speedup_vs_{pname}"] = row[f"{pname}_ms"] / row["ours_ms"]
             except Exception as e:  # noqa: BLE001
                 row[f"{pname}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            torch.cuda.empty_cache()
+            _empty_cache()
         if "ours_ms" in row:
             row["ours_tflops"] = flops / (row["ours_ms"] * 1e-3) / 1e12
             row["ours_fraction_of_matmul"] = row["ours_tflops"] / peak
         rows.append(row)
         print(f"  {json.dumps(row)}", flush=True)
         del q, k, v, kr, vr, mask, peers
-        torch.cuda.empty_cache()
+        _empty_cache()
     results["timing"] = rows
 
     scaling = []
     for T2 in (8192, 16384, 32768, 65536, 131072):
-        if quick and T2 > 16384:
+        if (quick or dev.type != "cuda") and T2 > 16384:
             break
         try:
-            q = torch.randn(B, H, T2, D, device=dev, dtype=torch.bfloat16)
-            k = torch.randn(B, Hkv, T2, D, device=dev, dtype=torch.bfloat16)
+            q = torch.randn(B, H, T2, D, device=dev, dtype=dtype)
+            k = torch.randn(B, Hkv, T2, D, device=dev, dtype=dtype)
             ms = _time_ms(lambda: swa_tvm.sliding_window_attention(q, k, k, window_size=(W - 1, 0)), warmup=1, reps=5)
             scaling.append({"T": T2, "ours_ms": ms})
         except Exception as e:  # noqa: BLE001 - out of memory ends the sweep
@@ -240,7 +257,7 @@ def bench(results: dict, quick: bool) -> None:
             break
         finally:
             q = k = None
-            torch.cuda.empty_cache()
+            _empty_cache()
         print(f"  scaling {scaling[-1]}", flush=True)
     results["scaling"] = scaling
 
@@ -251,12 +268,15 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_results.json")
     p.add_argument("--quick", action="store_true", help="small timing shapes (a smoke run)")
     p.add_argument("--skip-bench", action="store_true")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="cpu: a smoke run of this harness with the CPU kernels (float32, tiny shapes)")
     args = p.parse_args(argv)
     import swa_tvm
 
+    dev = torch.device(args.device)
     results: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "gpu": torch.cuda.get_device_name(0),
+        "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu (smoke run)",
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
@@ -275,8 +295,8 @@ def main(argv=None) -> int:
         results["libraries"].append({"path": lib, "kernels": len(specs), "load_s": time.time() - t0})
     print(f"loaded {len(libs)} libraries", flush=True)
     ok = True
-    for stage, fn in (("correctness", lambda: check_patterns(results)),
-                      ("bench", lambda: None if args.skip_bench else bench(results, args.quick))):
+    for stage, fn in (("correctness", lambda: check_patterns(results, dev)),
+                      ("bench", lambda: None if args.skip_bench else bench(results, dev, args.quick))):
         print(f"== {stage}", flush=True)
         t0 = time.time()
         try:

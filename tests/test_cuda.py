@@ -134,3 +134,15 @@ def test_cuda_schedule_computes_the_reference(dtype, window, pattern):
     tol = 3e-3 if dtype == "bfloat16" else 1e-5  # bf16: the output's rounding
     assert rel_err(out[keep], ref_out[keep]) < tol
     assert (lse.double() - ref_lse)[keep].abs().max() < 1e-5
+
+
+def test_gpu_check_harness_on_cpu(tmp_path, fresh_registry):
+    """The GPU check's correctness stage, run on the CPU kernels: the harness itself
+    (cases, reference, tolerances, results file) works before it costs GPU time."""
+    from swa_tvm import gpu_check
+
+    rc = gpu_check.main(["--device", "cpu", "--libs", str(tmp_path / "none"), "--out", str(tmp_path), "--skip-bench"])
+    results = json.load(open(tmp_path / "gpu_results.json"))
+    assert rc == 0 and results["ok"] is True
+    assert len(results["correctness"]) == 6 and all(r["ok"] and r["out_rel_err"] < 1e-5 for r in results["correctness"])
+    assert results["stream_and_compile"] == {"compile_fullgraph_equal": True}
