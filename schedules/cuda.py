@@ -22,20 +22,13 @@ from __future__ import annotations
 
 from tvm import s_tir
 
+from swa_tvm.schedules.cpu import _has
 from swa_tvm.spec import KernelSpec
 
 # Threads of the one-thread-per-output stages.
 THREADS = 256
 # Register tile of a product thread (rows x columns) and its 16 x 16 thread grid.
 TILE_ROWS, TILE_COLS, GRID = 2, 4, 16
-
-
-def _has(sch: s_tir.Schedule, name: str) -> bool:
-    try:
-        sch.get_sblock(name)
-        return True
-    except Exception:  # noqa: BLE001 - get_sblock raises a generic TVM error
-        return False
 
 
 def _spatial_count(sch, block) -> int:

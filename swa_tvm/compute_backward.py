@@ -37,16 +37,12 @@ import operator
 from tvm import te, tirx
 
 from .compute import Band, Extras, _dims, _exp, _neg_inf, i64
-from .spec import KernelSpec
-
-
-def _acc(dt: str) -> str:
-    return "float64" if dt == "float64" else "float32"
+from .spec import KernelSpec, accum_dtype
 
 
 def _grad_inputs(spec: KernelSpec, B, H, Hkv, T, E):
     """The placeholders every local gradient kernel takes, in argument order."""
-    D, dt, acc = spec.head_dim, spec.dtype, _acc(spec.dtype)
+    D, dt, acc = spec.head_dim, spec.dtype, accum_dtype(spec.dtype)
     q = te.placeholder((B, H, T, D), dt, name="q")
     k = te.placeholder((B, Hkv, T, D), dt, name="k")
     v = te.placeholder((B, Hkv, T, D), dt, name="v")
@@ -69,7 +65,7 @@ def local_dq(spec: KernelSpec, shapes: dict | None = None):
     """
     assert spec.kind == "local_dq"
     B, H, Hkv, T, E = _dims(shapes, "B H Hkv T E")
-    D, dt, Bq, acc = spec.head_dim, spec.dtype, spec.block_q, _acc(spec.dtype)
+    D, dt, Bq, acc = spec.head_dim, spec.dtype, spec.block_q, accum_dtype(spec.dtype)
     ins, (q, k, v, dil, xidx, dout, lse, delta, scale) = _grad_inputs(spec, B, H, Hkv, T, E)
     band = Band(spec.left, spec.right, Bq, spec.max_dilation, T, H, dil)
     n, kw, clamp = band.nitems, band.width, band.clamp
@@ -196,7 +192,7 @@ def local_dkv(spec: KernelSpec, shapes: dict | None = None):
     """
     assert spec.kind == "local_dkv"
     B, H, Hkv, T, E = _dims(shapes, "B H Hkv T E")
-    D, dt, Bk, acc = spec.head_dim, spec.dtype, spec.block_q, _acc(spec.dtype)
+    D, dt, Bk, acc = spec.head_dim, spec.dtype, spec.block_q, accum_dtype(spec.dtype)
     ins, (q, k, v, dil, _, dout, lse, delta, scale) = _grad_inputs(spec, B, H, Hkv, T, E)
     # Key j is seen by query i = j + u*d for -right <= u <= left: the transposed window.
     band = Band(spec.right, spec.left, Bk, spec.max_dilation, T, H, dil)
@@ -278,7 +274,7 @@ def local_dx(spec: KernelSpec, shapes: dict | None = None):
     """
     assert spec.kind == "local_dx" and spec.extras
     B, H, Hkv, T, E = _dims(shapes, "B H Hkv T E")
-    D, dt, acc = spec.head_dim, spec.dtype, _acc(spec.dtype)
+    D, dt, acc = spec.head_dim, spec.dtype, accum_dtype(spec.dtype)
     ins, (q, k, v, dil, xidx, dout, lse, delta, scale) = _grad_inputs(spec, B, H, Hkv, T, E)
     group = tirx.floordiv(H, Hkv)
     ninf = _neg_inf(acc)
@@ -340,7 +336,7 @@ def global_backward(spec: KernelSpec, shapes: dict | None = None):
     """
     assert spec.kind == "global_bwd"
     B, H, Hkv, T, G = _dims(shapes, "B H Hkv T G")
-    D, dt, acc = spec.head_dim, spec.dtype, _acc(spec.dtype)
+    D, dt, acc = spec.head_dim, spec.dtype, accum_dtype(spec.dtype)
     qg = te.placeholder((B, H, G, D), dt, name="q_global")
     kg = te.placeholder((B, Hkv, T, D), dt, name="k_global")
     vg = te.placeholder((B, Hkv, T, D), dt, name="v_global")

@@ -31,7 +31,7 @@ from typing import Iterable
 import numpy as np
 
 from .compute import flops, prim_func
-from .spec import KernelSpec
+from .spec import KernelSpec, accum_dtype
 
 WORKLOAD_FILE = "database_workload.json"
 RECORD_FILE = "database_tuning_record.json"
@@ -57,7 +57,7 @@ def tuning_workload(spec: KernelSpec, shapes: dict | None = None):
 
     func = prim_func(spec, tune_shapes(spec, shapes))
     scale = next(p for p in func.params if p.name == "scale")
-    acc = "float64" if spec.dtype == "float64" else "float32"
+    acc = accum_dtype(spec.dtype)
     func = func.specialize({scale: tirx.const(1.0 / spec.head_dim**0.5, acc)})
     return tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
 
