@@ -83,6 +83,26 @@ def _vectorize_inner(sch, loop, lanes):
     sch.vectorize(sch.split(loop, factors=[None, lanes])[1])
 
 
+# Row max and row sum over the band are reduced through a vector of partial results
+# (rfactor): a serial chain of scalar max/add, bound by its latency, cost about as much
+# as the whole score product. rfactor needs the reduction still in its own loop nest,
+# so it is split before the compute_at and vectorized after.
+def _rfactor_row_reduce(sch, name, lanes):
+    kr = sch.get_loops(sch.get_sblock(name))[-1]
+    _, ki = sch.split(kr, factors=[None, lanes])
+    sch.rfactor(ki, factor_axis=4)  # -> block f"{name}_rf" [..., rows, lanes]
+
+
+def _vector_row_reduce(sch, name):
+    rf = sch.get_sblock(f"{name}_rf")
+    # Under the item loop, compute_at left the rf block's loops in its iteration-variable
+    # order: lane, batch, head, item (unit loops), row, key chunk.
+    lane, *_, row, chunk = sch.get_loops(rf)[-6:]
+    sch.reorder(row, chunk, lane)
+    sch.vectorize(lane)
+    sch.decompose_reduction(rf, chunk)
+
+
 def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
     knobs = knobs or Defaults()
     # masked/rowmax/denom stay materialized per item: each feeds an exp polynomial that
@@ -110,8 +130,12 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8,
     if spec.head_dim % vector_lanes == 0:
         _vectorize_inner(sch, cc, vector_lanes)
 
+    bounded = spec.left >= 0 and spec.right >= 0
+    if bounded:  # the band (rfactor's key extent) is a multiple of LANES
+        for name in ("wmax", "wsum"):
+            _rfactor_row_reduce(sch, name, vector_lanes)
     # Producers of blk_out, innermost first so each compute_at finds its consumer placed.
-    order = ["denom", "wacc", "xacc", "wsum", "xsum", "wprob", "xprob", "rowmax", "wmax", "xmax"]
+    order = ["denom", "wacc", "xacc", "wsum", "wsum_rf", "xsum", "wprob", "xprob", "rowmax", "wmax", "wmax_rf", "xmax"]
     order += ["masked", "xmasked", "score", "xscore", "vblk", "kblk_t", "qblk"]
     for name in order:
         if not _has(sch, name):
@@ -129,7 +153,6 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8,
     if spec.head_dim % vector_lanes == 0:
         _vectorize_inner(sch, sch.get_loops(sch.get_sblock("vblk"))[-1], vector_lanes)
 
-    bounded = spec.left >= 0 and spec.right >= 0
     # Score tile: (qi, kj) with kj vectorized; the reduction over c sits outside the
     # register tile so the accumulators stay in registers.
     blk = sch.get_sblock("score")
@@ -147,6 +170,8 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8,
     if bounded:
         for name in ("masked", "wprob"):
             _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1], LANES)
+        for name in ("wmax", "wsum"):
+            _vector_row_reduce(sch, name)
     # P @ V for the band and the extras: (qi, c) tile with c vectorized, the reduction
     # over keys outside the tile.
     for name in ("wacc", "xacc"):
@@ -154,11 +179,11 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8,
             continue
         blk = sch.get_sblock(name)
         qi_l, c_l, kr = sch.get_loops(blk)[-3:]
-        q_in = knobs.tile(sch, qi_l, spec.block_q, 2, 4)
+        q_in = knobs.tile(sch, qi_l, spec.block_q, 4, 4)
         qo, qi_in = sch.split(qi_l, factors=[None, q_in])
         widths = [w for w in (vector_lanes, 2 * vector_lanes, 4 * vector_lanes) if spec.head_dim % w == 0]
         if widths:
-            co, ci = sch.split(c_l, factors=[None, knobs.choice(sch, widths, widths[-1])])
+            co, ci = sch.split(c_l, factors=[None, knobs.choice(sch, widths, widths[min(1, len(widths) - 1)])])
             sch.reorder(qo, co, kr, qi_in, ci)
         else:
             ci = c_l

@@ -133,7 +133,7 @@ def schedule_spec(spec: KernelSpec, tvm_target, record=None):
         raise ValueError(f"kernel {spec.name}: {spec.dtype} kernels are built for CUDA targets; the CPU serves float32/float64")
     if record is not None:
         return apply_record(spec, record.trace)
-    sch = s_tir.Schedule(tvm.IRModule({spec.name: prim_func(spec)}))
+    sch = s_tir.Schedule(tvm.IRModule({spec.name: prim_func(spec, target_kind=kind)}))
     sch.work_on(spec.name)
     if kind == "cuda":
         cuda_schedules.schedule(sch, spec)

@@ -36,10 +36,11 @@ def _neg_inf(dtype: str):
     return tirx.infinity(dtype) * tirx.const(-1, dtype)
 
 
-def _exp(x, dtype: str):
+def _exp(x, dtype: str, native: bool = False):
     """exp(x) for x <= 0 (scores minus their row max), vectorizable.
 
-    LLVM scalarises ``tir.exp`` into libm calls on the CPU, which would dominate the
+    ``native``: the target's own exp (CUDA has a fast hardware one). Otherwise, on the
+    CPU: LLVM scalarises ``tir.exp`` into libm calls, which would dominate the
     kernel. This is Cephes' expf (range reduction by ln 2, degree-6 polynomial, ~1 ulp),
     returning exactly 0 below the float32 range so masked (-inf) scores add nothing.
     float64 (used by gradient tests) keeps the exact intrinsic.
@@ -48,7 +49,7 @@ def _exp(x, dtype: str):
     expression (a few buffer loads; the stages it reads are materialized). It is not
     Let-bound: MetaSchedule's FLOP estimator rejects Let, and LLVM removes the repeats.
     """
-    if dtype != "float32":
+    if native or dtype != "float32":
         return tirx.exp(x)
     return _exp_poly(x, lambda c: tirx.const(c, "float32"))
 
@@ -86,6 +87,19 @@ def i64(x):
     return x.astype("int64") if hasattr(x, "astype") else x
 
 
+# Division of index expressions known to be >= 0 by a divisor >= 1 (positions, items,
+# heads by the GQA group, by the runtime dilation). Truncating division equals floor
+# division there, and it lowers to one instruction: floordiv/floormod by a runtime value
+# lower to sign fix-ups (nested Let/Select) that, nested in the result gathers, made
+# TVM's LLVM code generation take ~7 s per kernel instead of ~1 s.
+def div_nonneg(a, b):
+    return tirx.truncdiv(a, b)
+
+
+def mod_nonneg(a, b):
+    return tirx.truncmod(a, b)
+
+
 class Band:
     """The blocked band structure shared by the local kernels (forward and backward).
 
@@ -112,7 +126,7 @@ class Band:
 
         def field(h, beta, f):
             d = i64(dil[h])
-            ib, r = tirx.floordiv(beta, d), tirx.floormod(beta, d)
+            ib, r = div_nonneg(beta, d), mod_nonneg(beta, d)
             row0 = ib * (block * d) + r
             key0 = row0 - lo * d if lo >= 0 else r
             return tirx.Select(f == 0, row0, tirx.Select(f == 1, key0, tirx.Select(f == 2, ib * block, r)))
@@ -145,8 +159,9 @@ class Band:
     def item_of(self, h, i):
         """(item, block position) of sequence position i: for gathering results back."""
         d = i64(self.dil[h])
-        span = self.block * d
-        return tirx.floordiv(i, span) * d + tirx.floormod(i, d), tirx.floordiv(tirx.floormod(i, span), d)
+        # i = (ib*block + qi)*d + r: one division by d, the rest by the constant block.
+        t = div_nonneg(i, d)
+        return div_nonneg(t, self.block) * d + mod_nonneg(i, d), mod_nonneg(t, self.block)
 
 
 class Extras:
@@ -181,7 +196,7 @@ class Extras:
         return ok
 
 
-def local_attention(spec: KernelSpec, shapes: dict | None = None):
+def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = False):
     """TE for the local (window + extra keys) kernel.
 
     Returns the PrimFunc argument list: tensors q [B,H,T,D], k/v [B,Hkv,T,D],
@@ -189,6 +204,8 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None):
     sink_logit [H] (-inf = none), the scale Var, out [B,H,T,D], lse [B,H,T] (float32 or
     the kernel dtype for float64).
     ``shapes`` may fix any of B, H, Hkv, T, E to ints (tuning needs concrete shapes).
+    ``native_exp``: use the target's exp intrinsic (GPU targets) instead of the
+    vectorizable polynomial the CPU needs (see ``_exp``).
     """
     assert spec.kind == "local"
     B, H, Hkv, T, E = _dims(shapes, "B H Hkv T E")
@@ -207,7 +224,7 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None):
     band = Band(left, right, Bq, spec.max_dilation, T, H, dil)
     nitems, kw, item_info = band.nitems, band.width, band.info
     row_of, key_of, key_ok, clamp = band.pos, band.partner, band.ok, band.clamp
-    group = tirx.floordiv(H, Hkv)
+    group = div_nonneg(H, Hkv)
     ninf = _neg_inf(acc)
 
     # Per-item gathers: the item's query rows, its key band transposed (so the score
@@ -219,12 +236,12 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None):
     )
     kblk_t = te.compute(
         (B, H, nitems, D, kw),
-        lambda b, h, beta, cc, kj: k[b, h // group, clamp(key_of(h, beta, kj)), cc],
+        lambda b, h, beta, cc, kj: k[b, div_nonneg(h, group), clamp(key_of(h, beta, kj)), cc],
         name="kblk_t",
     )
     vblk = te.compute(
         (B, H, nitems, kw, D),
-        lambda b, h, beta, kj, cc: v[b, h // group, clamp(key_of(h, beta, kj)), cc],
+        lambda b, h, beta, kj, cc: v[b, div_nonneg(h, group), clamp(key_of(h, beta, kj)), cc],
         name="vblk",
     )
     c = te.reduce_axis((0, D), name="c")
@@ -252,7 +269,7 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None):
             (B, H, nitems, Bq, E),
             lambda b, h, beta, qi, e: te.sum(
                 cast(qblk[b, h, beta, qi, c2], acc)
-                * cast(k[b, h // group, clamp(i64(xidx[b, e])), c2], acc),
+                * cast(k[b, div_nonneg(h, group), clamp(i64(xidx[b, e])), c2], acc),
                 axis=c2,
             ),
             name="xscore",
@@ -288,7 +305,7 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None):
         max, their sum and their probability-weighted values."""
         prob = te.compute(
             (B, H, nitems, Bq, n),
-            lambda b, h, beta, qi, j: _exp(scores[b, h, beta, qi, j] - rowmax[b, h, beta, qi], acc),
+            lambda b, h, beta, qi, j: _exp(scores[b, h, beta, qi, j] - rowmax[b, h, beta, qi], acc, native_exp),
             name=f"{prefix}prob",
         )
         r = te.reduce_axis((0, n), name=f"{prefix}r_sum")
@@ -307,14 +324,14 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None):
     if spec.extras:
         parts.append(
             softmax_part(
-                "x", stages_x[1], E, lambda b, h, beta, e, cc: cast(v[b, h // group, clamp(i64(xidx[b, e])), cc], acc)
+                "x", stages_x[1], E, lambda b, h, beta, e, cc: cast(v[b, div_nonneg(h, group), clamp(i64(xidx[b, e])), cc], acc)
             )
         )
     sums, accs = zip(*parts)
     denom = te.compute(
         (B, H, nitems, Bq),
         lambda b, h, beta, qi: functools.reduce(operator.add, [t[b, h, beta, qi] for t in sums])
-        + _exp(sink[h] - rowmax[b, h, beta, qi], acc),
+        + _exp(sink[h] - rowmax[b, h, beta, qi], acc, native_exp),
         name="denom",
     )
 
@@ -344,7 +361,7 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None):
     return args
 
 
-def global_attention(spec: KernelSpec, shapes: dict | None = None):
+def global_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = False):
     """TE for global rows: q_global [B,H,G,D] against k_global/v_global [B,Hkv,T,D].
 
     Row g sees every key j (causal: j <= global_idx[b, g]). Returns the argument list
@@ -361,13 +378,13 @@ def global_attention(spec: KernelSpec, shapes: dict | None = None):
     gidx = te.placeholder((B, G), "int32", name="global_idx")
     sink = te.placeholder((H,), acc, name="sink_logit")
     scale = te.var("scale", dtype=acc)
-    group = tirx.floordiv(H, Hkv)
+    group = div_nonneg(H, Hkv)
     ninf = _neg_inf(acc)
 
     c = te.reduce_axis((0, D), name="c")
     gscore = te.compute(
         (B, H, G, T),
-        lambda b, h, g, j: te.sum(cast(qg[b, h, g, c], acc) * cast(kg[b, h // group, j, c], acc), axis=c),
+        lambda b, h, g, j: te.sum(cast(qg[b, h, g, c], acc) * cast(kg[b, div_nonneg(h, group), j, c], acc), axis=c),
         name="gscore",
     )
     if spec.causal:
@@ -381,18 +398,18 @@ def global_attention(spec: KernelSpec, shapes: dict | None = None):
     jr = te.reduce_axis((0, T), name="jr")
     gmax0 = te.compute((B, H, G), lambda b, h, g: te.max(gmasked[b, h, g, jr], axis=jr), name="gmax0")
     gmax = te.compute((B, H, G), lambda b, h, g: tirx.max(gmax0[b, h, g], sink[h]), name="gmax")
-    gprob = te.compute((B, H, G, T), lambda b, h, g, j: _exp(gmasked[b, h, g, j] - gmax[b, h, g], acc), name="gprob")
+    gprob = te.compute((B, H, G, T), lambda b, h, g, j: _exp(gmasked[b, h, g, j] - gmax[b, h, g], acc, native_exp), name="gprob")
     jr2 = te.reduce_axis((0, T), name="jr2")
     gsum = te.compute(
         (B, H, G),
         lambda b, h, g: te.sum(gprob[b, h, g, jr2], axis=jr2),
         name="gsum",
     )
-    gden = te.compute((B, H, G), lambda b, h, g: gsum[b, h, g] + _exp(sink[h] - gmax[b, h, g], acc), name="gden")
+    gden = te.compute((B, H, G), lambda b, h, g: gsum[b, h, g] + _exp(sink[h] - gmax[b, h, g], acc, native_exp), name="gden")
     jr3 = te.reduce_axis((0, T), name="jr3")
     gacc = te.compute(
         (B, H, G, D),
-        lambda b, h, g, cc: te.sum(gprob[b, h, g, jr3] * cast(vg[b, h // group, jr3, cc], acc), axis=jr3),
+        lambda b, h, g, cc: te.sum(gprob[b, h, g, jr3] * cast(vg[b, div_nonneg(h, group), jr3, cc], acc), axis=jr3),
         name="gacc",
     )
     gout = te.compute(
@@ -402,12 +419,18 @@ def global_attention(spec: KernelSpec, shapes: dict | None = None):
     return [qg, kg, vg, gidx, sink, scale, gout, glse]
 
 
-def prim_func(spec: KernelSpec, shapes: dict | None = None) -> tvm.tirx.PrimFunc:
-    """The unscheduled PrimFunc of a spec, named by ``spec.name``."""
+FORWARD_COMPUTES = {"local": local_attention, "global": global_attention}
+
+
+def prim_func(spec: KernelSpec, shapes: dict | None = None, target_kind: str = "llvm") -> tvm.tirx.PrimFunc:
+    """The unscheduled PrimFunc of a spec for a target kind ("llvm" or "cuda"), named by
+    ``spec.name``. The kinds differ only in how exp is computed."""
     from .compute_backward import BACKWARD_COMPUTES
 
-    computes = {"local": local_attention, "global": global_attention, **BACKWARD_COMPUTES}
-    args = computes[spec.kind](spec, shapes)
+    if spec.kind in FORWARD_COMPUTES:
+        args = FORWARD_COMPUTES[spec.kind](spec, shapes, native_exp=target_kind != "llvm")
+    else:
+        args = BACKWARD_COMPUTES[spec.kind](spec, shapes)  # CPU only
     func = te.create_prim_func(args)
     return func.with_attr("global_symbol", spec.name)
 

@@ -36,7 +36,7 @@ import operator
 
 from tvm import te, tirx
 
-from .compute import Band, Extras, _dims, _exp, _neg_inf, i64
+from .compute import Band, Extras, _dims, _exp, _neg_inf, div_nonneg, i64, mod_nonneg
 from .spec import KernelSpec, accum_dtype
 
 
@@ -69,7 +69,7 @@ def local_dq(spec: KernelSpec, shapes: dict | None = None):
     ins, (q, k, v, dil, xidx, dout, lse, delta, scale) = _grad_inputs(spec, B, H, Hkv, T, E)
     band = Band(spec.left, spec.right, Bq, spec.max_dilation, T, H, dil)
     n, kw, clamp = band.nitems, band.width, band.clamp
-    group = tirx.floordiv(H, Hkv)
+    group = div_nonneg(H, Hkv)
     ninf = _neg_inf(acc)
 
     def row(h, beta, qi):
@@ -88,10 +88,10 @@ def local_dq(spec: KernelSpec, shapes: dict | None = None):
         name="rstat",
     )
     kband = te.compute(
-        (B, H, n, kw, D), lambda b, h, be, kj, c: k[b, h // group, key(h, be, kj), c].astype(acc), name="kband"
+        (B, H, n, kw, D), lambda b, h, be, kj, c: k[b, div_nonneg(h, group), key(h, be, kj), c].astype(acc), name="kband"
     )
     vband = te.compute(
-        (B, H, n, kw, D), lambda b, h, be, kj, c: v[b, h // group, key(h, be, kj), c].astype(acc), name="vband"
+        (B, H, n, kw, D), lambda b, h, be, kj, c: v[b, div_nonneg(h, group), key(h, be, kj), c].astype(acc), name="vband"
     )
     c = te.reduce_axis((0, D), name="c")
     score = te.compute(
@@ -136,7 +136,7 @@ def local_dq(spec: KernelSpec, shapes: dict | None = None):
         xscore = te.compute(
             (B, H, n, E, Bq),
             lambda b, h, be, e, qi: te.sum(
-                k[b, h // group, xkey(b, e), c3].astype(acc) * qblk_t[b, h, be, c3, qi], axis=c3
+                k[b, div_nonneg(h, group), xkey(b, e), c3].astype(acc) * qblk_t[b, h, be, c3, qi], axis=c3
             ),
             name="xscore",
         )
@@ -144,7 +144,7 @@ def local_dq(spec: KernelSpec, shapes: dict | None = None):
         xdp = te.compute(
             (B, H, n, E, Bq),
             lambda b, h, be, e, qi: te.sum(
-                v[b, h // group, xkey(b, e), c4].astype(acc) * dblk_t[b, h, be, c4, qi], axis=c4
+                v[b, div_nonneg(h, group), xkey(b, e), c4].astype(acc) * dblk_t[b, h, be, c4, qi], axis=c4
             ),
             name="xdp",
         )
@@ -166,7 +166,7 @@ def local_dq(spec: KernelSpec, shapes: dict | None = None):
         parts.append(
             te.compute(
                 (B, H, n, Bq, D),
-                lambda b, h, be, qi, cc: te.sum(xds[b, h, be, er, qi] * k[b, h // group, xkey(b, er), cc].astype(acc), axis=er),
+                lambda b, h, be, qi, cc: te.sum(xds[b, h, be, er, qi] * k[b, div_nonneg(h, group), xkey(b, er), cc].astype(acc), axis=er),
                 name="dqx",
             )
         )
@@ -197,7 +197,7 @@ def local_dkv(spec: KernelSpec, shapes: dict | None = None):
     # Key j is seen by query i = j + u*d for -right <= u <= left: the transposed window.
     band = Band(spec.right, spec.left, Bk, spec.max_dilation, T, H, dil)
     n, qw, clamp = band.nitems, band.width, band.clamp
-    group = tirx.floordiv(H, Hkv)
+    group = div_nonneg(H, Hkv)
     ninf = _neg_inf(acc)
 
     def key(h, beta, kr):
@@ -207,10 +207,10 @@ def local_dkv(spec: KernelSpec, shapes: dict | None = None):
         return clamp(band.partner(h, beta, qj))
 
     kblk_t = te.compute(
-        (B, H, n, D, Bk), lambda b, h, be, c, kr: k[b, h // group, key(h, be, kr), c].astype(acc), name="kblk_t"
+        (B, H, n, D, Bk), lambda b, h, be, c, kr: k[b, div_nonneg(h, group), key(h, be, kr), c].astype(acc), name="kblk_t"
     )
     vblk_t = te.compute(
-        (B, H, n, D, Bk), lambda b, h, be, c, kr: v[b, h // group, key(h, be, kr), c].astype(acc), name="vblk_t"
+        (B, H, n, D, Bk), lambda b, h, be, c, kr: v[b, div_nonneg(h, group), key(h, be, kr), c].astype(acc), name="vblk_t"
     )
     qband = te.compute((B, H, n, qw, D), lambda b, h, be, qj, c: q[b, h, row(h, be, qj), c].astype(acc), name="qband")
     dband = te.compute(
@@ -276,16 +276,16 @@ def local_dx(spec: KernelSpec, shapes: dict | None = None):
     B, H, Hkv, T, E = _dims(shapes, "B H Hkv T E")
     D, dt, acc = spec.head_dim, spec.dtype, accum_dtype(spec.dtype)
     ins, (q, k, v, dil, xidx, dout, lse, delta, scale) = _grad_inputs(spec, B, H, Hkv, T, E)
-    group = tirx.floordiv(H, Hkv)
+    group = div_nonneg(H, Hkv)
     ninf = _neg_inf(acc)
     visible = Extras(xidx, dil, B, H, E, spec.left, spec.right, T)
     clamp = lambda x: tirx.max(tirx.min(x, T - 1), 0)  # noqa: E731
     # The extras' keys and values, transposed so products run along the E extras.
     xk_t = te.compute(
-        (B, H, D, E), lambda b, h, c, e: k[b, h // group, clamp(i64(xidx[b, e])), c].astype(acc), name="xk_t"
+        (B, H, D, E), lambda b, h, c, e: k[b, div_nonneg(h, group), clamp(i64(xidx[b, e])), c].astype(acc), name="xk_t"
     )
     xv_t = te.compute(
-        (B, H, D, E), lambda b, h, c, e: v[b, h // group, clamp(i64(xidx[b, e])), c].astype(acc), name="xv_t"
+        (B, H, D, E), lambda b, h, c, e: v[b, div_nonneg(h, group), clamp(i64(xidx[b, e])), c].astype(acc), name="xv_t"
     )
     c = te.reduce_axis((0, D), name="c")
     score = te.compute(
@@ -298,7 +298,7 @@ def local_dx(spec: KernelSpec, shapes: dict | None = None):
 
     def seen(b, h, i, e):
         d = i64(dil[h])
-        return visible(b, h, e, i, tirx.floordiv(i, d), tirx.floormod(i, d))
+        return visible(b, h, e, i, div_nonneg(i, d), mod_nonneg(i, d))
 
     arg = te.compute(
         (B, H, T, E),
@@ -345,7 +345,7 @@ def global_backward(spec: KernelSpec, shapes: dict | None = None):
     lse = te.placeholder((B, H, G), acc, name="lse")
     delta = te.placeholder((B, H, G), acc, name="delta")
     scale = te.var("scale", dtype=acc)
-    group = tirx.floordiv(H, Hkv)
+    group = div_nonneg(H, Hkv)
     ninf = _neg_inf(acc)
     # [T, G] tiles: products run along the G rows, transposed once per head.
     qg_t = te.compute((B, H, D, G), lambda b, h, c, g: qg[b, h, g, c].astype(acc), name="qg_t")
@@ -353,13 +353,13 @@ def global_backward(spec: KernelSpec, shapes: dict | None = None):
     c = te.reduce_axis((0, D), name="c")
     score = te.compute(
         (B, H, T, G),
-        lambda b, h, j, g: te.sum(kg[b, h // group, j, c].astype(acc) * qg_t[b, h, c, g], axis=c),
+        lambda b, h, j, g: te.sum(kg[b, div_nonneg(h, group), j, c].astype(acc) * qg_t[b, h, c, g], axis=c),
         name="gscore",
     )
     c2 = te.reduce_axis((0, D), name="c2")
     dp = te.compute(
         (B, H, T, G),
-        lambda b, h, j, g: te.sum(vg[b, h // group, j, c2].astype(acc) * dg_t[b, h, c2, g], axis=c2),
+        lambda b, h, j, g: te.sum(vg[b, div_nonneg(h, group), j, c2].astype(acc) * dg_t[b, h, c2, g], axis=c2),
         name="gdp",
     )
     if spec.causal:
@@ -376,7 +376,7 @@ def global_backward(spec: KernelSpec, shapes: dict | None = None):
     jr = te.reduce_axis((0, T), name="jr")
     dqg_acc = te.compute(
         (B, H, G, D),
-        lambda b, h, g, cc: te.sum(ds[b, h, jr, g] * kg[b, h // group, jr, cc].astype(acc), axis=jr),
+        lambda b, h, g, cc: te.sum(ds[b, h, jr, g] * kg[b, div_nonneg(h, group), jr, cc].astype(acc), axis=jr),
         name="dq_global_acc",
     )
     gr = te.reduce_axis((0, G), name="gr")

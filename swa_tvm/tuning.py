@@ -167,21 +167,25 @@ def _make_tuning_log_class():
         fsynced ``write(2)`` per line. ``readonly`` opens without ever writing.
         """
 
-        def __init__(self, folder: str, readonly: bool = False):
+        def __init__(self, folder: str, readonly: bool = False, only: set | None = None):
             super().__init__()
             self.folder = folder
-            self.readonly = readonly
+            self.readonly = readonly or only is not None
             self._mem = MemoryDatabase(module_equality="structural")
             self._index: dict[str, int] = {}  # workload structural hash -> line number
             self._records = 0
             wl_path, rec_path = self.paths
+            # Decoding a record into TVM objects costs ~15 ms (its trace), so a lookup
+            # (``only``: the workload keys wanted) decodes just those workloads' records;
+            # the whole committed log took ~8 s to decode.
             workloads = []
             for row in _read_lines(wl_path):
-                wl = self._mem.commit_workload(Workload.from_json(row).mod)
+                wanted = only is None or row[0] in only
                 self._index[row[0]] = len(workloads)
-                workloads.append(wl)
+                workloads.append(self._mem.commit_workload(Workload.from_json(row).mod) if wanted else None)
             for idx, rec in _read_lines(rec_path):
-                self._mem.commit_tuning_record(TuningRecord.from_json(rec, workloads[idx]))
+                if workloads[idx] is not None:
+                    self._mem.commit_tuning_record(TuningRecord.from_json(rec, workloads[idx]))
                 self._records += 1
 
         @property
@@ -247,12 +251,20 @@ def _make_tuning_log_class():
 _TUNING_LOG_CLS = None
 
 
-def open_log(folder: str, readonly: bool = False):
-    """The ``TuningLog`` database of one target-class folder."""
+def open_log(folder: str, readonly: bool = False, only: set | None = None):
+    """The ``TuningLog`` database of one target-class folder. ``only``: the workload
+    keys (``workload_key``) to load, read-only; None loads every workload."""
     global _TUNING_LOG_CLS
     if _TUNING_LOG_CLS is None:
         _TUNING_LOG_CLS = _make_tuning_log_class()
-    return _TUNING_LOG_CLS(folder, readonly)
+    return _TUNING_LOG_CLS(folder, readonly, only)
+
+
+def workload_key(mod) -> str:
+    """The key a log's workload table stores for ``mod`` (its structural hash)."""
+    from tvm.s_tir.meta_schedule.database import Workload
+
+    return Workload(mod).as_json()[0]
 
 
 @dataclass
@@ -289,7 +301,7 @@ def best_records(specs: Iterable[KernelSpec], target: dict, logs_root: str | Non
     folder = log_dir(logs_root, target) if logs_root else None
     if folder is None or not os.path.exists(os.path.join(folder, RECORD_FILE)):
         return {s.name: None for s in specs}
-    db = open_log(folder, readonly=True)
+    db = open_log(folder, only={workload_key(tuning_workload(s)) for s in specs})
     return {s.name: _best_in(db, s, target) for s in specs}
 
 

@@ -120,7 +120,7 @@ def test_cuda_schedule_computes_the_reference(dtype, window, pattern):
 
     extras = "globals" in pattern
     spec = KernelSpec("local", 16, dtype, *window, max_dilation=2, extras=extras)
-    sch = s_tir.Schedule(tvm.IRModule({spec.name: prim_func(spec)}))
+    sch = s_tir.Schedule(tvm.IRModule({spec.name: prim_func(spec, target_kind="cuda")}))
     sch.work_on(spec.name)
     cuda.schedule(sch, spec)
     kernel = _serial_on_cpu(sch.mod)[spec.name]
