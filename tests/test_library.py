@@ -146,3 +146,22 @@ def test_jit_disk_cache_is_reused(tmp_path):
     second = subprocess.run([sys.executable, "-c", code, "forbid"], env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr  # served from disk, export_library never called
     assert sorted(p.name for p in tmp_path.rglob("*.so")) == files
+
+
+@pytest.mark.parametrize("kind", ["local", "local_dq", "local_dkv"])
+def test_kernels_never_floor_divide_by_the_runtime_dilation(kind):
+    # Floor division/modulo by a runtime value lowers to sign fix-ups (nested Let/Select);
+    # nested in the gathers they made every kernel take ~7 s in TVM's code generation.
+    # Indices and dilations are never negative, so the kernels divide with truncation
+    # (compute.div_nonneg). (With extras, the extra positions' residues keep floor
+    # division on purpose: a padded position is -1.) The code of 2026-12-02 had 14-22
+    # such divisions per kernel.
+    import re
+
+    from swa_tvm.compute import prim_func
+    from swa_tvm.spec import KernelSpec
+
+    script = prim_func(KernelSpec(kind, 16, left=3, right=2, max_dilation=2)).script()
+    assert "dilation" in script and "T.truncmod" in script  # the dilation is there, divided by truncation
+    floor_by_dilation = re.findall(r'(?://|%) \(?T\.Cast\("int64", dilation', script)
+    assert floor_by_dilation == []
