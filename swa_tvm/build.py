@@ -280,7 +280,12 @@ def export_library(
         rec = records.get(s.name)
         entry = {"name": s.name, "spec": s.to_dict(), "tuned": rec is not None}
         if rec is not None:
-            entry["tuning"] = {"run_ms": round(rec.run_ms, 4), "gflops": round(rec.gflops, 2), "records": rec.records}
+            entry["tuning"] = {
+                "run_ms": round(rec.run_ms, 4),
+                "gflops": round(rec.gflops, 2),
+                "records": rec.records,
+                "default_point": rec.default_point,  # no searched record beat the default by DEFAULT_MARGIN
+            }
         return entry
 
     manifest = {
