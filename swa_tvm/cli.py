@@ -50,6 +50,8 @@ def _tuned_text(k) -> str:
     if not k["tuned"]:
         return "default schedule"
     t = k.get("tuning", {})
+    if t.get("default_point"):
+        return f"tuned: the default schedule (no searched record beat it by the required margin; {t.get('records', '?')} records)"
     return f"tuned: {t.get('gflops', 0):.1f} GFLOP/s at the tuning shape, best of {t.get('records', '?')} records"
 
 
