@@ -83,24 +83,46 @@ def _vectorize_inner(sch, loop, lanes):
     sch.vectorize(sch.split(loop, factors=[None, lanes])[1])
 
 
-# Row max and row sum over the band are reduced through a vector of partial results
-# (rfactor): a serial chain of scalar max/add, bound by its latency, cost about as much
-# as the whole score product. rfactor needs the reduction still in its own loop nest,
-# so it is split before the compute_at and vectorized after.
-def _rfactor_row_reduce(sch, name, lanes):
-    kr = sch.get_loops(sch.get_sblock(name))[-1]
-    _, ki = sch.split(kr, factors=[None, lanes])
-    sch.rfactor(ki, factor_axis=4)  # -> block f"{name}_rf" [..., rows, lanes]
+def _vertical_reduce(sch, name, lanes, vectorize: bool):
+    """A [rows] reduction over the key axis of a key-major [keys, rows] tile: keys
+    outside, rows inside as vectors, so max and sum are elementwise vector operations
+    (no horizontal reduction, no serial scalar chain)."""
+    blk = sch.get_sblock(name)
+    rows, keys = sch.get_loops(blk)[-2:]
+    sch.reorder(keys, rows)
+    if vectorize:
+        _vectorize_inner(sch, rows, lanes)
+    sch.decompose_reduction(blk, keys)
 
 
-def _vector_row_reduce(sch, name):
-    rf = sch.get_sblock(f"{name}_rf")
-    # Under the item loop, compute_at left the rf block's loops in its iteration-variable
-    # order: lane, batch, head, item (unit loops), row, key chunk.
-    lane, *_, row, chunk = sch.get_loops(rf)[-6:]
-    sch.reorder(row, chunk, lane)
-    sch.vectorize(lane)
-    sch.decompose_reduction(rf, chunk)
+def _key_row_product(sch, name, rows_extent, cols_extent, lanes, knobs, vector_cols: bool, tiled_rows: bool):
+    """A key-major [keys, rows] product reduced over the feature axis (score = K Q^T):
+    register tile of key rows x block-row vectors, the feature reduction outside it.
+    Keys are the broadcast operand (read straight from k), block rows the vectors."""
+    blk = sch.get_sblock(name)
+    k_l, r_l, c_l = sch.get_loops(blk)[-3:]
+    widths = _widths(cols_extent, lanes)
+    if not (vector_cols and widths):
+        sch.reorder(k_l, c_l, r_l)
+        sch.decompose_reduction(blk, c_l)
+        return
+    ro, ri = sch.split(r_l, factors=[None, knobs.choice(sch, widths, widths[min(1, len(widths) - 1)])])
+    if tiled_rows:
+        ko, ki = sch.split(k_l, factors=[None, knobs.tile(sch, k_l, rows_extent, 4, 8)])
+        sch.reorder(ko, ro, c_l, ki, ri)
+        sch.unroll(ki)
+    else:
+        sch.reorder(k_l, ro, c_l, ri)
+    # One vector register per vectorized loop: LLVM keeps a tile of them in registers,
+    # while a wider vectorized loop gave code that reloads its accumulators.
+    rv, ri = sch.split(ri, factors=[None, lanes])
+    sch.unroll(rv)
+    sch.vectorize(ri)
+    sch.decompose_reduction(blk, c_l)
+
+
+def _largest_divisor_upto(n: int, cap: int) -> int:
+    return max(x for x in range(1, min(n, cap) + 1) if n % x == 0)
 
 
 def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
@@ -130,64 +152,67 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8,
     if spec.head_dim % vector_lanes == 0:
         _vectorize_inner(sch, cc, vector_lanes)
 
+    # The products read key and value rows straight from k and v (contiguous rows).
+    for name in ("kband", "vband"):
+        sch.compute_inline(sch.get_sblock(name))
     bounded = spec.left >= 0 and spec.right >= 0
-    if bounded:  # the band (rfactor's key extent) is a multiple of LANES
-        for name in ("wmax", "wsum"):
-            _rfactor_row_reduce(sch, name, vector_lanes)
     # Producers of blk_out, innermost first so each compute_at finds its consumer placed.
-    order = ["denom", "wacc", "xacc", "wsum", "wsum_rf", "xsum", "wprob", "xprob", "rowmax", "wmax", "wmax_rf", "xmax"]
-    order += ["masked", "xmasked", "score", "xscore", "vblk", "kblk_t", "qblk"]
+    order = ["denom", "wacc", "xacc", "wsum", "xsum", "wprob", "xprob", "rowmax", "wmax", "xmax"]
+    order += ["masked", "xmasked", "krange", "score", "xscore", "qblk_t"]
     for name in order:
-        if not _has(sch, name):
-            continue
-        sch.compute_at(sch.get_sblock(name), item, preserve_unit_loops=True)
+        if _has(sch, name):
+            sch.compute_at(sch.get_sblock(name), item, preserve_unit_loops=True)
     sch.parallel(item)
     sch.annotate(item, "pragma_auto_unroll_max_step", knobs.choice(sch, UNROLL_STEPS, 0))
     sch.annotate(item, "pragma_unroll_explicit", 1)
 
-    # Key/value bands: one gathered row per key, so walk keys outside and the feature
-    # axis inside (contiguous loads; the transposed kblk_t store is strided either way).
-    blk = sch.get_sblock("kblk_t")
-    cc_l, kj_l = sch.get_loops(blk)[-2:]
-    sch.reorder(kj_l, cc_l)
-    if spec.head_dim % vector_lanes == 0:
-        _vectorize_inner(sch, sch.get_loops(sch.get_sblock("vblk"))[-1], vector_lanes)
+    rows_vec = spec.block_q % vector_lanes == 0
+    # Query block, transposed: walk rows outside and features inside (contiguous loads).
+    blk = sch.get_sblock("qblk_t")
+    cc_l, qi_l = sch.get_loops(blk)[-2:]
+    sch.reorder(qi_l, cc_l)
 
-    # Score tile: (qi, kj) with kj vectorized; the reduction over c sits outside the
-    # register tile so the accumulators stay in registers.
-    blk = sch.get_sblock("score")
-    qi_l, kj_l, c_l = sch.get_loops(blk)[-3:]
-    q_in = knobs.tile(sch, qi_l, spec.block_q, 4, 8)
-    qo, qi_in = sch.split(qi_l, factors=[None, q_in])
     if bounded:
-        # The key band is padded to a multiple of LANES (16), so both widths divide it.
-        ko, ki = sch.split(kj_l, factors=[None, knobs.choice(sch, (8, 16), LANES)])
-        sch.reorder(qo, ko, c_l, qi_in, ki)
-        sch.unroll(qi_in)
-        sch.vectorize(ki)
-        sch.decompose_reduction(blk, c_l)
-    # Mask and probability tiles: elementwise, vectorize along keys.
-    if bounded:
-        for name in ("masked", "wprob"):
-            _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1], LANES)
-        for name in ("wmax", "wsum"):
-            _vector_row_reduce(sch, name)
+        kw = band_width(spec.block_q, spec.left, spec.right)
+        _key_row_product(sch, "score", kw, spec.block_q, vector_lanes, knobs, rows_vec, True)
+    else:
+        _key_row_product(sch, "score", None, spec.block_q, vector_lanes, knobs, rows_vec, False)
+    if _has(sch, "xscore"):
+        _key_row_product(sch, "xscore", None, spec.block_q, vector_lanes, Defaults(), rows_vec, False)
+    # Mask and probability tiles: elementwise, vectorized along block rows.
+    if rows_vec:
+        for name in ("masked", "wprob", "xmasked", "xprob"):
+            if _has(sch, name):
+                _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1], vector_lanes)
+    for name in ("wmax", "wsum", "xmax", "xsum"):
+        if _has(sch, name):
+            _vertical_reduce(sch, name, vector_lanes, rows_vec)
     # P @ V for the band and the extras: (qi, c) tile with c vectorized, the reduction
-    # over keys outside the tile.
+    # over keys outside the tile; value rows come straight from v. The band's keys are
+    # walked in chunks (all tiles of one chunk, then the next), so a chunk's value rows
+    # (chunk x D) and probabilities stay in L1 while every tile uses them.
+    widths = _widths(spec.head_dim, vector_lanes)
     for name in ("wacc", "xacc"):
         if not _has(sch, name):
             continue
+        # The extras' product (E keys, E small and runtime) keeps the default tiles.
+        k = knobs if name == "wacc" else Defaults()
         blk = sch.get_sblock(name)
         qi_l, c_l, kr = sch.get_loops(blk)[-3:]
-        q_in = knobs.tile(sch, qi_l, spec.block_q, 4, 4)
-        qo, qi_in = sch.split(qi_l, factors=[None, q_in])
-        widths = [w for w in (vector_lanes, 2 * vector_lanes, 4 * vector_lanes) if spec.head_dim % w == 0]
+        qo, qi_in = sch.split(qi_l, factors=[None, k.tile(sch, qi_l, spec.block_q, 4, 4)])
+        tiles = [qo]
         if widths:
-            co, ci = sch.split(c_l, factors=[None, knobs.choice(sch, widths, widths[min(1, len(widths) - 1)])])
-            sch.reorder(qo, co, kr, qi_in, ci)
+            co, ci = sch.split(c_l, factors=[None, k.choice(sch, widths, widths[min(1, len(widths) - 1)])])
+            tiles.append(co)
         else:
             ci = c_l
-            sch.reorder(qo, kr, qi_in, ci)
+        if name == "wacc" and bounded:
+            kw = band_width(spec.block_q, spec.left, spec.right)
+            kro, kri = sch.split(kr, factors=[None, k.tile(sch, kr, kw, _largest_divisor_upto(kw, 96), 136)])
+            sch.reorder(kro, *tiles, kri, qi_in, ci)
+            kr = kro
+        else:
+            sch.reorder(*tiles, kr, qi_in, ci)
         sch.unroll(qi_in)
         sch.vectorize(ci)
         sch.decompose_reduction(blk, kr)

@@ -4,7 +4,7 @@ used when no tuning record applies.
 The compute is the one the CPU runs (blocked query x key-band items), so a GPU kernel
 computes exactly what the CPU-tested TE says; only the loop structure differs. Plan:
 
-- the two products (scores = Q_blk K_band^T and acc = P V_band) are shared-memory tiled
+- the two products (key-major scores = K_band Q_blk^T and acc = P^T V_band) are shared-memory tiled
   matmuls: one thread block per (item, column tile), 16 x 16 threads each owning a
   register tile, the reduction axis staged through shared memory in chunks. The per-item
   gathers (query rows, key band, value band; runtime dilation) are computed straight
@@ -103,8 +103,8 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec) -> None:
             sch.compute_inline(sch.get_sblock(name))
     if bounded:
         kw = band_width(spec.block_q, spec.left, spec.right)
-        _tiled_product(sch, "score", spec.block_q, kw, spec.head_dim, operands=("qblk", "kblk_t"))
-        _tiled_product(sch, "wacc", spec.block_q, spec.head_dim, kw, operands=("wprob", "vblk"))
+        _tiled_product(sch, "score", kw, spec.block_q, spec.head_dim, operands=("kband", "qblk_t"))
+        _tiled_product(sch, "wacc", spec.block_q, spec.head_dim, kw, operands=("wprob", "vband"))
     for block in _unscheduled_blocks(sch):
         _one_thread_per_output(sch, block)
 

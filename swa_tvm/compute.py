@@ -156,6 +156,32 @@ class Band:
             ok = tirx.all(ok, off <= hi)
         return ok
 
+    def key_range(self, h, beta, qi):
+        """(first, last) partner index kj that block position qi sees: the same set as
+        ``ok``, as one interval (empty, first > last, for rows past the end). A mask
+        from two compares per entry, instead of ``ok``'s int64 arithmetic.
+
+        In residue space the item's block positions are m0 + qi (m0 = ib*block) and
+        partner kj is m0 - lo + kj (bounded lo) or kj; residue r has
+        nres = ceil((T - r) / d) positions."""
+        lo, hi, qi = self.lo, self.hi, i64(qi)
+        d = i64(self.dil[h])
+        m0, r = self.info[h, beta, 2], self.info[h, beta, 3]
+        nres = div_nonneg(self.T - r + d - 1, d)
+        if lo >= 0:
+            first = tirx.max(qi, lo - m0)
+            last = nres - m0 + lo - 1
+            if hi >= 0:
+                last = tirx.min(last, qi + lo + hi)
+        else:
+            first = tirx.const(0, "int64")
+            last = nres - 1
+            if hi >= 0:
+                last = tirx.min(last, m0 + qi + hi)
+        past_end = m0 + qi >= nres
+        one, zero = tirx.const(1, "int64"), tirx.const(0, "int64")
+        return tirx.Select(past_end, one, i64(first)), tirx.Select(past_end, zero, i64(last))
+
     def item_of(self, h, i):
         """(item, block position) of sequence position i: for gathering results back."""
         d = i64(self.dil[h])
@@ -223,36 +249,52 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
 
     band = Band(left, right, Bq, spec.max_dilation, T, H, dil)
     nitems, kw, item_info = band.nitems, band.width, band.info
-    row_of, key_of, key_ok, clamp = band.pos, band.partner, band.ok, band.clamp
+    row_of, key_of, clamp = band.pos, band.partner, band.clamp
     group = div_nonneg(H, Hkv)
     ninf = _neg_inf(acc)
 
-    # Per-item gathers: the item's query rows, its key band transposed (so the score
-    # product runs along contiguous keys) and its value band. Out-of-range indices are
-    # clamped, never read out of bounds; key_ok masks them. They keep the input dtype
-    # (half inputs reach tensor cores as half) and the products accumulate in acc.
-    qblk = te.compute(
-        (B, H, nitems, Bq, D), lambda b, h, beta, qi, cc: q[b, h, clamp(row_of(h, beta, qi)), cc], name="qblk"
+    # Per-item stages are key-major: [band key, block row], the block rows contiguous.
+    # The score product is then a (Kw x D) @ (D x Bq) matmul whose vector axis is the
+    # block rows, so only the small query block is transposed, the key and value bands
+    # are read row by row straight from k and v (a CPU schedule inlines the band
+    # gathers; a GPU one stages them in shared memory), and the softmax reductions over
+    # keys are vertical (elementwise across rows of vectors). Out-of-range indices are
+    # clamped, never read out of bounds; key_ok masks them. Gathers keep the input dtype
+    # (half inputs reach tensor cores as half); products accumulate in acc.
+    qblk_t = te.compute(
+        (B, H, nitems, D, Bq), lambda b, h, beta, cc, qi: q[b, h, clamp(row_of(h, beta, qi)), cc], name="qblk_t"
     )
-    kblk_t = te.compute(
-        (B, H, nitems, D, kw),
-        lambda b, h, beta, cc, kj: k[b, div_nonneg(h, group), clamp(key_of(h, beta, kj)), cc],
-        name="kblk_t",
+    kband = te.compute(
+        (B, H, nitems, kw, D),
+        lambda b, h, beta, kj, cc: k[b, div_nonneg(h, group), clamp(key_of(h, beta, kj)), cc],
+        name="kband",
     )
-    vblk = te.compute(
+    vband = te.compute(
         (B, H, nitems, kw, D),
         lambda b, h, beta, kj, cc: v[b, div_nonneg(h, group), clamp(key_of(h, beta, kj)), cc],
-        name="vblk",
+        name="vband",
     )
     c = te.reduce_axis((0, D), name="c")
     score = te.compute(
-        (B, H, nitems, Bq, kw),
-        lambda b, h, beta, qi, kj: te.sum(cast(qblk[b, h, beta, qi, c], acc) * cast(kblk_t[b, h, beta, c, kj], acc), axis=c),
+        (B, H, nitems, kw, Bq),
+        lambda b, h, beta, kj, qi: te.sum(cast(kband[b, h, beta, kj, c], acc) * cast(qblk_t[b, h, beta, c, qi], acc), axis=c),
         name="score",
     )
+    # Each block row's visible band keys are one interval [first, last] (per item,
+    # int32: band indices are small), so the mask is two compares per score.
+    krange = te.compute(
+        (H, nitems, 2, Bq),
+        lambda h, beta, f, qi: tirx.Select(f == 0, band.key_range(h, beta, qi)[0], band.key_range(h, beta, qi)[1]).astype("int32"),
+        name="krange",
+    )
+
+    def key_ok(h, beta, qi, kj):
+        kj = kj.astype("int32")
+        return tirx.all(kj >= krange[h, beta, 0, qi], kj <= krange[h, beta, 1, qi])
+
     masked = te.compute(
-        (B, H, nitems, Bq, kw),
-        lambda b, h, beta, qi, kj: tirx.Select(key_ok(h, beta, qi, kj), score[b, h, beta, qi, kj] * scale, ninf),
+        (B, H, nitems, kw, Bq),
+        lambda b, h, beta, kj, qi: tirx.Select(key_ok(h, beta, qi, kj), score[b, h, beta, kj, qi] * scale, ninf),
         name="masked",
     )
 
@@ -266,29 +308,28 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
 
         c2 = te.reduce_axis((0, D), name="c2")
         xscore = te.compute(
-            (B, H, nitems, Bq, E),
-            lambda b, h, beta, qi, e: te.sum(
-                cast(qblk[b, h, beta, qi, c2], acc)
-                * cast(k[b, div_nonneg(h, group), clamp(i64(xidx[b, e])), c2], acc),
+            (B, H, nitems, E, Bq),
+            lambda b, h, beta, e, qi: te.sum(
+                cast(k[b, div_nonneg(h, group), clamp(i64(xidx[b, e])), c2], acc) * cast(qblk_t[b, h, beta, c2, qi], acc),
                 axis=c2,
             ),
             name="xscore",
         )
         xmasked = te.compute(
-            (B, H, nitems, Bq, E),
-            lambda b, h, beta, qi, e: tirx.Select(band_extra_ok(b, h, beta, qi, e), xscore[b, h, beta, qi, e] * scale, ninf),
+            (B, H, nitems, E, Bq),
+            lambda b, h, beta, e, qi: tirx.Select(band_extra_ok(b, h, beta, qi, e), xscore[b, h, beta, e, qi] * scale, ninf),
             name="xmasked",
         )
         stages_x = (xscore, xmasked)
 
     kr = te.reduce_axis((0, kw), name="kr")
     wmax = te.compute(
-        (B, H, nitems, Bq), lambda b, h, beta, qi: te.max(masked[b, h, beta, qi, kr], axis=kr), name="wmax"
+        (B, H, nitems, Bq), lambda b, h, beta, qi: te.max(masked[b, h, beta, kr, qi], axis=kr), name="wmax"
     )
     if spec.extras:
         er = te.reduce_axis((0, E), name="er")
         xmax = te.compute(
-            (B, H, nitems, Bq), lambda b, h, beta, qi: te.max(stages_x[1][b, h, beta, qi, er], axis=er), name="xmax"
+            (B, H, nitems, Bq), lambda b, h, beta, qi: te.max(stages_x[1][b, h, beta, er, qi], axis=er), name="xmax"
         )
         rowmax = te.compute(
             (B, H, nitems, Bq),
@@ -301,26 +342,26 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
         )
 
     def softmax_part(prefix, scores, n, value):
-        """Probabilities of one key set (window band or extras) against the shared row
-        max, their sum and their probability-weighted values."""
+        """Probabilities [n, Bq] of one key set (window band or extras) against the
+        shared row max, their sum and their probability-weighted values."""
         prob = te.compute(
-            (B, H, nitems, Bq, n),
-            lambda b, h, beta, qi, j: _exp(scores[b, h, beta, qi, j] - rowmax[b, h, beta, qi], acc, native_exp),
+            (B, H, nitems, n, Bq),
+            lambda b, h, beta, j, qi: _exp(scores[b, h, beta, j, qi] - rowmax[b, h, beta, qi], acc, native_exp),
             name=f"{prefix}prob",
         )
         r = te.reduce_axis((0, n), name=f"{prefix}r_sum")
         total = te.compute(
-            (B, H, nitems, Bq), lambda b, h, beta, qi: te.sum(prob[b, h, beta, qi, r], axis=r), name=f"{prefix}sum"
+            (B, H, nitems, Bq), lambda b, h, beta, qi: te.sum(prob[b, h, beta, r, qi], axis=r), name=f"{prefix}sum"
         )
         r2 = te.reduce_axis((0, n), name=f"{prefix}r_acc")
         weighted = te.compute(
             (B, H, nitems, Bq, D),
-            lambda b, h, beta, qi, cc: te.sum(prob[b, h, beta, qi, r2] * value(b, h, beta, r2, cc), axis=r2),
+            lambda b, h, beta, qi, cc: te.sum(prob[b, h, beta, r2, qi] * value(b, h, beta, r2, cc), axis=r2),
             name=f"{prefix}acc",
         )
         return total, weighted
 
-    parts = [softmax_part("w", masked, kw, lambda b, h, beta, j, cc: cast(vblk[b, h, beta, j, cc], acc))]
+    parts = [softmax_part("w", masked, kw, lambda b, h, beta, j, cc: cast(vband[b, h, beta, j, cc], acc))]
     if spec.extras:
         parts.append(
             softmax_part(
