@@ -1,0 +1,67 @@
+"""The band structure's visibility, three ways: the forward's per-row key intervals
+(Band.key_range), the per-entry predicate the backward uses (Band.ok), and a brute force
+over positions written from the definitions (window offsets in units of d, same residue,
+in range). Compiled once per window with a symbolic T, run over T, dilations and items."""
+
+import numpy as np
+import pytest
+import torch
+import tvm
+from tvm import te, tirx
+
+from swa_tvm.compute import Band
+
+BLOCK, MAX_DIL, H = 4, 3, 3
+
+
+def brute_force(lo, hi, T, d, nitems, width):
+    """visible[h-free][beta, qi, kj] from positions: block position p = (ib*BLOCK + qi)*d + r
+    sees partner j = (ib*BLOCK - lo + kj)*d + r (bounded lo) or r + kj*d (unbounded) iff
+    both are in [0, T) and -lo <= (j - p)/d <= hi (a bound of -1 means none)."""
+    vis = np.zeros((nitems, BLOCK, width), dtype=bool)
+    for beta in range(nitems):
+        ib, r = divmod(beta, d)
+        for qi in range(BLOCK):
+            p = (ib * BLOCK + qi) * d + r
+            for kj in range(width):
+                j = ((ib * BLOCK - lo + kj) * d + r) if lo >= 0 else r + kj * d
+                s = (j - p) // d
+                ok = 0 <= p < T and 0 <= j < T and (lo < 0 or s >= -lo) and (hi < 0 or s <= hi)
+                vis[beta, qi, kj] = ok
+    return vis
+
+
+@pytest.mark.parametrize("lo,hi", [(5, 0), (3, 2), (0, 4), (-1, 0), (2, -1), (-1, -1)])
+def test_key_range_is_the_window(lo, hi):
+    T = te.var("T", dtype="int64")
+    anchor = te.placeholder((T,), "int8", name="anchor")  # binds T from its shape
+    dil = te.placeholder((H,), "int32", name="dilation")
+    band = Band(lo, hi, BLOCK, MAX_DIL, T, H, dil)
+    width = band.width if isinstance(band.width, int) else None
+    kw = width if width is not None else T + max(lo, 0)
+    rng = te.compute(
+        (H, band.nitems, 2, BLOCK),
+        lambda h, beta, f, qi: tirx.Select(f == 0, band.key_range(h, beta, qi)[0], band.key_range(h, beta, qi)[1]).astype("int32"),
+        name="rng",
+    )
+    ok = te.compute(
+        (H, band.nitems, BLOCK, kw),
+        lambda h, beta, qi, kj: band.ok(h, beta, qi, kj).astype("int8") + anchor[0] * tirx.const(0, "int8"),
+        name="ok",
+    )
+    f = tvm.compile(te.create_prim_func([anchor, dil, rng, ok]), target="llvm")
+    for t in (1, 5, 13, 16, 23):
+        dils = torch.tensor([1, 2, 3], dtype=torch.int32)
+        nitems = -(-t // BLOCK) + MAX_DIL - 1
+        w = width if width is not None else t + max(lo, 0)
+        got_rng = torch.empty(H, nitems, 2, BLOCK, dtype=torch.int32)
+        got_ok = torch.empty(H, nitems, BLOCK, w, dtype=torch.int8)
+        f(torch.zeros(t, dtype=torch.int8), dils, got_rng, got_ok)
+        for h, d in enumerate(dils.tolist()):
+            want = brute_force(lo, hi, t, d, nitems, w)
+            kj = np.arange(w)
+            first, last = got_rng[h, :, 0].numpy()[..., None], got_rng[h, :, 1].numpy()[..., None]
+            from_range = (kj >= first) & (kj <= last)
+            assert (from_range == want).all(), f"key_range T={t} d={d} lo={lo} hi={hi}"
+            assert (got_ok[h].numpy().astype(bool) == want).all(), f"ok T={t} d={d} lo={lo} hi={hi}"
+            assert want.any(), "the brute force saw nothing: the test would be vacuous"
