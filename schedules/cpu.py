@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from tvm import s_tir
 
-from swa_tvm.compute import LANES, band_width
+from swa_tvm.compute import band_width
 from swa_tvm.spec import KernelSpec
 
 # Candidate values of the categorical knobs. Unroll steps feed

@@ -195,7 +195,6 @@ def bench(results: dict, dev: torch.device, quick: bool) -> None:
         if G:
             kw["global_idx"] = gidx[None]
         ours = lambda: swa_tvm.sliding_window_attention(q, k, v, **kw)  # noqa: E731
-        ref = None
         try:
             out = ours()
             row["ours_ms"] = _time_ms(ours)

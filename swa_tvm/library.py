@@ -96,6 +96,34 @@ def _load_tvm_runtime() -> None:
 
 
 _RUNTIME = None
+
+
+def cpu_threads() -> int:
+    """Threads the CPU kernels run on: $TVM_NUM_THREADS (or $OMP_NUM_THREADS, which TVM
+    also reads) when set, else torch's intra-op thread count, else the usable cores."""
+    for var in ("TVM_NUM_THREADS", "OMP_NUM_THREADS"):
+        if os.environ.get(var, "").strip().isdigit() and int(os.environ[var]) > 0:
+            return int(os.environ[var])
+    if "torch" in sys.modules:
+        return sys.modules["torch"].get_num_threads()
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def tvm_pool_threads() -> int:
+    """Threads of the TVM CPU thread pool of the calling thread (created if need be)."""
+    import tvm_ffi
+
+    return int(tvm_ffi.get_global_func("runtime.NumThreads")())
+
+
+def configure_cpu_threads() -> None:
+    """Size TVM's CPU thread pool like torch's. Left alone, TVM runs parallel loops on
+    hardware_concurrency / 2 threads on x86 (it assumes every core has two SMT threads):
+    on a 2-vCPU machine, one thread, half the machine. The pool reads $TVM_NUM_THREADS
+    when a thread first runs a parallel kernel, so this sets it (never overriding a
+    user's choice) before any kernel is called; a pool created earlier keeps its size."""
+    if not os.environ.get("TVM_NUM_THREADS") and not os.environ.get("OMP_NUM_THREADS"):
+        os.environ["TVM_NUM_THREADS"] = str(cpu_threads())
 _CUDA_RUNTIME: dict = {}
 
 
@@ -270,6 +298,8 @@ def load_library(path: str | os.PathLike, *, _jit_cache: bool = False) -> list[K
     module = None
     if no_device is None:
         _load_tvm_runtime()
+        if device == "cpu":
+            configure_cpu_threads()
         module = tvm_ffi.load_module(path)
     specs = []
     arch = manifest.get("cuda_arch")

@@ -368,7 +368,7 @@ def alloc_args_rpc(session, device, args_info, alloc_repeat):
 def _evaluator():
     from tvm.s_tir.meta_schedule.runner import EvaluatorConfig
 
-    # Each candidate runs 50-200 ms on two cores: three timed runs are enough.
+    # Each candidate runs tens of ms at the tuning shape: three timed runs are enough.
     return EvaluatorConfig(number=1, repeat=3, min_repeat_ms=0, enable_cpu_cache_flush=False)
 
 
@@ -536,6 +536,11 @@ def tune(
 
     before = {s.name: len(db.records_for(tuning_workload(s))) for s in specs}
     builder = ms.builder.LocalBuilder(max_workers=cores, timeout_sec=300, initializer=preload_tensor_intrin)
+    # Candidates are measured on as many threads as the target's cores, as the op runs
+    # them (library.configure_cpu_threads): TVM's own default is half the logical CPUs.
+    # The local runner's worker processes inherit this; RPC servers use their own.
+    if not os.environ.get("TVM_NUM_THREADS") and not os.environ.get("OMP_NUM_THREADS"):
+        os.environ["TVM_NUM_THREADS"] = str(cores)
     runner = make_runner(rpc_tracker, rpc_key)
     _measure_default_points(specs, db, builder, runner, tvm_target, lanes)
 

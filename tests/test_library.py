@@ -73,6 +73,32 @@ def test_round_trip_in_fresh_process(lib):
     assert r.stdout.startswith("OK")
 
 
+THREADS = r"""
+import sys, torch, swa_tvm, tvm_ffi
+torch.set_num_threads(int(sys.argv[2]))
+swa_tvm.load_library(sys.argv[1])
+q, k, v = (torch.randn(1, 2, 40, 32) for _ in range(3))
+swa_tvm.sliding_window_attention(q, k, v, window_size=(3, 0), dilation=torch.tensor([1, 4], dtype=torch.int32), num_sinks=1)
+print(tvm_ffi.get_global_func("runtime.NumThreads")())
+"""
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_cpu_kernels_use_torchs_thread_count(lib, threads):
+    # TVM alone would use hardware_concurrency / 2 threads on x86 (one of this machine's
+    # two cores); a user's TVM_NUM_THREADS / OMP_NUM_THREADS still wins. TVM's pool never
+    # exceeds the CPUs it may run on.
+    cpus = len(os.sched_getaffinity(0))
+    env = {k: v for k, v in os.environ.items() if k not in ("TVM_NUM_THREADS", "OMP_NUM_THREADS")}
+    r = subprocess.run([sys.executable, "-c", THREADS, str(lib), str(threads)], capture_output=True, text=True,
+                       timeout=600, env=env)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert int(r.stdout.split()[-1]) == min(threads, cpus)
+    env["TVM_NUM_THREADS"] = "1"
+    r = subprocess.run([sys.executable, "-c", THREADS, str(lib), "3"], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0 and int(r.stdout.split()[-1]) == 1, r.stdout + r.stderr
+
+
 def _copy(lib, tmp_path, edit=None, tamper=False):
     dst = tmp_path / "copy.so"
     dst.write_bytes(lib.read_bytes() + (b"\0" if tamper else b""))
