@@ -225,8 +225,17 @@ def schedule_global(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8
     row = sch.fuse(b, h, g)
     b2, h2, g2 = sch.get_loops(sch.get_sblock("lse"))
     row = sch.merge(row, sch.fuse(b2, h2, g2))
-    for name in ("gden", "gacc", "gsum", "gprob", "gmax", "gmax0", "gmasked", "gscore"):
-        sch.compute_at(sch.get_sblock(name), row, preserve_unit_loops=True)
+    # Each score is a D-long dot product: reduced as a serial scalar chain it is bound by
+    # the FMA latency (~4 cycles per product). Reduce through vector partials instead
+    # (rfactor over the feature lanes, before compute_at as rfactor needs its own nest).
+    lanes_ok = spec.head_dim % vector_lanes == 0
+    if lanes_ok:
+        c_l = sch.get_loops(sch.get_sblock("gscore"))[-1]
+        _, ci = sch.split(c_l, factors=[None, vector_lanes])
+        sch.rfactor(ci, factor_axis=4)  # -> gscore_rf [B, H, G, T, lanes]
+    for name in ("gden", "gacc", "gsum", "gprob", "gmax", "gmax0", "gmasked", "gscore", "gscore_rf"):
+        if _has(sch, name):
+            sch.compute_at(sch.get_sblock(name), row, preserve_unit_loops=True)
     sch.parallel(row)
     sch.annotate(row, "pragma_auto_unroll_max_step", knobs.choice(sch, UNROLL_STEPS, 0))
     sch.annotate(row, "pragma_unroll_explicit", 1)
@@ -237,6 +246,14 @@ def schedule_global(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8
     if widths:
         _vectorize_inner(sch, c_l, knobs.choice(sch, widths, widths[0]))
     sch.decompose_reduction(blk, jr)
+    if lanes_ok:
+        rf = sch.get_sblock("gscore_rf")
+        # Loops in iteration-variable order after compute_at: lane, batch, head, row
+        # (unit loops), key, feature chunk. Keys outside, one vector of lanes inside.
+        lane, *_, key, chunk = sch.get_loops(rf)[-6:]
+        sch.reorder(key, chunk, lane)
+        sch.vectorize(lane)
+        sch.decompose_reduction(rf, chunk)
 
 
 # --------------------------------------------------------------------------- backward
