@@ -11,9 +11,11 @@ item and row loops have no fixed extent.
 
 The plan for the local kernel: one parallel loop over work items (batch x head x query
 block); every stage of an item is computed at that loop so its intermediates (the
-Bq x Kw score and probability tiles, the gathered key/value bands) stay in L1/L2; the
-two products are register-tiled with the key or feature axis vectorized. The final
-gathers back to [B,H,T,...] run as their own parallel loop.
+Kw x Bq score and probability tiles, the transposed query block) stay in L1/L2; key
+and value rows are read straight from k and v. The score product is register-tiled as
+key rows x block-row vectors, P·V as block rows x feature vectors over chunks of the
+band; max and sum over keys are vertical. The final gathers back to [B,H,T,...] run as
+their own parallel loop.
 
 The backward kernels follow the same plan (items of the query- or key-major band in
 parallel, every stage at the item loop); their [band, block] products are tiled as
@@ -341,13 +343,14 @@ def schedule_local_dq(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) 
     knobs = knobs or Defaults()
     bounded = spec.left >= 0 and spec.right >= 0
     _gather_back(sch, ["dq"], spec, vector_lanes)
-    per_item = ["dqx", "dqw", "xds", "ds", "xarg", "arg", "xdp", "xscore", "dp", "score"]
-    per_item += ["vband", "kband", "rstat", "dblk_t", "qblk_t"]
+    per_item = ["dqx", "dqw", "xds", "ds", "xarg", "arg", "krange", "xdp", "xscore", "dp", "score"]
+    per_item += ["rstat", "dblk_t", "qblk_t"]
+    # Key and value rows are read straight from k and v (contiguous rows), not copied.
+    for name in ("kband", "vband"):
+        sch.compute_inline(sch.get_sblock(name))
     _items(sch, ["dq_blk"], per_item, knobs)
     if spec.head_dim % vector_lanes == 0:
         _vectorize_inner(sch, sch.get_loops(sch.get_sblock("dq_blk"))[-1], vector_lanes)
-        for name in ("kband", "vband"):
-            _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1], vector_lanes)
     for name in ("score", "dp"):
         _band_block_product(sch, name, spec, vector_lanes, knobs, bounded)
     _vectorize_block_axis(sch, ["arg", "ds", "xarg", "xds"], spec, vector_lanes)
@@ -364,11 +367,11 @@ def schedule_local_dkv(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None)
     knobs = knobs or Defaults()
     bounded = spec.left >= 0 and spec.right >= 0
     _gather_back(sch, ["dk", "dv"], spec, vector_lanes)
-    per_item = ["ds", "prob", "arg", "dp", "score", "bstat", "dband", "qband", "vblk_t", "kblk_t"]
+    per_item = ["ds", "prob", "arg", "krange", "dp", "score", "bstat", "vblk_t", "kblk_t"]
+    # Query and output-gradient rows are read straight from q and dout, not copied.
+    for name in ("qband", "dband"):
+        sch.compute_inline(sch.get_sblock(name))
     _items(sch, ["dv_blk", "dk_blk"], per_item, knobs)
-    if spec.head_dim % vector_lanes == 0:
-        for name in ("qband", "dband"):
-            _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1], vector_lanes)
     for name in ("score", "dp"):
         _band_block_product(sch, name, spec, vector_lanes, knobs, bounded)
     _vectorize_block_axis(sch, ["arg", "prob", "ds"], spec, vector_lanes)

@@ -11,7 +11,7 @@ consecutive t of one residue: item beta of head h covers
                                     keys  j(kj) = ib*Bq*d + r + d*(kj - left), kj < Kw
 
 so its window keys form one contiguous band of Kw = Bq + left + right keys, and the score
-stage is a dense (Bq x D) @ (D x Kw) product per item. d is read at runtime from a [H]
+stage is a dense (Kw x D) @ (D x Bq) product per item (key-major: see local_attention). d is read at runtime from a [H]
 tensor, so one kernel serves uniform and per-head dilation up to ``max_dilation``; the
 item grid has ceil(T/Bq) + max_dilation - 1 entries, enough for any d <= max_dilation.
 
@@ -119,7 +119,7 @@ class Band:
     """
 
     def __init__(self, lo: int, hi: int, block: int, max_dilation: int, T, H, dil, name: str = "item_info"):
-        self.lo, self.hi, self.block, self.T, self.dil = lo, hi, block, T, dil
+        self.lo, self.hi, self.block, self.T, self.H, self.dil = lo, hi, block, T, H, dil
         self.nitems = tirx.floordiv(T + (block - 1), block) + (max_dilation - 1)
         # Unbounded side: the band is the whole (residue) sequence, O(T^2) as the math says.
         self.width = band_width(block, lo, hi) if lo >= 0 and hi >= 0 else T + max(lo, 0)
@@ -181,6 +181,22 @@ class Band:
         past_end = m0 + qi >= nres
         one, zero = tirx.const(1, "int64"), tirx.const(0, "int64")
         return tirx.Select(past_end, one, i64(first)), tirx.Select(past_end, zero, i64(last))
+
+    def interval_mask(self, name: str = "krange"):
+        """``ok`` as a stage plus a predicate: the per-item table [H, nitems, 2, block]
+        (int32; band indices are small) of each block position's partner interval, and
+        ok(h, beta, qi, kj) reading it, two compares per entry."""
+        rng = te.compute(
+            (self.H, self.nitems, 2, self.block),
+            lambda h, beta, f, qi: tirx.Select(f == 0, self.key_range(h, beta, qi)[0], self.key_range(h, beta, qi)[1]).astype("int32"),
+            name=name,
+        )
+
+        def ok(h, beta, qi, kj):
+            kj = kj.astype("int32")
+            return tirx.all(kj >= rng[h, beta, 0, qi], kj <= rng[h, beta, 1, qi])
+
+        return ok
 
     def item_of(self, h, i):
         """(item, block position) of sequence position i: for gathering results back."""
@@ -280,18 +296,8 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
         lambda b, h, beta, kj, qi: te.sum(cast(kband[b, h, beta, kj, c], acc) * cast(qblk_t[b, h, beta, c, qi], acc), axis=c),
         name="score",
     )
-    # Each block row's visible band keys are one interval [first, last] (per item,
-    # int32: band indices are small), so the mask is two compares per score.
-    krange = te.compute(
-        (H, nitems, 2, Bq),
-        lambda h, beta, f, qi: tirx.Select(f == 0, band.key_range(h, beta, qi)[0], band.key_range(h, beta, qi)[1]).astype("int32"),
-        name="krange",
-    )
-
-    def key_ok(h, beta, qi, kj):
-        kj = kj.astype("int32")
-        return tirx.all(kj >= krange[h, beta, 0, qi], kj <= krange[h, beta, 1, qi])
-
+    # Each block row's visible band keys are one interval: two compares per score.
+    key_ok = band.interval_mask()
     masked = te.compute(
         (B, H, nitems, kw, Bq),
         lambda b, h, beta, kj, qi: tirx.Select(key_ok(h, beta, qi, kj), score[b, h, beta, kj, qi] * scale, ninf),

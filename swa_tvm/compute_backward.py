@@ -106,11 +106,12 @@ def local_dq(spec: KernelSpec, shapes: dict | None = None):
         name="dp",
     )
     # The exponent is materialized (masked entries -inf) because the exp polynomial
-    # repeats its argument; exp(-inf) is exactly 0.
+    # repeats its argument; exp(-inf) is exactly 0. Each row's band keys: one interval.
+    key_ok = band.interval_mask()
     arg = te.compute(
         (B, H, n, kw, Bq),
         lambda b, h, be, kj, qi: tirx.Select(
-            band.ok(h, be, qi, kj), score[b, h, be, kj, qi] * scale - rstat[b, h, be, 0, qi], ninf
+            key_ok(h, be, qi, kj), score[b, h, be, kj, qi] * scale - rstat[b, h, be, 0, qi], ninf
         ),
         name="arg",
     )
@@ -233,10 +234,12 @@ def local_dkv(spec: KernelSpec, shapes: dict | None = None):
         lambda b, h, be, qj, kr: te.sum(dband[b, h, be, qj, c2] * vblk_t[b, h, be, c2, kr], axis=c2),
         name="dp",
     )
+    # The queries that see each block key: one interval of the band.
+    query_ok = band.interval_mask()
     arg = te.compute(
         (B, H, n, qw, Bk),
         lambda b, h, be, qj, kr: tirx.Select(
-            band.ok(h, be, kr, qj), score[b, h, be, qj, kr] * scale - bstat[b, h, be, qj, 0], ninf
+            query_ok(h, be, kr, qj), score[b, h, be, qj, kr] * scale - bstat[b, h, be, qj, 0], ninf
         ),
         name="arg",
     )
