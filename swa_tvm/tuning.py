@@ -21,6 +21,7 @@ skipped with a warning when loading.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -361,6 +362,17 @@ def alloc_args_local(device, args_info, alloc_repeat):
     return [[tvm.runtime.tensor(_fill(a), device=device) for a in args_info] for _ in range(alloc_repeat)]
 
 
+def alloc_args_local_threads(threads, device, args_info, alloc_repeat):
+    """``alloc_args_local`` that first sizes the runner worker's TVM thread pool like the
+    op's (library.configure_cpu_threads): it runs in the worker process before the
+    worker's first kernel call creates the pool, so the tuner's own process keeps TVM's
+    default (a multi-threaded pool there made a Ctrl-C'd tune crash at exit, about one
+    run in three)."""
+    if not os.environ.get("TVM_NUM_THREADS") and not os.environ.get("OMP_NUM_THREADS"):
+        os.environ["TVM_NUM_THREADS"] = str(threads)
+    return alloc_args_local(device, args_info, alloc_repeat)
+
+
 def alloc_args_rpc(session, device, args_info, alloc_repeat):
     return alloc_args_local(device, args_info, alloc_repeat)
 
@@ -372,11 +384,17 @@ def _evaluator():
     return EvaluatorConfig(number=1, repeat=3, min_repeat_ms=0, enable_cpu_cache_flush=False)
 
 
-def make_runner(rpc_tracker: str | None = None, rpc_key: str | None = None, timeout_s: float = 120.0):
+def make_runner(
+    rpc_tracker: str | None = None, rpc_key: str | None = None, timeout_s: float = 120.0, threads: int | None = None
+):
+    """MetaSchedule's runner: local (candidates measured on ``threads`` threads, default
+    the usable cores), or the devices of an RPC tracker (which use their own setting)."""
     from tvm.s_tir.meta_schedule.runner import LocalRunner, RPCConfig, RPCRunner
 
     if not rpc_tracker:
-        return LocalRunner(timeout_sec=timeout_s, evaluator_config=_evaluator(), f_alloc_argument=alloc_args_local)
+        threads = threads or len(os.sched_getaffinity(0))
+        alloc = functools.partial(alloc_args_local_threads, threads)
+        return LocalRunner(timeout_sec=timeout_s, evaluator_config=_evaluator(), f_alloc_argument=alloc)
     host, _, port = rpc_tracker.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"rpc_tracker {rpc_tracker!r}: expected HOST:PORT")
@@ -538,10 +556,7 @@ def tune(
     builder = ms.builder.LocalBuilder(max_workers=cores, timeout_sec=300, initializer=preload_tensor_intrin)
     # Candidates are measured on as many threads as the target's cores, as the op runs
     # them (library.configure_cpu_threads): TVM's own default is half the logical CPUs.
-    # The local runner's worker processes inherit this; RPC servers use their own.
-    if not os.environ.get("TVM_NUM_THREADS") and not os.environ.get("OMP_NUM_THREADS"):
-        os.environ["TVM_NUM_THREADS"] = str(cores)
-    runner = make_runner(rpc_tracker, rpc_key)
+    runner = make_runner(rpc_tracker, rpc_key, threads=cores)
     _measure_default_points(specs, db, builder, runner, tvm_target, lanes)
 
     per_iter = max(1, min(num_trials_per_iter, trials))
