@@ -124,6 +124,8 @@ def configure_cpu_threads() -> None:
     user's choice) before any kernel is called; a pool created earlier keeps its size."""
     if not os.environ.get("TVM_NUM_THREADS") and not os.environ.get("OMP_NUM_THREADS"):
         os.environ["TVM_NUM_THREADS"] = str(cpu_threads())
+
+
 _CUDA_RUNTIME: dict = {}
 
 

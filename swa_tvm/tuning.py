@@ -364,10 +364,9 @@ def alloc_args_local(device, args_info, alloc_repeat):
 
 def alloc_args_local_threads(threads, device, args_info, alloc_repeat):
     """``alloc_args_local`` that first sizes the runner worker's TVM thread pool like the
-    op's (library.configure_cpu_threads): it runs in the worker process before the
-    worker's first kernel call creates the pool, so the tuner's own process keeps TVM's
-    default (a multi-threaded pool there made a Ctrl-C'd tune crash at exit, about one
-    run in three)."""
+    op's (library.configure_cpu_threads). It runs in the worker process before the
+    worker's first kernel call creates the pool, so the setting stays in the worker: the
+    tuner's own process (and a caller of ``tune``) keeps its environment."""
     if not os.environ.get("TVM_NUM_THREADS") and not os.environ.get("OMP_NUM_THREADS"):
         os.environ["TVM_NUM_THREADS"] = str(threads)
     return alloc_args_local(device, args_info, alloc_repeat)
