@@ -46,16 +46,18 @@ def _time(lib: str, window: tuple[int, int], dilation: int, T: int, runs: int = 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--spec", required=True, help="a head_dim=64 spec with ',backward'")
+    p.add_argument("--spec", help="a head_dim=64 spec with ',backward' (required unless --time-lib)")
     p.add_argument("--window", type=int, nargs=2, required=True, metavar=("LEFT", "RIGHT"))
     p.add_argument("--dilation", type=int, default=1)
     p.add_argument("--T", type=int, default=16384)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--time-lib", help=argparse.SUPPRESS)  # child process: time this library
+    p.add_argument("--time-lib", help="only time this library (fwd+bwd median ms), in this process")
     a = p.parse_args(argv)
     if a.time_lib:
         print(f"{_time(a.time_lib, tuple(a.window), a.dilation, a.T):.1f}")
         return 0
+    if not a.spec:
+        p.error("--spec is required (unless --time-lib)")
 
     import swa_tvm
 
