@@ -17,7 +17,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
 
 
@@ -25,6 +24,7 @@ def _time(lib: str, window: tuple[int, int], dilation: int, T: int, runs: int = 
     import torch
 
     import swa_tvm
+    from swa_tvm import bench
 
     swa_tvm.load_library(lib)
     torch.manual_seed(0)
@@ -35,13 +35,7 @@ def _time(lib: str, window: tuple[int, int], dilation: int, T: int, runs: int = 
         out = swa_tvm.sliding_window_attention(q, k, v, window_size=window, dilation=dilation)
         torch.autograd.backward(out, grad)
 
-    step()
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[runs // 2] * 1e3
+    return bench.median_ms(step, runs)
 
 
 def main(argv=None) -> int:

@@ -27,6 +27,8 @@ import time
 import numpy as np
 import torch
 
+from . import library
+
 B, H, D = 1, 8, 64
 CONFIGS = {
     "causal W=512": dict(window=(511, 0), dilation=1, G=0),
@@ -364,7 +366,7 @@ def main(argv=None) -> int:
     threads = torch.get_num_threads()
     peak = matmul_peak_gflops()
     print(f"torch.matmul 4096^2 fp32 on {threads} threads: {peak:.1f} GFLOP/s (the peak below)")
-    print(f"swa_tvm kernels on {_library().tvm_pool_threads()} threads")
+    print(f"swa_tvm kernels on {library.tvm_pool_threads()} threads")
 
     def save(rows, memory) -> dict:
         """Write results.json after every step, so an interrupted run keeps what it measured."""
@@ -437,19 +439,13 @@ def main(argv=None) -> int:
     return 0
 
 
-def _library():
-    from swa_tvm import library
-
-    return library
-
-
 def _result(args, argv, libs_tuned, threads, peak, rows, memory) -> dict:
     import swa_tvm
 
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "swa-tvm bench " + " ".join(argv),
-        "machine": {"cpu": _cpu_name(), "machine": platform.machine(), "threads": threads, "tvm_threads": _library().tvm_pool_threads()},
+        "machine": {"cpu": _cpu_name(), "machine": platform.machine(), "threads": threads, "tvm_threads": library.tvm_pool_threads()},
         "versions": {"torch": torch.__version__, "tvm": swa_tvm.library.tvm_version(), "swa_tvm": swa_tvm.__version__},
         "shape": {"B": B, "H": H, "D": D, "dtype": "float32"},
         "matmul_peak_gflops": peak,

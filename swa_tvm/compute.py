@@ -186,11 +186,11 @@ class Band:
         """``ok`` as a stage plus a predicate: the per-item table [H, nitems, 2, block]
         (int32; band indices are small) of each block position's partner interval, and
         ok(h, beta, qi, kj) reading it, two compares per entry."""
-        rng = te.compute(
-            (self.H, self.nitems, 2, self.block),
-            lambda h, beta, f, qi: tirx.Select(f == 0, self.key_range(h, beta, qi)[0], self.key_range(h, beta, qi)[1]).astype("int32"),
-            name=name,
-        )
+        def field(h, beta, f, qi):
+            first, last = self.key_range(h, beta, qi)
+            return tirx.Select(f == 0, first, last).astype("int32")
+
+        rng = te.compute((self.H, self.nitems, 2, self.block), field, name=name)
 
         def ok(h, beta, qi, kj):
             kj = kj.astype("int32")

@@ -122,8 +122,13 @@ def configure_cpu_threads() -> None:
     on a 2-vCPU machine, one thread, half the machine. The pool reads $TVM_NUM_THREADS
     when a thread first runs a parallel kernel, so this sets it (never overriding a
     user's choice) before any kernel is called; a pool created earlier keeps its size."""
+    default_tvm_threads(cpu_threads())
+
+
+def default_tvm_threads(n: int) -> None:
+    """Set $TVM_NUM_THREADS to ``n`` unless the user chose a count (it or $OMP_NUM_THREADS)."""
     if not os.environ.get("TVM_NUM_THREADS") and not os.environ.get("OMP_NUM_THREADS"):
-        os.environ["TVM_NUM_THREADS"] = str(cpu_threads())
+        os.environ["TVM_NUM_THREADS"] = str(n)
 
 
 _CUDA_RUNTIME: dict = {}

@@ -367,8 +367,9 @@ def alloc_args_local_threads(threads, device, args_info, alloc_repeat):
     op's (library.configure_cpu_threads). It runs in the worker process before the
     worker's first kernel call creates the pool, so the setting stays in the worker: the
     tuner's own process (and a caller of ``tune``) keeps its environment."""
-    if not os.environ.get("TVM_NUM_THREADS") and not os.environ.get("OMP_NUM_THREADS"):
-        os.environ["TVM_NUM_THREADS"] = str(threads)
+    from .library import default_tvm_threads
+
+    default_tvm_threads(threads)
     return alloc_args_local(device, args_info, alloc_repeat)
 
 
