@@ -429,6 +429,83 @@ def schedule_global_bwd(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None
         sch.reorder(c, g)
 
 
+# --------------------------------------------------------------- after any schedule
+
+
+def _guard_key_loop(func, block: str, key_axis: int, span_of):
+    """Wrap the body of the outermost loop that walks band keys of ``block`` in a test
+    that the keys of that iteration meet the item's span (``span_of(iter_values)`` ->
+    (first, last)); iterations whose keys no row sees are skipped. The keys of one
+    iteration are ``iter_values[key_axis]`` over the loops inside it, a contiguous
+    range for the splits these schedules make (bounds from the analyzer)."""
+    from tvm import tirx
+    from tvm.s_tir.stmt import SBlock, SBlockRealize
+    from tvm.sym import Analyzer, IntervalSet
+
+    found = {}
+
+    def find(stmt, loops):
+        if isinstance(stmt, tirx.SeqStmt):
+            for x in stmt.seq:
+                find(x, loops)
+        elif isinstance(stmt, tirx.For):
+            find(stmt.body, loops + [stmt])
+        elif isinstance(stmt, SBlockRealize):
+            if stmt.block.name_hint == block:
+                found["loops"], found["iv"] = loops, list(stmt.iter_values)
+            else:
+                find(stmt.block.body, loops)
+
+    find(func.body, [])
+    if not found:
+        raise ValueError(f"no block {block!r} in the scheduled kernel to guard")
+    key = found["iv"][key_axis]
+    used = tirx.analysis.undefined_vars(key)
+    key_loops = [lp for lp in found["loops"] if any(lp.loop_var.same_as(v) for v in used)]
+    if not key_loops:
+        raise ValueError(f"block {block!r}: no loop walks its key axis")
+    outer, inner = key_loops[0], key_loops[1:]
+    dom = {lp.loop_var: IntervalSet(lp.min, lp.min + lp.extent - 1) for lp in inner}
+    keys = Analyzer().int_set(key, dom)
+    first, last = span_of(found["iv"])
+    live = tirx.all(keys.max_value >= first, keys.min_value <= last)
+
+    def rebuild(stmt):
+        if isinstance(stmt, tirx.SeqStmt):
+            return tirx.SeqStmt([rebuild(x) for x in stmt.seq])
+        if isinstance(stmt, tirx.For):
+            body = rebuild(stmt.body)
+            if stmt.same_as(outer):
+                body = tirx.IfThenElse(live, body, None)
+            return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body, stmt.thread_binding, stmt.annotations)
+        if isinstance(stmt, SBlockRealize):
+            blk = stmt.block
+            blk = SBlock(blk.iter_vars, blk.reads, blk.writes, blk.name_hint, rebuild(blk.body), blk.init,
+                         blk.alloc_buffers, blk.match_buffers, blk.annotations)
+            return SBlockRealize(stmt.iter_values, stmt.predicate, blk)
+        return stmt
+
+    return func.with_body(rebuild(func.body))
+
+
+def skip_dead_keys(func, spec: KernelSpec):
+    """A scheduled local kernel (default or replayed record) that skips band keys no row
+    of the item sees: before position 0 or past the end, up to left/(left + block_q)
+    of a band at the start of a sequence. The score product and P·V test once per
+    iteration of their outer key loop. Exact: those scores are masked to -inf by a
+    select (an unwritten score is never used) and their probabilities are 0."""
+    from swa_tvm.compute import i64, item_key_span
+
+    q = next(p for p in func.params if p.name == "q")
+    dil = next(p for p in func.params if p.name == "dilation")
+
+    def span_of(iv):  # iter values: b, h, beta, ...
+        return item_key_span(spec.left, spec.right, spec.block_q, q.shape[2], i64(dil[iv[1]]), iv[2])
+
+    func = _guard_key_loop(func, "score_update", 3, span_of)  # b, h, beta, kj, qi, c
+    return _guard_key_loop(func, "wacc_update", 5, span_of)  # b, h, beta, qi, cc, kr
+
+
 SCHEDULES = {
     "local": schedule_local,
     "global": schedule_global,

@@ -132,7 +132,7 @@ def schedule_spec(spec: KernelSpec, tvm_target, record=None):
     if kind == "llvm" and spec.dtype in HALF_DTYPES:
         raise ValueError(f"kernel {spec.name}: {spec.dtype} kernels are built for CUDA targets; the CPU serves float32/float64")
     if record is not None:
-        return apply_record(spec, record.trace)
+        return _postprocess(spec, kind, apply_record(spec, record.trace))
     sch = s_tir.Schedule(tvm.IRModule({spec.name: prim_func(spec, target_kind=kind)}))
     sch.work_on(spec.name)
     if kind == "cuda":
@@ -140,7 +140,15 @@ def schedule_spec(spec: KernelSpec, tvm_target, record=None):
         return sch.mod[spec.name]
     # AVX2 machines get 8 fp32 lanes, AVX-512 ones 16.
     cpu_schedules.schedule(sch, spec, vector_lanes=_vector_lanes(tvm_target))
-    return sch.mod[spec.name]
+    return _postprocess(spec, kind, sch.mod[spec.name])
+
+
+def _postprocess(spec: KernelSpec, kind: str, func):
+    from swa_tvm.schedules import cpu as cpu_schedules
+
+    if kind == "llvm" and spec.kind == "local":
+        func = cpu_schedules.skip_dead_keys(func, spec)
+    return func
 
 
 # Default for `logs`: the committed/installed tuning logs (tuning.default_logs_root()).

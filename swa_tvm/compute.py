@@ -206,6 +206,26 @@ class Band:
         return div_nonneg(t, self.block) * d + mod_nonneg(i, d), mod_nonneg(t, self.block)
 
 
+def item_key_span(lo: int, hi: int, block: int, T, d, beta):
+    """(first, last) band index that any block position of item ``beta`` sees, under
+    dilation ``d`` (int64): the union of its rows' ``Band.key_range`` intervals (a
+    superset for rows past the end). Index arithmetic on ``d`` only (no stage), so a
+    schedule can test it in a loop guard: see schedules.cpu.skip_dead_keys."""
+    ib, r = div_nonneg(beta, d), mod_nonneg(beta, d)
+    m0 = ib * block
+    nres = div_nonneg(T - r + d - 1, d)
+    zero = tirx.const(0, "int64")
+    if lo >= 0:
+        first, last = tirx.max(zero, lo - m0), nres - m0 + lo - 1
+        if hi >= 0:
+            last = tirx.min(last, tirx.const(block - 1 + lo + hi, "int64"))
+    else:
+        first, last = zero, nres - 1
+        if hi >= 0:
+            last = tirx.min(last, m0 + block - 1 + hi)
+    return first, last
+
+
 class Extras:
     """Visibility of the extra keys (global positions and sinks, [B, E] int32, -1 =
     padding) to ordinary rows. Calling it with a row's position i, residue-space index

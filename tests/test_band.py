@@ -9,7 +9,7 @@ import torch
 import tvm
 from tvm import te, tirx
 
-from swa_tvm.compute import Band
+from swa_tvm.compute import Band, i64, item_key_span
 
 BLOCK, MAX_DIL, H = 4, 3, 3
 
@@ -49,14 +49,23 @@ def test_key_range_is_the_window(lo, hi):
         lambda h, beta, qi, kj: band.ok(h, beta, qi, kj).astype("int8") + anchor[0] * tirx.const(0, "int8"),
         name="ok",
     )
-    f = tvm.compile(te.create_prim_func([anchor, dil, rng, ok]), target="llvm")
+    # The item-level span the CPU schedules skip dead key loops with (skip_dead_keys).
+    span = te.compute(
+        (H, band.nitems, 2),
+        lambda h, beta, f: tirx.Select(
+            f == 0, *item_key_span(lo, hi, BLOCK, T, i64(dil[h]), i64(beta))
+        ).astype("int32"),
+        name="span",
+    )
+    f = tvm.compile(te.create_prim_func([anchor, dil, rng, ok, span]), target="llvm")
     for t in (1, 5, 13, 16, 23):
         dils = torch.tensor([1, 2, 3], dtype=torch.int32)
         nitems = -(-t // BLOCK) + MAX_DIL - 1
         w = width if width is not None else t + max(lo, 0)
         got_rng = torch.empty(H, nitems, 2, BLOCK, dtype=torch.int32)
         got_ok = torch.empty(H, nitems, BLOCK, w, dtype=torch.int8)
-        f(torch.zeros(t, dtype=torch.int8), dils, got_rng, got_ok)
+        got_span = torch.empty(H, nitems, 2, dtype=torch.int32)
+        f(torch.zeros(t, dtype=torch.int8), dils, got_rng, got_ok, got_span)
         for h, d in enumerate(dils.tolist()):
             want = brute_force(lo, hi, t, d, nitems, w)
             kj = np.arange(w)
@@ -65,3 +74,22 @@ def test_key_range_is_the_window(lo, hi):
             assert (from_range == want).all(), f"key_range T={t} d={d} lo={lo} hi={hi}"
             assert (got_ok[h].numpy().astype(bool) == want).all(), f"ok T={t} d={d} lo={lo} hi={hi}"
             assert want.any(), "the brute force saw nothing: the test would be vacuous"
+            # The span of an item with any visible key is exactly its first and last.
+            for beta in range(nitems):
+                seen = np.flatnonzero(want[beta].any(axis=0))
+                if seen.size:
+                    got = tuple(got_span[h, beta].tolist())
+                    assert got == (seen[0], seen[-1]), f"span item {beta} T={t} d={d} lo={lo} hi={hi}"
+
+
+@pytest.mark.parametrize("left,right,extras", [(511, 0, False), (5, 2, True), (-1, 0, False)])
+def test_cpu_local_kernels_skip_dead_key_loops(left, right, extras):
+    """The built CPU local kernel tests the item span once per outer key loop of the
+    score product and of P·V (the guards skip_dead_keys inserts), default schedule."""
+    from swa_tvm.build import host_target, schedule_spec
+    from swa_tvm.spec import KernelSpec
+
+    spec = KernelSpec(kind="local", head_dim=16, left=left, right=right, extras=extras)
+    script = schedule_spec(spec, tvm.target.Target(host_target())).script()
+    guards = [ln for ln in script.split("\n") if ln.strip().startswith("if ")]
+    assert len(guards) == 2, guards
