@@ -189,73 +189,72 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8,
     for name in ("wmax", "wsum", "xmax", "xsum"):
         if _has(sch, name):
             _vertical_reduce(sch, name, vector_lanes, rows_vec)
-    # P @ V for the band and the extras: (qi, c) tile with c vectorized, the reduction
-    # over keys outside the tile; value rows come straight from v. The band's keys are
-    # walked in chunks (all tiles of one chunk, then the next), so a chunk's value rows
-    # (chunk x D) and probabilities stay in L1 while every tile uses them.
-    widths = _widths(spec.head_dim, vector_lanes)
+    # P @ V for the band and the extras (the extras' product, E keys, E small and
+    # runtime, keeps the default tiles). The band's keys are walked in chunks (all
+    # tiles of one chunk, then the next), so a chunk's value rows (chunk x D) and
+    # probabilities stay in L1 while every tile uses them.
     for name in ("wacc", "xacc"):
-        if not _has(sch, name):
-            continue
-        # The extras' product (E keys, E small and runtime) keeps the default tiles.
-        k = knobs if name == "wacc" else Defaults()
-        blk = sch.get_sblock(name)
-        qi_l, c_l, kr = sch.get_loops(blk)[-3:]
-        qo, qi_in = sch.split(qi_l, factors=[None, k.tile(sch, qi_l, spec.block_q, 4, 4)])
-        tiles = [qo]
-        if widths:
-            co, ci = sch.split(c_l, factors=[None, k.choice(sch, widths, widths[min(1, len(widths) - 1)])])
-            tiles.append(co)
-        else:
-            ci = c_l
-        if name == "wacc" and bounded:
-            kw = band_width(spec.block_q, spec.left, spec.right)
-            kro, kri = sch.split(kr, factors=[None, k.tile(sch, kr, kw, _largest_divisor_upto(kw, 96), 136)])
-            sch.reorder(kro, *tiles, kri, qi_in, ci)
-            kr = kro
-        else:
-            sch.reorder(*tiles, kr, qi_in, ci)
-        sch.unroll(qi_in)
-        sch.vectorize(ci)
-        sch.decompose_reduction(blk, kr)
+        if _has(sch, name):
+            kw = band_width(spec.block_q, spec.left, spec.right) if name == "wacc" and bounded else None
+            k = knobs if name == "wacc" else Defaults()
+            _prob_value_product(sch, name, spec.block_q, spec.head_dim, vector_lanes, k, kw)
+
+
+def _prob_value_product(sch, name, rows: int, head_dim: int, vector_lanes: int, knobs, keys: int | None):
+    """[rows, D] = sum over keys of P[key, row] * V[key, D] (P·V): register tile of
+    rows x feature vectors, the reduction over keys outside the tile; value rows come
+    straight from v. With ``keys`` (a fixed key extent) the keys are walked in chunks."""
+    widths = _widths(head_dim, vector_lanes)
+    blk = sch.get_sblock(name)
+    qi_l, c_l, kr = sch.get_loops(blk)[-3:]
+    qo, qi_in = sch.split(qi_l, factors=[None, knobs.tile(sch, qi_l, rows, 4, 4)])
+    tiles = [qo]
+    if widths:
+        co, ci = sch.split(c_l, factors=[None, knobs.choice(sch, widths, widths[min(1, len(widths) - 1)])])
+        tiles.append(co)
+    else:
+        ci = c_l
+    if keys is not None:
+        kro, kri = sch.split(kr, factors=[None, knobs.tile(sch, kr, keys, _largest_divisor_upto(keys, 96), 136)])
+        sch.reorder(kro, *tiles, kri, qi_in, ci)
+        kr = kro
+    else:
+        sch.reorder(*tiles, kr, qi_in, ci)
+    sch.unroll(qi_in)
+    sch.vectorize(ci)
+    sch.decompose_reduction(blk, kr)
 
 
 def schedule_global(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
+    """Items of (batch, head, global-row block, key chunk) in parallel, every stage of
+    an item at the item loop, tiled as the local kernel's (key rows x block-row vectors
+    for the scores, block rows x feature vectors for P·V, vertical max and sum); then
+    the per-block combine over chunks, then the gathers back to [B, H, G, ...]."""
+    from swa_tvm.compute import GLOBAL_BLOCK, GLOBAL_CHUNK
+
     knobs = knobs or Defaults()
-    root = sch.get_sblock("out")
-    b, h, g, cc = sch.get_loops(root)
+    out = sch.get_sblock("out")
+    b, h, g, cc = sch.get_loops(out)
     row = sch.fuse(b, h, g)
-    b2, h2, g2 = sch.get_loops(sch.get_sblock("lse"))
-    row = sch.merge(row, sch.fuse(b2, h2, g2))
-    # Each score is a D-long dot product: reduced as a serial scalar chain it is bound by
-    # the FMA latency (~4 cycles per product). Reduce through vector partials instead
-    # (rfactor over the feature lanes, before compute_at as rfactor needs its own nest).
-    lanes_ok = spec.head_dim % vector_lanes == 0
-    if lanes_ok:
-        c_l = sch.get_loops(sch.get_sblock("gscore"))[-1]
-        _, ci = sch.split(c_l, factors=[None, vector_lanes])
-        sch.rfactor(ci, factor_axis=4)  # -> gscore_rf [B, H, G, T, lanes]
-    for name in ("gden", "gacc", "gsum", "gprob", "gmax", "gmax0", "gmasked", "gscore", "gscore_rf"):
-        if _has(sch, name):
-            sch.compute_at(sch.get_sblock(name), row, preserve_unit_loops=True)
-    sch.parallel(row)
-    sch.annotate(row, "pragma_auto_unroll_max_step", knobs.choice(sch, UNROLL_STEPS, 0))
-    sch.annotate(row, "pragma_unroll_explicit", 1)
-    blk = sch.get_sblock("gacc")
-    c_l, jr = sch.get_loops(blk)[-2:]
-    sch.reorder(jr, c_l)
-    widths = [w for w in (vector_lanes, 2 * vector_lanes, 4 * vector_lanes) if spec.head_dim % w == 0]
-    if widths:
-        _vectorize_inner(sch, c_l, knobs.choice(sch, widths, widths[0]))
-    sch.decompose_reduction(blk, jr)
-    if lanes_ok:
-        rf = sch.get_sblock("gscore_rf")
-        # Loops in iteration-variable order after compute_at: lane, batch, head, row
-        # (unit loops), key, feature chunk. Keys outside, one vector of lanes inside.
-        lane, *_, key, chunk = sch.get_loops(rf)[-6:]
-        sch.reorder(key, chunk, lane)
-        sch.vectorize(lane)
-        sch.decompose_reduction(rf, chunk)
+    if spec.head_dim % vector_lanes == 0:
+        _vectorize_inner(sch, cc, vector_lanes)
+    sch.parallel(sch.merge(row, sch.fuse(*sch.get_loops(sch.get_sblock("lse")))))
+    # Combine: one loop over (batch, head, block), the chunk rescaling at it.
+    _items(sch, ["blk_out", "blk_lse"], ["gden", "gacc", "gsum", "cfac", "gmax", "gmax0"], Defaults(), depth=3)
+    _row_reduce_product(sch, "gacc", spec, vector_lanes)
+    # Items: (batch, head, block, chunk). The chunk's max, sum and P·V are all read by
+    # the combine, so all three are roots of the item loop (compute_at needs every
+    # consumer of a stage under the loop).
+    _items(sch, ["cmax", "csum", "cacc"], ["cprob", "cref", "gmasked", "gscore", "qg_t"], knobs, depth=4)
+    rows_vec = GLOBAL_BLOCK % vector_lanes == 0
+    blk = sch.get_sblock("qg_t")
+    cc_l, gi_l = sch.get_loops(blk)[-2:]
+    sch.reorder(gi_l, cc_l)
+    _key_row_product(sch, "gscore", GLOBAL_CHUNK, GLOBAL_BLOCK, vector_lanes, knobs, rows_vec, True)
+    _vectorize_block_axis(sch, ["gmasked", "cprob", "cref"], GLOBAL_BLOCK, vector_lanes)
+    for name in ("cmax", "csum"):
+        _vertical_reduce(sch, name, vector_lanes, rows_vec)
+    _prob_value_product(sch, "cacc", GLOBAL_BLOCK, spec.head_dim, vector_lanes, knobs, None)
 
 
 # --------------------------------------------------------------------------- backward
@@ -301,14 +300,15 @@ def _block_feature_product(sch, name, spec, vector_lanes, knobs):
     sch.decompose_reduction(blk, kr)
 
 
-def _items(sch, roots, per_item, knobs):
-    """Merge the item loops (batch x head x item) of ``roots`` (in program order: the
-    merged loop lands where the last one was, and merge does not check dataflow),
-    compute every stage of ``per_item`` at it (innermost consumer first), parallel."""
+def _items(sch, roots, per_item, knobs, depth: int = 3):
+    """Merge the item loops (the ``depth`` outer loops: batch x head x item) of
+    ``roots`` (in program order: the merged loop lands where the last one was, and merge
+    does not check dataflow), compute every stage of ``per_item`` at it (innermost
+    consumer first), parallel."""
     item = None
     for r in roots:
         loops = sch.get_loops(sch.get_sblock(r))
-        fused = sch.fuse(*loops[:3])
+        fused = sch.fuse(*loops[:depth])
         item = fused if item is None else sch.merge(item, fused)
     for name in per_item:
         if _has(sch, name):
@@ -331,8 +331,8 @@ def _gather_back(sch, names, spec, vector_lanes):
     sch.parallel(row)
 
 
-def _vectorize_block_axis(sch, names, spec, vector_lanes):
-    if spec.block_q % vector_lanes:
+def _vectorize_block_axis(sch, names, block: int, vector_lanes):
+    if block % vector_lanes:
         return
     for name in names:
         if _has(sch, name):
@@ -353,7 +353,7 @@ def schedule_local_dq(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) 
         _vectorize_inner(sch, sch.get_loops(sch.get_sblock("dq_blk"))[-1], vector_lanes)
     for name in ("score", "dp"):
         _band_block_product(sch, name, spec, vector_lanes, knobs, bounded)
-    _vectorize_block_axis(sch, ["arg", "ds", "xarg", "xds"], spec, vector_lanes)
+    _vectorize_block_axis(sch, ["arg", "ds", "xarg", "xds"], spec.block_q, vector_lanes)
     _block_feature_product(sch, "dqw", spec, vector_lanes, knobs)
     if _has(sch, "dqx"):
         _block_feature_product(sch, "dqx", spec, vector_lanes, knobs)
@@ -374,7 +374,7 @@ def schedule_local_dkv(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None)
     _items(sch, ["dv_blk", "dk_blk"], per_item, knobs)
     for name in ("score", "dp"):
         _band_block_product(sch, name, spec, vector_lanes, knobs, bounded)
-    _vectorize_block_axis(sch, ["arg", "prob", "ds"], spec, vector_lanes)
+    _vectorize_block_axis(sch, ["arg", "prob", "ds"], spec.block_q, vector_lanes)
     for name in ("dv_blk", "dk_blk"):
         _block_feature_product(sch, name, spec, vector_lanes, knobs)
 

@@ -15,7 +15,9 @@ stage is a dense (Kw x D) @ (D x Bq) product per item (key-major: see local_atte
 tensor, so one kernel serves uniform and per-head dilation up to ``max_dilation``; the
 item grid has ceil(T/Bq) + max_dilation - 1 entries, enough for any d <= max_dilation.
 
-``global``: G global rows, each against all T keys (causal: keys j <= its position).
+``global``: G global rows, each against all T keys (causal: keys j <= its position),
+as blocks of GLOBAL_BLOCK rows against chunks of GLOBAL_CHUNK keys (split-K softmax with
+a combine stage; see global_attention).
 """
 
 from __future__ import annotations
@@ -428,16 +430,30 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
     return args
 
 
+# Global rows are processed GLOBAL_BLOCK at a time (the vector axis of their key-major
+# tiles: one AVX-512 or two AVX2 registers), keys in chunks of GLOBAL_CHUNK.
+GLOBAL_BLOCK, GLOBAL_CHUNK = 16, 256
+
+
 def global_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = False):
     """TE for global rows: q_global [B,H,G,D] against k_global/v_global [B,Hkv,T,D].
 
     Row g sees every key j (causal: j <= global_idx[b, g]). Returns the argument list
     q_global, k_global, v_global, global_idx [B,G] int32, sink_logit [H], scale,
     out [B,H,G,D], lse [B,H,G].
+
+    Split-K softmax, as the local kernel's items: a work item is one block of
+    GLOBAL_BLOCK global rows (the last one padded with copies of row G-1) against one
+    chunk of GLOBAL_CHUNK keys (the last one padded, masked), with key-major tiles
+    [chunk key, block row] as the local kernel's. Each item keeps its own max, sum of
+    probabilities (relative to that max) and probability-weighted values; a combine
+    stage rescales the chunks to the row's overall max. No [G, T] tensor exists, and
+    a short sequence still has B*H*chunks items to spread over cores.
     """
     assert spec.kind == "global"
     B, H, Hkv, T, G = _dims(shapes, "B H Hkv T G")
     D, dt = spec.head_dim, spec.dtype
+    GB, KC = GLOBAL_BLOCK, GLOBAL_CHUNK
     acc = accum_dtype(dt)
     qg = te.placeholder((B, H, G, D), dt, name="q_global")
     kg = te.placeholder((B, Hkv, T, D), dt, name="k_global")
@@ -447,42 +463,104 @@ def global_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: b
     scale = te.var("scale", dtype=acc)
     group = div_nonneg(H, Hkv)
     ninf = _neg_inf(acc)
+    nblk = tirx.floordiv(G + (GB - 1), GB)
+    nchunk = tirx.floordiv(T + (KC - 1), KC)
 
+    def row(gb, gi):  # global row of block position gi (the padding repeats row G-1)
+        return tirx.min(gb * GB + gi, G - 1)
+
+    def key(ch, kk):
+        return ch * KC + kk
+
+    qg_t = te.compute((B, H, nblk, D, GB), lambda b, h, gb, c, gi: qg[b, h, row(gb, gi), c], name="qg_t")
     c = te.reduce_axis((0, D), name="c")
     gscore = te.compute(
-        (B, H, G, T),
-        lambda b, h, g, j: te.sum(cast(qg[b, h, g, c], acc) * cast(kg[b, div_nonneg(h, group), j, c], acc), axis=c),
+        (B, H, nblk, nchunk, KC, GB),
+        lambda b, h, gb, ch, kk, gi: te.sum(
+            cast(kg[b, div_nonneg(h, group), tirx.min(key(ch, kk), T - 1), c], acc) * cast(qg_t[b, h, gb, c, gi], acc),
+            axis=c,
+        ),
         name="gscore",
     )
-    if spec.causal:
-        ok = lambda b, g, j: j <= gidx[b, g].astype("int64")  # noqa: E731
-    else:
-        ok = lambda b, g, j: tirx.const(True, "bool")  # noqa: E731
+
+    def ok(b, gb, ch, kk, gi):
+        j = key(ch, kk)
+        if spec.causal:
+            return tirx.all(j < T, j <= gidx[b, row(gb, gi)].astype("int64"))
+        return j < T
+
     gmasked = te.compute(
-        (B, H, G, T), lambda b, h, g, j: tirx.Select(ok(b, g, j), gscore[b, h, g, j] * scale, ninf), name="gmasked"
+        (B, H, nblk, nchunk, KC, GB),
+        lambda b, h, gb, ch, kk, gi: tirx.Select(ok(b, gb, ch, kk, gi), gscore[b, h, gb, ch, kk, gi] * scale, ninf),
+        name="gmasked",
     )
-    # te.max with an extra operand is not a pure reduction; split it into two stages.
-    jr = te.reduce_axis((0, T), name="jr")
-    gmax0 = te.compute((B, H, G), lambda b, h, g: te.max(gmasked[b, h, g, jr], axis=jr), name="gmax0")
-    gmax = te.compute((B, H, G), lambda b, h, g: tirx.max(gmax0[b, h, g], sink[h]), name="gmax")
-    gprob = te.compute((B, H, G, T), lambda b, h, g, j: _exp(gmasked[b, h, g, j] - gmax[b, h, g], acc, native_exp), name="gprob")
-    jr2 = te.reduce_axis((0, T), name="jr2")
+    kr = te.reduce_axis((0, KC), name="kr")
+    cmax = te.compute(
+        (B, H, nblk, nchunk, GB), lambda b, h, gb, ch, gi: te.max(gmasked[b, h, gb, ch, kr, gi], axis=kr), name="cmax"
+    )
+    # A chunk wholly in a causal row's future has max -inf: its probabilities are taken
+    # against 0 instead (all exactly 0), never against -inf (NaN).
+    cref = te.compute(
+        (B, H, nblk, nchunk, GB),
+        lambda b, h, gb, ch, gi: tirx.Select(cmax[b, h, gb, ch, gi] == ninf, tirx.const(0, acc), cmax[b, h, gb, ch, gi]),
+        name="cref",
+    )
+    cprob = te.compute(
+        (B, H, nblk, nchunk, KC, GB),
+        lambda b, h, gb, ch, kk, gi: _exp(gmasked[b, h, gb, ch, kk, gi] - cref[b, h, gb, ch, gi], acc, native_exp),
+        name="cprob",
+    )
+    kr2 = te.reduce_axis((0, KC), name="kr2")
+    csum = te.compute(
+        (B, H, nblk, nchunk, GB), lambda b, h, gb, ch, gi: te.sum(cprob[b, h, gb, ch, kr2, gi], axis=kr2), name="csum"
+    )
+    kr3 = te.reduce_axis((0, KC), name="kr3")
+    cacc = te.compute(
+        (B, H, nblk, nchunk, GB, D),
+        lambda b, h, gb, ch, gi, cc: te.sum(
+            cprob[b, h, gb, ch, kr3, gi] * cast(vg[b, div_nonneg(h, group), tirx.min(key(ch, kr3), T - 1), cc], acc),
+            axis=kr3,
+        ),
+        name="cacc",
+    )
+
+    # Combine the chunks of each block row: rescale each to the row's overall max (a
+    # wholly masked chunk by exp(-inf) = 0).
+    chr_ = te.reduce_axis((0, nchunk), name="chr")
+    gmax0 = te.compute((B, H, nblk, GB), lambda b, h, gb, gi: te.max(cmax[b, h, gb, chr_, gi], axis=chr_), name="gmax0")
+    gmax = te.compute((B, H, nblk, GB), lambda b, h, gb, gi: tirx.max(gmax0[b, h, gb, gi], sink[h]), name="gmax")
+    cfac = te.compute(
+        (B, H, nblk, nchunk, GB),
+        lambda b, h, gb, ch, gi: _exp(cmax[b, h, gb, ch, gi] - gmax[b, h, gb, gi], acc, native_exp),
+        name="cfac",
+    )
+    chr2 = te.reduce_axis((0, nchunk), name="chr2")
     gsum = te.compute(
-        (B, H, G),
-        lambda b, h, g: te.sum(gprob[b, h, g, jr2], axis=jr2),
+        (B, H, nblk, GB),
+        lambda b, h, gb, gi: te.sum(csum[b, h, gb, chr2, gi] * cfac[b, h, gb, chr2, gi], axis=chr2),
         name="gsum",
     )
-    gden = te.compute((B, H, G), lambda b, h, g: gsum[b, h, g] + _exp(sink[h] - gmax[b, h, g], acc, native_exp), name="gden")
-    jr3 = te.reduce_axis((0, T), name="jr3")
+    gden = te.compute(
+        (B, H, nblk, GB),
+        lambda b, h, gb, gi: gsum[b, h, gb, gi] + _exp(sink[h] - gmax[b, h, gb, gi], acc, native_exp),
+        name="gden",
+    )
+    chr3 = te.reduce_axis((0, nchunk), name="chr3")
     gacc = te.compute(
-        (B, H, G, D),
-        lambda b, h, g, cc: te.sum(gprob[b, h, g, jr3] * cast(vg[b, div_nonneg(h, group), jr3, cc], acc), axis=jr3),
+        (B, H, nblk, GB, D),
+        lambda b, h, gb, gi, cc: te.sum(cacc[b, h, gb, chr3, gi, cc] * cfac[b, h, gb, chr3, gi], axis=chr3),
         name="gacc",
     )
-    gout = te.compute(
-        (B, H, G, D), lambda b, h, g, cc: (gacc[b, h, g, cc] / gden[b, h, g]).astype(dt), name="out"
+    blk_out = te.compute(
+        (B, H, nblk, GB, D), lambda b, h, gb, gi, cc: gacc[b, h, gb, gi, cc] / gden[b, h, gb, gi], name="blk_out"
     )
-    glse = te.compute((B, H, G), lambda b, h, g: gmax[b, h, g] + tirx.log(gden[b, h, g]), name="lse")
+    blk_lse = te.compute(
+        (B, H, nblk, GB), lambda b, h, gb, gi: gmax[b, h, gb, gi] + tirx.log(gden[b, h, gb, gi]), name="blk_lse"
+    )
+    gout = te.compute(
+        (B, H, G, D), lambda b, h, g, cc: blk_out[b, h, div_nonneg(g, GB), mod_nonneg(g, GB), cc].astype(dt), name="out"
+    )
+    glse = te.compute((B, H, G), lambda b, h, g: blk_lse[b, h, div_nonneg(g, GB), mod_nonneg(g, GB)], name="lse")
     return [qg, kg, vg, gidx, sink, scale, gout, glse]
 
 
