@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from tvm import s_tir
 
-from swa_tvm.compute import band_width
+from swa_tvm.compute import EXTRA_TILE, band_width
 from swa_tvm.spec import KernelSpec
 
 # Candidate values of the categorical knobs. Unroll steps feed
@@ -100,7 +100,9 @@ def _vertical_reduce(sch, name, lanes, vectorize: bool):
 def _key_row_product(sch, name, rows_extent, cols_extent, lanes, knobs, vector_cols: bool, tiled_rows: bool):
     """A key-major [keys, rows] product reduced over the feature axis (score = K Q^T):
     register tile of key rows x block-row vectors, the feature reduction outside it.
-    Keys are the broadcast operand (read straight from k), block rows the vectors."""
+    Keys are the broadcast operand (read straight from k), block rows the vectors.
+    Untiled key rows (a runtime key count) take the widest vector tile instead: its
+    independent accumulators hide the FMA latency a single key row's chain exposes."""
     blk = sch.get_sblock(name)
     k_l, r_l, c_l = sch.get_loops(blk)[-3:]
     widths = _widths(cols_extent, lanes)
@@ -108,7 +110,8 @@ def _key_row_product(sch, name, rows_extent, cols_extent, lanes, knobs, vector_c
         sch.reorder(k_l, c_l, r_l)
         sch.decompose_reduction(blk, c_l)
         return
-    ro, ri = sch.split(r_l, factors=[None, knobs.choice(sch, widths, widths[min(1, len(widths) - 1)])])
+    default = widths[min(1, len(widths) - 1)] if tiled_rows else widths[-1]
+    ro, ri = sch.split(r_l, factors=[None, knobs.choice(sch, widths, default)])
     if tiled_rows:
         ko, ki = sch.split(k_l, factors=[None, knobs.tile(sch, k_l, rows_extent, 4, 8)])
         sch.reorder(ko, ro, c_l, ki, ri)
@@ -180,7 +183,8 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8,
     else:
         _key_row_product(sch, "score", None, spec.block_q, vector_lanes, knobs, rows_vec, False)
     if _has(sch, "xscore"):
-        _key_row_product(sch, "xscore", None, spec.block_q, vector_lanes, Defaults(), rows_vec, False)
+        # The extras' axis is a runtime multiple of EXTRA_TILE: tiled by it exactly.
+        _key_row_product(sch, "xscore", EXTRA_TILE, spec.block_q, vector_lanes, Defaults(), rows_vec, True)
     # Mask and probability tiles: elementwise, vectorized along block rows.
     if rows_vec:
         for name in ("masked", "wprob", "xmasked", "xprob"):

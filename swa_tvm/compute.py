@@ -32,6 +32,9 @@ from .spec import KernelSpec, accum_dtype
 
 # Key bands are padded to a multiple of this many keys (one AVX-512 vector of fp32).
 LANES = 16
+# The extra keys' axis is padded to a multiple of this many (masked), so a schedule can
+# tile it into register rows as it tiles the band.
+EXTRA_TILE = 4
 
 
 def _neg_inf(dtype: str):
@@ -330,21 +333,24 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
     if spec.extras:
 
         extra_ok = Extras(xidx, dil, B, H, E, left, right, T)
-        band_extra_ok = lambda b, h, beta, qi, e: extra_ok(  # noqa: E731
-            b, h, e, row_of(h, beta, qi), item_info[h, beta, 2] + qi, item_info[h, beta, 3]
+        # Padded extras' axis: entries e >= E repeat extra E-1 and are masked.
+        nx = tirx.floordiv(E + (EXTRA_TILE - 1), EXTRA_TILE) * EXTRA_TILE
+        xe = lambda e: tirx.min(e, E - 1)  # noqa: E731
+        band_extra_ok = lambda b, h, beta, qi, e: tirx.all(  # noqa: E731
+            e < E, extra_ok(b, h, xe(e), row_of(h, beta, qi), item_info[h, beta, 2] + qi, item_info[h, beta, 3])
         )
 
         c2 = te.reduce_axis((0, D), name="c2")
         xscore = te.compute(
-            (B, H, nitems, E, Bq),
+            (B, H, nitems, nx, Bq),
             lambda b, h, beta, e, qi: te.sum(
-                cast(k[b, div_nonneg(h, group), clamp(i64(xidx[b, e])), c2], acc) * cast(qblk_t[b, h, beta, c2, qi], acc),
+                cast(k[b, div_nonneg(h, group), clamp(i64(xidx[b, xe(e)])), c2], acc) * cast(qblk_t[b, h, beta, c2, qi], acc),
                 axis=c2,
             ),
             name="xscore",
         )
         xmasked = te.compute(
-            (B, H, nitems, E, Bq),
+            (B, H, nitems, nx, Bq),
             lambda b, h, beta, e, qi: tirx.Select(band_extra_ok(b, h, beta, qi, e), xscore[b, h, beta, e, qi] * scale, ninf),
             name="xmasked",
         )
@@ -355,7 +361,7 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
         (B, H, nitems, Bq), lambda b, h, beta, qi: te.max(masked[b, h, beta, kr, qi], axis=kr), name="wmax"
     )
     if spec.extras:
-        er = te.reduce_axis((0, E), name="er")
+        er = te.reduce_axis((0, nx), name="er")
         xmax = te.compute(
             (B, H, nitems, Bq), lambda b, h, beta, qi: te.max(stages_x[1][b, h, beta, er, qi], axis=er), name="xmax"
         )
@@ -393,7 +399,7 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
     if spec.extras:
         parts.append(
             softmax_part(
-                "x", stages_x[1], E, lambda b, h, beta, e, cc: cast(v[b, div_nonneg(h, group), clamp(i64(xidx[b, e])), cc], acc)
+                "x", stages_x[1], nx, lambda b, h, beta, e, cc: cast(v[b, div_nonneg(h, group), clamp(i64(xidx[b, xe(e)])), cc], acc)
             )
         )
     sums, accs = zip(*parts)
