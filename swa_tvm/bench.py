@@ -4,7 +4,8 @@ Methods: swa_tvm tuned (a library exported with the tuning logs), swa_tvm defaul
 same specs, default schedules), torch SDPA with a boolean banded mask, FlexAttention
 (block mask, under torch.compile) and a pure-torch "sliding chunks" implementation in
 Longformer's style. Every method is checked against ours on the same inputs before it
-is timed. Times are medians of ``--runs`` runs after a warm-up; GFLOP/s counts useful
+is timed. Times are medians of ``--runs`` runs (more for calls under 0.1 s: see
+``median_ms``) after a warm-up; GFLOP/s counts useful
 work only (4*D per visible (query, key) pair); % of peak is against a large
 torch.matmul timed in the same run. Peak memory is measured in a fresh subprocess per
 (method, config) at the largest T. Writes ``results.json`` and ``scaling.png``.
@@ -226,12 +227,18 @@ def make_method(name: str, T: int, cfg: dict, gi, libs: dict):
 # --------------------------------------------------------------------------- measuring
 
 
-def median_ms(fn, runs: int = 5) -> float:
-    """Median wall time in ms of ``runs`` calls after one warm-up call (which compiles
-    FlexAttention at this shape)."""
+# Short calls are repeated until their runs span this long (at most MAX_RUNS runs): five
+# 8 ms calls last 40 ms, and one burst of a shared machine's noise then moves the median.
+MIN_SECONDS, MAX_RUNS = 0.5, 200
+
+
+def median_ms(fn, runs: int = 5, min_seconds: float = MIN_SECONDS) -> float:
+    """Median wall time in ms of at least ``runs`` calls, more for short calls until the
+    timed calls add up to ``min_seconds`` (at most MAX_RUNS), after one warm-up call
+    (which compiles FlexAttention at this shape)."""
     fn()
     ts = []
-    for _ in range(runs):
+    while len(ts) < runs or (sum(ts) < min_seconds and len(ts) < MAX_RUNS):
         t = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t)

@@ -72,3 +72,23 @@ def test_training_peers_give_reference_gradients(config):
         got = bench_train._grads(bench_train.make_method(method, T, cfg, gi), q, k, v, dout)
         for a, b in zip(got, want):
             assert rel_err(a, b) < 1e-10, method
+
+
+def test_median_ms_repeats_short_calls():
+    """At least ``runs`` timed calls; short ones repeated until they span min_seconds."""
+    import time
+
+    calls = []
+
+    def sleeper(s):
+        def fn():
+            calls.append(s)
+            time.sleep(s)
+
+        return fn
+
+    ms = bench.median_ms(sleeper(0.02), runs=5, min_seconds=0.05)
+    assert len(calls) == 6 and 19 < ms < 60  # warm-up + 5: the 5 already span 0.1 s
+    calls.clear()
+    ms = bench.median_ms(sleeper(0.001), runs=5, min_seconds=0.05)
+    assert 10 < len(calls) <= 51 and 0.9 < ms < 5  # sleep(1 ms) lasts at least 1 ms
