@@ -121,24 +121,14 @@ def configure_cpu_threads() -> None:
     hardware_concurrency / 2 threads on x86 (it assumes every core has two SMT threads):
     on a 2-vCPU machine, one thread, half the machine. The pool reads $TVM_NUM_THREADS
     when a thread first runs a parallel kernel, so this sets it (never overriding a
-    user's choice) before any kernel is called; a pool created earlier keeps its size.
-    It also bounds how long the pool's idle workers spin (see ``default_tvm_threads``)."""
+    user's choice) before any kernel is called; a pool created earlier keeps its size."""
     default_tvm_threads(cpu_threads())
 
 
-# Iterations an idle TVM worker polls for work before it sleeps. TVM's own default let
-# workers keep competing with torch's threads long after a kernel returned: 256x256
-# matmuls in the 0.2 s after a T=1024 kernel ran at 68-103 per 0.2 s in the worst of 10
-# rounds, against 507-557 with this bound (2026-12-03, 3 processes each, 2 CPUs).
-SPIN_COUNT = 1000
-
-
 def default_tvm_threads(n: int) -> None:
-    """Set $TVM_NUM_THREADS to ``n`` unless the user chose a count (it or $OMP_NUM_THREADS),
-    and $TVM_THREAD_POOL_SPIN_COUNT to SPIN_COUNT unless the user set it."""
+    """Set $TVM_NUM_THREADS to ``n`` unless the user chose a count (it or $OMP_NUM_THREADS)."""
     if not os.environ.get("TVM_NUM_THREADS") and not os.environ.get("OMP_NUM_THREADS"):
         os.environ["TVM_NUM_THREADS"] = str(n)
-    os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", str(SPIN_COUNT))
 
 
 _CUDA_RUNTIME: dict = {}

@@ -191,15 +191,3 @@ def test_kernels_never_floor_divide_by_the_runtime_dilation(kind):
     assert "dilation" in script and "T.truncmod" in script  # the dilation is there, divided by truncation
     floor_by_dilation = re.findall(r'(?://|%) \(?T\.Cast\("int64", dilation', script)
     assert floor_by_dilation == []
-
-
-def test_idle_tvm_workers_spin_briefly_unless_the_user_says(monkeypatch):
-    """Loading a CPU library bounds how long TVM's idle workers poll (they competed with
-    torch's threads after a kernel otherwise); a user's own setting wins."""
-    monkeypatch.setenv("TVM_NUM_THREADS", "2")  # restored after the test
-    monkeypatch.delenv("TVM_THREAD_POOL_SPIN_COUNT", raising=False)
-    library.default_tvm_threads(2)
-    assert os.environ["TVM_THREAD_POOL_SPIN_COUNT"] == str(library.SPIN_COUNT)
-    monkeypatch.setenv("TVM_THREAD_POOL_SPIN_COUNT", "123")
-    library.default_tvm_threads(2)
-    assert os.environ["TVM_THREAD_POOL_SPIN_COUNT"] == "123"
