@@ -4,8 +4,8 @@ Methods: swa_tvm tuned (a library exported with the tuning logs), swa_tvm defaul
 same specs, default schedules), torch SDPA with a boolean banded mask, FlexAttention
 (block mask, under torch.compile) and a pure-torch "sliding chunks" implementation in
 Longformer's style. Every method is checked against ours on the same inputs before it
-is timed. Times are medians of ``--runs`` runs (more for calls under 0.1 s: see
-``median_ms``) after a warm-up; GFLOP/s counts useful
+is timed. Times are medians of ``--runs`` runs (more for calls under 0.1 s), the methods
+of one shape timed round-robin (``interleaved_medians``), after a warm-up; GFLOP/s counts useful
 work only (4*D per visible (query, key) pair); % of peak is against a large
 torch.matmul timed in the same run. Peak memory is measured in a fresh subprocess per
 (method, config) at the largest T. Writes ``results.json`` and ``scaling.png``.
@@ -245,6 +245,28 @@ def median_ms(fn, runs: int = 5, min_seconds: float = MIN_SECONDS) -> float:
     return 1e3 * statistics.median(ts)
 
 
+def interleaved_medians(fns: dict, runs: int = 5, min_seconds: float = MIN_SECONDS) -> dict:
+    """Median wall time in ms of each callable, timed round-robin: one call of every
+    method per round, so a burst of the shared machine's noise lands on all of them
+    alike, not on whichever was being timed. Each gets at least ``runs`` timed calls, and
+    short ones more, until theirs span ``min_seconds`` (at most MAX_RUNS); one warm-up
+    call each first (it compiles FlexAttention at this shape)."""
+    for fn in fns.values():
+        fn()
+    ts = {name: [] for name in fns}
+
+    def wanted(name):
+        return len(ts[name]) < runs or (sum(ts[name]) < min_seconds and len(ts[name]) < MAX_RUNS)
+
+    while any(wanted(name) for name in fns):
+        for name, fn in fns.items():
+            if wanted(name):
+                t = time.perf_counter()
+                fn()
+                ts[name].append(time.perf_counter() - t)
+    return {name: 1e3 * statistics.median(v) for name, v in ts.items()}
+
+
 def matmul_peak_gflops(runs: int = 5, n: int = 4096) -> float:
     a, b = torch.randn(n, n), torch.randn(n, n)
     ms = median_ms(lambda: torch.matmul(a, b), runs)
@@ -394,6 +416,7 @@ def main(argv=None) -> int:
             pairs = visible_pairs(T, cfg)
             flop = 4.0 * B * H * pairs * D
             ref = None
+            timed = {}  # method -> (callable, rel err against swa_tvm)
             for method in args.methods:
                 try:
                     fn = make_method(method, T, cfg, gi, libs)
@@ -417,10 +440,15 @@ def main(argv=None) -> int:
                         rows.append(dict(config=config, T=T, method=method, rel_err=err, skipped="wrong result"))
                         continue
                 del out
-                ms = median_ms(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v), args.runs)
+                timed[method] = (lambda fn=fn, q=q, k=k, v=v: fn(q, k, v), err)
+            ref = None
+            medians = interleaved_medians({m: fn for m, (fn, _) in timed.items()}, args.runs)
+            for method, (_, err) in timed.items():
+                ms = medians[method]
                 g = flop / (ms * 1e-3) / 1e9
                 rows.append(dict(config=config, T=T, method=method, ms=ms, gflops=g, pct_peak=100 * g / peak, rel_err=err))
                 print(f"  {config:22s} T={T:6d} {method:16s} {ms:10.1f} ms {g:7.1f} GFLOP/s {100 * g / peak:5.1f}%")
+            del timed, medians
             del q, k, v
             gc.collect()
             save(rows, [])

@@ -92,3 +92,22 @@ def test_median_ms_repeats_short_calls():
     calls.clear()
     ms = bench.median_ms(sleeper(0.001), runs=5, min_seconds=0.05)
     assert 10 < len(calls) <= 51 and 0.9 < ms < 5  # sleep(1 ms) lasts at least 1 ms
+
+
+def test_interleaved_medians_time_every_method_round_robin():
+    import time
+
+    order = []
+
+    def sleeper(name, s):
+        def fn():
+            order.append(name)
+            time.sleep(s)
+
+        return fn
+
+    got = bench.interleaved_medians({"a": sleeper("a", 0.02), "b": sleeper("b", 0.001)}, runs=3, min_seconds=0.01)
+    assert order[:2] == ["a", "b"]  # warm-ups
+    assert order[2:8] == ["a", "b"] * 3  # round-robin while both need runs
+    assert order.count("a") == 4 and order.count("b") > 4  # b repeated until 0.01 s
+    assert 19 < got["a"] < 60 and 0.9 < got["b"] < 5
