@@ -108,6 +108,7 @@ def test_interleaved_medians_time_every_method_round_robin():
 
     got = bench.interleaved_medians({"a": sleeper("a", 0.02), "b": sleeper("b", 0.001)}, runs=3, min_seconds=0.01)
     assert order[:2] == ["a", "b"]  # warm-ups
-    assert order[2:8] == ["a", "b"] * 3  # round-robin while both need runs
-    assert order.count("a") == 4 and order.count("b") > 4  # b repeated until 0.01 s
+    # Round-robin while both need runs; each short call after an untimed one.
+    assert order[2:14] == ["a", "a", "b", "b"] * 3
+    assert order.count("a") == 7 and order.count("b") > 7  # b repeated until 0.01 s
     assert 19 < got["a"] < 60 and 0.9 < got["b"] < 5
