@@ -233,13 +233,18 @@ MIN_SECONDS, MAX_RUNS = 0.5, 200
 HANDOFF_SECONDS = 0.1
 
 
+def _wants_more(ts: list, runs: int, min_seconds: float) -> bool:
+    """Whether a method timed ``ts`` (seconds) so far needs another timed call."""
+    return len(ts) < runs or (sum(ts) < min_seconds and len(ts) < MAX_RUNS)
+
+
 def median_ms(fn, runs: int = 5, min_seconds: float = MIN_SECONDS) -> float:
     """Median wall time in ms of at least ``runs`` calls, more for short calls until the
     timed calls add up to ``min_seconds`` (at most MAX_RUNS), after one warm-up call
     (which compiles FlexAttention at this shape)."""
     fn()
     ts = []
-    while len(ts) < runs or (sum(ts) < min_seconds and len(ts) < MAX_RUNS):
+    while _wants_more(ts, runs, min_seconds):
         t = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t)
@@ -262,12 +267,9 @@ def interleaved_medians(fns: dict, runs: int = 5, min_seconds: float = MIN_SECON
         fn()
     ts = {name: [] for name in fns}
 
-    def wanted(name):
-        return len(ts[name]) < runs or (sum(ts[name]) < min_seconds and len(ts[name]) < MAX_RUNS)
-
-    while any(wanted(name) for name in fns):
+    while any(_wants_more(ts[name], runs, min_seconds) for name in fns):
         for name, fn in fns.items():
-            if wanted(name):
+            if _wants_more(ts[name], runs, min_seconds):
                 if not ts[name] or ts[name][-1] < HANDOFF_SECONDS:
                     fn()  # untimed: absorbs the other runtime's spinning threads (see above)
                 t = time.perf_counter()
