@@ -164,28 +164,10 @@ class Band:
     def key_range(self, h, beta, qi):
         """(first, last) partner index kj that block position qi sees: the same set as
         ``ok``, as one interval (empty, first > last, for rows past the end). A mask
-        from two compares per entry, instead of ``ok``'s int64 arithmetic.
-
-        In residue space the item's block positions are m0 + qi (m0 = ib*block) and
-        partner kj is m0 - lo + kj (bounded lo) or kj; residue r has
-        nres = ceil((T - r) / d) positions."""
-        lo, hi, qi = self.lo, self.hi, i64(qi)
-        d = i64(self.dil[h])
-        m0, r = self.info[h, beta, 2], self.info[h, beta, 3]
-        nres = div_nonneg(self.T - r + d - 1, d)
-        if lo >= 0:
-            first = tirx.max(qi, lo - m0)
-            last = nres - m0 + lo - 1
-            if hi >= 0:
-                last = tirx.min(last, qi + lo + hi)
-        else:
-            first = tirx.const(0, "int64")
-            last = nres - 1
-            if hi >= 0:
-                last = tirx.min(last, m0 + qi + hi)
-        past_end = m0 + qi >= nres
-        one, zero = tirx.const(1, "int64"), tirx.const(0, "int64")
-        return tirx.Select(past_end, one, i64(first)), tirx.Select(past_end, zero, i64(last))
+        from two compares per entry, instead of ``ok``'s int64 arithmetic."""
+        return row_key_range(
+            self.lo, self.hi, self.T, i64(self.dil[h]), self.info[h, beta, 2], self.info[h, beta, 3], qi
+        )
 
     def interval_mask(self, name: str = "krange"):
         """``ok`` as a stage plus a predicate: the per-item table [H, nitems, 2, block]
@@ -209,6 +191,31 @@ class Band:
         # i = (ib*block + qi)*d + r: one division by d, the rest by the constant block.
         t = div_nonneg(i, d)
         return div_nonneg(t, self.block) * d + mod_nonneg(i, d), mod_nonneg(t, self.block)
+
+
+def row_key_range(lo: int, hi: int, T, d, m0, r, qi):
+    """(first, last) band index that block position ``qi`` of an item sees (int64; empty,
+    first > last, for a row past the end), under dilation ``d``: index arithmetic only,
+    shared by the TE mask (``Band.key_range``) and hand-written kernels.
+
+    In residue space the item's block positions are m0 + qi (m0 = ib*block) and partner
+    kj is m0 - lo + kj (bounded lo) or kj; residue r has nres = ceil((T - r) / d)
+    positions."""
+    qi = i64(qi)
+    nres = div_nonneg(T - r + d - 1, d)
+    if lo >= 0:
+        first = tirx.max(qi, lo - m0)
+        last = nres - m0 + lo - 1
+        if hi >= 0:
+            last = tirx.min(last, qi + lo + hi)
+    else:
+        first = tirx.const(0, "int64")
+        last = nres - 1
+        if hi >= 0:
+            last = tirx.min(last, m0 + qi + hi)
+    past_end = m0 + qi >= nres
+    one, zero = tirx.const(1, "int64"), tirx.const(0, "int64")
+    return tirx.Select(past_end, one, i64(first)), tirx.Select(past_end, zero, i64(last))
 
 
 def item_key_span(lo: int, hi: int, block: int, T, d, beta):
@@ -251,16 +258,24 @@ class Extras:
 
     def __call__(self, b, h, e, i, t, r):
         x = i64(self.xidx[b, e])
-        s = self.info[b, h, e, 1] - t
-        in_band = self.info[b, h, e, 0] == r
-        if self.left >= 0:
-            in_band = tirx.all(in_band, s >= -self.left)
-        if self.right >= 0:
-            in_band = tirx.all(in_band, s <= self.right)
-        ok = tirx.all(x >= 0, i < self.T, tirx.Not(in_band))
-        if self.right == 0:
-            ok = tirx.all(ok, x <= i)
-        return ok
+        return extra_visible(self.left, self.right, self.T, x, self.info[b, h, e, 0], self.info[b, h, e, 1], i, t, r)
+
+
+def extra_visible(left: int, right: int, T, x, xr, xt, i, t, r):
+    """Whether extra key position ``x`` (residue ``xr``, residue-space index ``xt`` under
+    the head's dilation; x = -1 is padding) is visible to the row at position ``i``
+    (residue ``r``, residue-space index ``t``): not padding, not in a causal row's
+    future, not already inside its window (a position counts once)."""
+    s = xt - t
+    in_band = xr == r
+    if left >= 0:
+        in_band = tirx.all(in_band, s >= -left)
+    if right >= 0:
+        in_band = tirx.all(in_band, s <= right)
+    ok = tirx.all(x >= 0, i < T, tirx.Not(in_band))
+    if right == 0:
+        ok = tirx.all(ok, x <= i)
+    return ok
 
 
 def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = False):

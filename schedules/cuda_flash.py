@@ -1,0 +1,359 @@
+"""The fused (flash-style) CUDA kernel of the local forward: one thread block per work
+item, the item's key band streamed through shared memory in chunks with an online
+softmax, so no score, probability or band copy ever reaches global memory.
+
+TE cannot say "carry a running max across a loop", so, like the scans and sorts of TVM's
+own ``topi/cuda``, this kernel is written out in TIR. The math still comes from
+``swa_tvm.compute``: which band keys a row sees (``row_key_range``), which chunks an item
+needs at all (``item_key_span``) and which extra keys a row sees (``extra_visible``) are
+the same expressions the TE kernels use, and the item decomposition is the TE's (with
+this kernel's own block of rows). Results equal the TE kernel's up to float rounding.
+
+Per item (``block_q`` rows of one residue class of one head), with ``threads`` threads:
+
+1. the item's query rows go to shared memory; each row's running max starts at the
+   head's sink logit (a sink adds exp(sink - max) to the denominator and no value) and
+   its visible band interval is computed once;
+2. for each chunk of ``chunk`` band keys that meets the item's span, then for each chunk
+   of extra keys (global positions and sinks, when the spec has them): the keys and
+   values are copied to shared memory; scores S = Q K^T (one register tile per thread,
+   masked); a thread per row updates the running max m and sum l and turns S into
+   probabilities P = exp(S - m); every accumulator is rescaled by exp(m_old - m) and
+   gains P V (one register tile per thread);
+3. out = acc / l and lse = m + log l are written to the item's rows.
+
+Each phase is its own loop over the thread index. On the GPU they all run on the same
+threads, TVM inserting the barriers between them; turned into serial loops they run one
+after another on the CPU, which is how the tests check this kernel without a GPU.
+Products run on CUDA cores in fp32 (tensor cores are the next step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+from tvm import tirx
+from tvm.script import tirx as T
+
+from swa_tvm.compute import extra_visible, item_key_span, row_key_range
+from swa_tvm.spec import KernelSpec, accum_dtype
+
+# Static shared memory of one block. More needs TVM's dynamic shared memory, whose
+# buffers TVM merges into one, after which its barrier planner can no longer tell the
+# tiles apart and refuses the row phases' loops.
+SHARED_BUDGET = 48 * 1024
+
+
+@dataclass(frozen=True)
+class FlashConfig:
+    block_q: int = 64  # query rows per item (one thread block)
+    chunk: int = 64  # band keys per step of the online softmax
+    threads: int = 128
+
+    def check(self, head_dim: int) -> None:
+        cols = self.thread_cols(head_dim)
+        rows = self.threads // cols
+        if self.block_q > self.threads:
+            raise ValueError(f"flash config: block_q={self.block_q} exceeds threads={self.threads} (a thread per row)")
+        for name, value, divisor in (
+            ("block_q", self.block_q, rows),
+            ("chunk", self.chunk, cols),
+        ):
+            if value % divisor:
+                raise ValueError(f"flash config: {name}={value} is not a multiple of {divisor} ({self})")
+
+    def thread_cols(self, head_dim: int) -> int:
+        """Threads along a tile's columns: they read consecutive shared-memory words."""
+        return next(c for c in (16, 8, 4, 2, 1) if head_dim % c == 0 and self.chunk % c == 0 and self.threads % c == 0)
+
+    def shared_bytes(self, head_dim: int, dtype: str) -> int:
+        el = tvm.runtime.DataType(dtype).bits // 8
+        pad = _pad(dtype)
+        tiles = (self.block_q + self.chunk) * (head_dim + pad) * el + self.chunk * head_dim * el
+        return tiles + self.block_q * (self.chunk + 1) * 4 + self.block_q * 5 * 4 + self.chunk * 3 * 8
+
+
+def _pad(dtype: str) -> int:
+    """Row padding (elements) of the Q and K tiles: rows one 4-byte bank apart, so the 16
+    threads reading 16 rows of one column hit 16 banks."""
+    return 4 // (tvm.runtime.DataType(dtype).bits // 8) if tvm.runtime.DataType(dtype).bits < 32 else 1
+
+
+def default_config(spec: KernelSpec) -> FlashConfig:
+    """The largest tiles within SHARED_BUDGET."""
+    for bq, kc in ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16)):
+        cfg = FlashConfig(bq, kc)
+        if cfg.shared_bytes(spec.head_dim, spec.dtype) <= SHARED_BUDGET:
+            return cfg
+    return FlashConfig(16, 16)
+
+
+def flash_local(spec: KernelSpec, config: FlashConfig | None = None) -> tvm.tirx.PrimFunc:
+    """The fused CUDA PrimFunc of a local forward spec, with the TE kernel's arguments
+    (q, k, v, dilation, [extra_idx], sink_logit, scale, out, lse) and name."""
+    if spec.kind != "local":
+        raise ValueError(f"kernel {spec.name}: the flash kernel serves local forward kernels, not {spec.kind!r}")
+    cfg = config or default_config(spec)
+    cfg.check(spec.head_dim)
+    func = _build(spec, cfg)
+    return func.with_attr("global_symbol", spec.name)
+
+
+def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phase by phase
+    D, dt, acc = spec.head_dim, spec.dtype, accum_dtype(spec.dtype)
+    lo, hi, maxd, extras = spec.left, spec.right, spec.max_dilation, spec.extras
+    BQ, KC, NT = cfg.block_q, cfg.chunk, cfg.threads
+    TX = cfg.thread_cols(D)
+    TY = NT // TX
+    RS, CS = BQ // TY, KC // TX  # score tile of a thread: rows x columns
+    CA = D // TX  # value columns of a thread (rows: RS)
+    # Flat tiles with padded rows (TVM would compact a 2-D tile's unused padding away).
+    DP, SP = D + _pad(dt), KC + 1
+    Q_STEPS, KV_STEPS = -(-BQ * D // NT), -(-KC * D // NT)
+    X_STEPS = -(-KC // NT)
+    SH = "shared"
+    NINF = tirx.const(float("-inf"), acc)
+    ZERO, ONE = tirx.const(0.0, acc), tirx.const(1.0, acc)
+
+    def f32(x):
+        return x if dt == acc else T.Cast(acc, x)
+
+    def i64(x):
+        return T.Cast("int64", x)
+
+    @T.macro
+    def load_rows(Kt, Vt, src_k, src_v, b, kvh, pos_of, Tn):
+        # Chunk rows kk of the key and value tiles, from sequence positions pos_of(kk)
+        # (clamped: a row out of range is masked by the score phase).
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for x in T.serial(KV_STEPS):
+                e = T.meta_var(x * NT + tx)
+                if e < KC * D:
+                    kk = T.meta_var(e // D)
+                    col = T.meta_var(e % D)
+                    j = T.meta_var(T.max(T.min(pos_of(kk), Tn - 1), T.int64(0)))
+                    Kt[(kk) * DP + col] = src_k[b, kvh, j, col]
+                    Vt[kk, col] = src_v[b, kvh, j, col]
+
+    @T.macro
+    def scores(Qs, Kt, S_s, sacc, visible, scale):
+        # S = Q K^T over the chunk, one RS x CS register tile per thread, scaled and
+        # masked (-inf); kept in the registers for `probabilities`, copied to S_s for the
+        # row maxima.
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for ii, jj in T.grid(RS, CS):
+                sacc[tx, ii * CS + jj] = ZERO
+            for cc in T.serial(D):
+                for ii, jj in T.grid(RS, CS):
+                    sacc[tx, ii * CS + jj] = sacc[tx, ii * CS + jj] + f32(Qs[((tx // TX) * RS + ii) * DP + cc]) * f32(
+                        Kt[(tx % TX + TX * jj) * DP + cc]
+                    )
+            for ii, jj in T.grid(RS, CS):
+                sacc[tx, ii * CS + jj] = T.Select(
+                    visible((tx // TX) * RS + ii, tx % TX + TX * jj), sacc[tx, ii * CS + jj] * scale, NINF
+                )
+                S_s[((tx // TX) * RS + ii) * SP + tx % TX + TX * jj] = sacc[tx, ii * CS + jj]
+
+    # Rows run on thread tx = row. Every phase only reads S_s or only writes it: a loop
+    # that did both would make TVM want a barrier inside it (under the row test), which it
+    # cannot place.
+    @T.macro
+    def row_max(S_s, m_s, a_s, red):
+        # New running max, and the factor exp(m_old - m) by which old sums and values fade.
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            if tx < BQ:
+                red[tx, 0] = m_s[tx]
+                for j in T.serial(KC):
+                    red[tx, 0] = T.max(red[tx, 0], S_s[(tx) * SP + j])
+                # A row with no visible key yet keeps max -inf: factor 1, probabilities 0.
+                a_s[tx] = T.Select(red[tx, 0] == NINF, ONE, T.exp(m_s[tx] - red[tx, 0]))
+                m_s[tx] = red[tx, 0]
+
+    @T.macro
+    def probabilities(S_s, m_s, sacc):
+        # P = exp(S - m), from the score tile still in the registers.
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for ii, jj in T.grid(RS, CS):
+                S_s[((tx // TX) * RS + ii) * SP + tx % TX + TX * jj] = T.Select(
+                    m_s[(tx // TX) * RS + ii] == NINF, ZERO, T.exp(sacc[tx, ii * CS + jj] - m_s[(tx // TX) * RS + ii])
+                )
+
+    @T.macro
+    def row_sum(S_s, l_s, a_s, red):
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            if tx < BQ:
+                red[tx, 1] = ZERO
+                for j in T.serial(KC):
+                    red[tx, 1] = red[tx, 1] + S_s[(tx) * SP + j]
+                l_s[tx] = l_s[tx] * a_s[tx] + red[tx, 1]
+
+    @T.macro
+    def softmax_step(S_s, m_s, l_s, a_s, red, sacc):
+        row_max(S_s, m_s, a_s, red)
+        probabilities(S_s, m_s, sacc)
+        row_sum(S_s, l_s, a_s, red)
+
+    @T.macro
+    def accumulate(S_s, Vt, a_s, oacc):
+        # acc = acc * exp(m_old - m) + P V, one RS x CA register tile per thread.
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for ii, jj in T.grid(RS, CA):
+                oacc[tx, ii * CA + jj] = oacc[tx, ii * CA + jj] * a_s[(tx // TX) * RS + ii]
+            for kk in T.serial(KC):
+                for ii, jj in T.grid(RS, CA):
+                    oacc[tx, ii * CA + jj] = oacc[tx, ii * CA + jj] + S_s[((tx // TX) * RS + ii) * SP + kk] * f32(
+                        Vt[kk, tx % TX + TX * jj]
+                    )
+
+    @T.macro
+    def body(q, k, v, dil, xidx, sink, scale, out, lse, B, H, Hkv, Tn, E):
+        nitems = T.meta_var((Tn + (BQ - 1)) // BQ + (maxd - 1))
+        for item in T.thread_binding(B * H * nitems, thread="blockIdx.x"):
+            with T.sblock("flash"):
+                T.reads()
+                T.writes()
+                Qs = T.alloc_buffer((BQ * DP,), dt, scope=SH)
+                Kt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                Vt = T.alloc_buffer((KC, D), dt, scope=SH)
+                S_s = T.alloc_buffer((BQ * SP,), acc, scope=SH)
+                m_s = T.alloc_buffer((BQ,), acc, scope=SH)
+                l_s = T.alloc_buffer((BQ,), acc, scope=SH)
+                a_s = T.alloc_buffer((BQ,), acc, scope=SH)
+                first_s = T.alloc_buffer((BQ,), "int64", scope=SH)
+                last_s = T.alloc_buffer((BQ,), "int64", scope=SH)
+                xpos_s = T.alloc_buffer((KC,), "int64", scope=SH)
+                xres_s = T.alloc_buffer((KC,), "int64", scope=SH)
+                xt_s = T.alloc_buffer((KC,), "int64", scope=SH)
+                sacc = T.alloc_buffer((NT, RS * CS), acc, scope="local")
+                oacc = T.alloc_buffer((NT, RS * CA), acc, scope="local")
+                red = T.alloc_buffer((NT, 2), acc, scope="local")
+
+                b = T.meta_var(item // (H * nitems))
+                h = T.meta_var(item // nitems % H)
+                beta = T.meta_var(item % nitems)
+                d = T.meta_var(i64(dil[h]))
+                kvh = T.meta_var(h // (H // Hkv))
+                m0 = T.meta_var(beta // d * BQ)
+                r = T.meta_var(beta % d)
+                row0 = T.meta_var(m0 * d + r)
+                key0 = T.meta_var((row0 - lo * d) if lo >= 0 else r)
+                # Items past the end (residue classes the head's dilation lacks) run with
+                # every key masked and write nothing: a branch around the phases would put
+                # barriers under a condition, which TVM rightly refuses.
+                # 1. Rows: sink-initialised state, visible band intervals, queries.
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    if tx < BQ:
+                        m_s[tx] = sink[h]
+                        l_s[tx] = T.Select(sink[h] == NINF, ZERO, ONE)
+                        first_s[tx] = row_key_range(lo, hi, Tn, d, m0, r, tx)[0]
+                        last_s[tx] = row_key_range(lo, hi, Tn, d, m0, r, tx)[1]
+                    for x in T.serial(Q_STEPS):
+                        e = T.meta_var(x * NT + tx)
+                        if e < BQ * D:
+                            qi = T.meta_var(e // D)
+                            col = T.meta_var(e % D)
+                            Qs[(qi) * DP + col] = q[b, h, T.min(row0 + d * qi, Tn - 1), col]
+                    for ii, jj in T.grid(RS, CA):
+                        oacc[tx, ii * CA + jj] = ZERO
+                # 2. The band, chunk by chunk, over the chunks that meet the item's span.
+                for c in T.serial(
+                    item_key_span(lo, hi, BQ, Tn, d, beta)[0] // KC,
+                    item_key_span(lo, hi, BQ, Tn, d, beta)[1] // KC + 1,
+                ):
+                    load_rows(Kt, Vt, k, v, b, kvh, lambda kk: key0 + d * (c * KC + kk), Tn)
+                    scores(
+                        Qs,
+                        Kt,
+                        S_s,
+                        sacc,
+                        lambda row, col: T.And(c * KC + col >= first_s[row], c * KC + col <= last_s[row]),
+                        scale,
+                    )
+                    softmax_step(S_s, m_s, l_s, a_s, red, sacc)
+                    accumulate(S_s, Vt, a_s, oacc)
+                if extras:
+                    for xc in T.serial((E + (KC - 1)) // KC):
+                        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                            for x in T.serial(X_STEPS):
+                                kk = T.meta_var(x * NT + tx)
+                                if kk < KC:
+                                    xpos_s[kk] = T.Select(
+                                        xc * KC + kk < E, i64(xidx[b, T.min(xc * KC + kk, E - 1)]), T.int64(-1)
+                                    )
+                                    xres_s[kk] = T.floormod(xpos_s[kk], d)
+                                    xt_s[kk] = T.floordiv(xpos_s[kk], d)
+                        load_rows(Kt, Vt, k, v, b, kvh, lambda kk: xpos_s[kk], Tn)
+                        scores(
+                            Qs,
+                            Kt,
+                            S_s,
+                            sacc,
+                            lambda row, col: extra_visible(
+                                lo, hi, Tn, xpos_s[col], xres_s[col], xt_s[col], row0 + d * row, m0 + row, r
+                            ),
+                            scale,
+                        )
+                        softmax_step(S_s, m_s, l_s, a_s, red, sacc)
+                        accumulate(S_s, Vt, a_s, oacc)
+                # 3. Results to the item's rows.
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    for ii, jj in T.grid(RS, CA):
+                        if row0 + d * ((tx // TX) * RS + ii) < Tn:
+                            out[b, h, row0 + d * ((tx // TX) * RS + ii), tx % TX + TX * jj] = T.Cast(
+                                dt, oacc[tx, ii * CA + jj] / l_s[(tx // TX) * RS + ii]
+                            )
+                    if tx < BQ:
+                        if row0 + d * tx < Tn:
+                            lse[b, h, row0 + d * tx] = m_s[tx] + T.log(l_s[tx])
+
+    lse_dt = acc
+    if extras:
+
+        @T.prim_func(s_tir=True)
+        def kernel_x(
+            q_h: T.handle,
+            k_h: T.handle,
+            v_h: T.handle,
+            dil_h: T.handle,
+            x_h: T.handle,
+            sink_h: T.handle,
+            scale: T.float32,
+            out_h: T.handle,
+            lse_h: T.handle,
+        ):
+            B, H, Hkv, Tn, E = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+            q = T.match_buffer(q_h, (B, H, Tn, D), dt)
+            k = T.match_buffer(k_h, (B, Hkv, Tn, D), dt)
+            v = T.match_buffer(v_h, (B, Hkv, Tn, D), dt)
+            dil = T.match_buffer(dil_h, (H,), "int32")
+            xidx = T.match_buffer(x_h, (B, E), "int32")
+            sink = T.match_buffer(sink_h, (H,), acc)
+            out = T.match_buffer(out_h, (B, H, Tn, D), dt)
+            lse = T.match_buffer(lse_h, (B, H, Tn), lse_dt)
+            body(q, k, v, dil, xidx, sink, scale, out, lse, B, H, Hkv, Tn, E)
+
+        return kernel_x
+
+    @T.prim_func(s_tir=True)
+    def kernel(
+        q_h: T.handle,
+        k_h: T.handle,
+        v_h: T.handle,
+        dil_h: T.handle,
+        sink_h: T.handle,
+        scale: T.float32,
+        out_h: T.handle,
+        lse_h: T.handle,
+    ):
+        B, H, Hkv, Tn = T.int64(), T.int64(), T.int64(), T.int64()
+        q = T.match_buffer(q_h, (B, H, Tn, D), dt)
+        k = T.match_buffer(k_h, (B, Hkv, Tn, D), dt)
+        v = T.match_buffer(v_h, (B, Hkv, Tn, D), dt)
+        dil = T.match_buffer(dil_h, (H,), "int32")
+        sink = T.match_buffer(sink_h, (H,), acc)
+        out = T.match_buffer(out_h, (B, H, Tn, D), dt)
+        lse = T.match_buffer(lse_h, (B, H, Tn), lse_dt)
+        body(q, k, v, dil, None, sink, scale, out, lse, B, H, Hkv, Tn, T.int64(0))
+
+    return kernel
