@@ -71,7 +71,9 @@ class FlashConfig:
         el = tvm.runtime.DataType(dtype).bits // 8
         pad = _pad(dtype)
         tiles = (self.block_q + self.chunk) * (head_dim + pad) * el + self.chunk * head_dim * el
-        return tiles + self.block_q * (self.chunk + 1) * 4 + self.block_q * 5 * 4 + self.chunk * 3 * 8
+        rows = self.block_q * (3 * 4 + 2 * 8)  # m, l, factor (fp32); first, last (int64)
+        extras = self.chunk * 3 * 8  # extra keys' position, residue, residue index
+        return tiles + self.block_q * (self.chunk + 1) * 4 + rows + extras + 12 * 64  # 64-byte alignment each
 
 
 def _pad(dtype: str) -> int:
@@ -80,13 +82,16 @@ def _pad(dtype: str) -> int:
     return 4 // (tvm.runtime.DataType(dtype).bits // 8) if tvm.runtime.DataType(dtype).bits < 32 else 1
 
 
-def default_config(spec: KernelSpec) -> FlashConfig:
-    """The largest tiles within SHARED_BUDGET."""
+def default_config(spec: KernelSpec) -> FlashConfig | None:
+    """The largest tiles within SHARED_BUDGET; None where none fits (very large head
+    dims) or the dtype is not one CUDA serves."""
+    if spec.dtype not in ("float32", "float16", "bfloat16"):
+        return None
     for bq, kc in ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16)):
         cfg = FlashConfig(bq, kc)
         if cfg.shared_bytes(spec.head_dim, spec.dtype) <= SHARED_BUDGET:
             return cfg
-    return FlashConfig(16, 16)
+    return None
 
 
 def flash_local(spec: KernelSpec, config: FlashConfig | None = None) -> tvm.tirx.PrimFunc:
@@ -95,6 +100,11 @@ def flash_local(spec: KernelSpec, config: FlashConfig | None = None) -> tvm.tirx
     if spec.kind != "local":
         raise ValueError(f"kernel {spec.name}: the flash kernel serves local forward kernels, not {spec.kind!r}")
     cfg = config or default_config(spec)
+    if cfg is None:
+        raise ValueError(
+            f"kernel {spec.name}: no flash tile of {spec.dtype} x head_dim {spec.head_dim} fits "
+            f"{SHARED_BUDGET // 1024} KiB of shared memory"
+        )
     cfg.check(spec.head_dim)
     func = _build(spec, cfg)
     return func.with_attr("global_symbol", spec.name)

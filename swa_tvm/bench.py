@@ -408,9 +408,9 @@ def main(argv=None) -> int:
     print(f"torch.matmul 4096^2 fp32 on {threads} threads: {peak:.1f} GFLOP/s (the peak below)")
     print(f"swa_tvm kernels on {library.tvm_pool_threads()} threads")
 
-    def save(rows, memory) -> dict:
+    def save(rows, memory, growth=()) -> dict:
         """Write results.json after every step, so an interrupted run keeps what it measured."""
-        result = _result(args, argv, tuned, threads, peak, rows, memory)
+        result = _result(args, argv, tuned, threads, peak, rows, memory, growth)
         tmp = os.path.join(args.out, "results.json.tmp")
         with open(tmp, "w") as f:
             json.dump(result, f, indent=2)
@@ -463,6 +463,15 @@ def main(argv=None) -> int:
             del q, k, v
             gc.collect()
             save(rows, [])
+    growth = []
+    if len(args.T) >= 2 and "swa_tvm tuned" in args.methods:
+        small, large = sorted(args.T)[-2:]
+        for config in args.configs:
+            growth.append(time_growth(config, small, large, libs, args.runs))
+            g = growth[-1]
+            print(f"  growth {config:22s} t({large})/t({small}) = {g['ratio']:.2f} "
+                  f"({g['ms_large']:.1f} / {g['ms_small']:.1f} ms, the two timed round-robin)")
+        save(rows, [], growth)
     memory = []
     if not args.no_memory:
         mT = args.memory_T or max(args.T)
@@ -477,15 +486,33 @@ def main(argv=None) -> int:
                           f"({r['ratio']:.2f}x q+k+v+out)")
                 else:
                     print(f"  memory {config} {method}: {r}")
-            save(rows, memory)
-    result = save(rows, memory)
+            save(rows, memory, growth)
+    result = save(rows, memory, growth)
     plot(result, os.path.join(args.out, "scaling.png"))
     print(markdown_table(result))
+    if growth:
+        print(growth_table(result))
     print(f"wrote {args.out}/results.json and {args.out}/scaling.png in {time.time() - t0:.0f}s")
     return 0
 
 
-def _result(args, argv, libs_tuned, threads, peak, rows, memory) -> dict:
+def time_growth(config: str, small: int, large: int, libs: dict, runs: int) -> dict:
+    """t(large)/t(small) of the tuned kernel of one pattern, the two lengths timed
+    round-robin: the per-shape table times its lengths minutes apart, and this shared
+    machine's speed drifts by more than the linearity bar's margin in that time."""
+    cfg = CONFIGS[config]
+    fns = {}
+    for T in (small, large):
+        gi = global_positions(T, cfg["G"]) if cfg["G"] else None
+        fn = make_method("swa_tvm tuned", T, cfg, gi, libs)
+        q, k, v = (torch.randn(B, H, T, D) for _ in range(3))
+        fns[T] = lambda fn=fn, q=q, k=k, v=v: fn(q, k, v)
+    ms = interleaved_medians(fns, runs)
+    return dict(config=config, T_small=small, T_large=large, ms_small=ms[small], ms_large=ms[large],
+                ratio=ms[large] / ms[small])
+
+
+def _result(args, argv, libs_tuned, threads, peak, rows, memory, growth=()) -> dict:
     import swa_tvm
 
     return {
@@ -497,6 +524,7 @@ def _result(args, argv, libs_tuned, threads, peak, rows, memory) -> dict:
         "matmul_peak_gflops": peak,
         "tuned_kernels": libs_tuned,
         "rows": rows,
+        "growth": list(growth),
         "memory": memory,
     }
 
@@ -519,6 +547,15 @@ def markdown_table(result: dict) -> str:
             g = f"{ours['gflops']:.1f} ({ours['pct_peak']:.0f}%)" if "ms" in ours else "—"
             ratio = f"{flex['ms'] / ours['ms']:.2f}×" if "ms" in ours and "ms" in flex else "—"
             out.append(f"| {config} | {T} | " + " | ".join(vals) + f" | {g} | {ratio} |")
+    return "\n".join(out)
+
+
+def growth_table(result: dict) -> str:
+    """The linearity check: t(large)/t(small) per pattern, the two timed round-robin."""
+    out = ["| pattern | T | ms (small T) | ms (large T) | ratio (4.0 = linear) |", "| --- | --- | --- | --- | --- |"]
+    for g in result.get("growth", []):
+        out.append(f"| {g['config']} | {g['T_small']} → {g['T_large']} | {g['ms_small']:.1f} | {g['ms_large']:.1f} | "
+                   f"{g['ratio']:.2f} |")
     return "\n".join(out)
 
 

@@ -133,6 +133,10 @@ def schedule_spec(spec: KernelSpec, tvm_target, record=None):
         raise ValueError(f"kernel {spec.name}: {spec.dtype} kernels are built for CUDA targets; the CPU serves float32/float64")
     if record is not None:
         return _postprocess(spec, kind, apply_record(spec, record.trace))
+    if default_schedule(spec, kind) == "cuda_flash":
+        from swa_tvm.schedules import cuda_flash
+
+        return cuda_flash.flash_local(spec)
     sch = s_tir.Schedule(tvm.IRModule({spec.name: prim_func(spec, target_kind=kind)}))
     sch.work_on(spec.name)
     if kind == "cuda":
@@ -141,6 +145,18 @@ def schedule_spec(spec: KernelSpec, tvm_target, record=None):
     # AVX2 machines get 8 fp32 lanes, AVX-512 ones 16.
     cpu_schedules.schedule(sch, spec, vector_lanes=_vector_lanes(tvm_target))
     return _postprocess(spec, kind, sch.mod[spec.name])
+
+
+def default_schedule(spec: KernelSpec, kind: str) -> str:
+    """Which kernel a spec gets without a tuning record: "cuda_flash" (the fused CUDA
+    kernel of schedules/cuda_flash.py, for local forward kernels whose tiles fit its
+    shared memory) or "default" (the TE compute under schedules/cpu.py or cuda.py)."""
+    if kind == "cuda" and spec.kind == "local":
+        from swa_tvm.schedules import cuda_flash
+
+        if cuda_flash.default_config(spec) is not None:
+            return "cuda_flash"
+    return "default"
 
 
 def _postprocess(spec: KernelSpec, kind: str, func):
@@ -286,7 +302,12 @@ def export_library(
 
     def kernel_entry(s):
         rec = records.get(s.name)
-        entry = {"name": s.name, "spec": s.to_dict(), "tuned": rec is not None}
+        entry = {
+            "name": s.name,
+            "spec": s.to_dict(),
+            "tuned": rec is not None,
+            "schedule": "tuned" if rec is not None else default_schedule(s, target["kind"]),
+        }
         if rec is not None:
             entry["tuning"] = {
                 "run_ms": round(rec.run_ms, 4),

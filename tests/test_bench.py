@@ -112,3 +112,30 @@ def test_interleaved_medians_time_every_method_round_robin():
     assert order[2:14] == ["a", "a", "b", "b"] * 3
     assert order.count("a") == 7 and order.count("b") > 7  # b repeated until 0.01 s
     assert 19 < got["a"] < 60 and 0.9 < got["b"] < 5
+
+
+def test_time_growth_times_both_lengths_round_robin(monkeypatch):
+    """The linearity check times the kernel at both lengths in one round-robin, and its
+    ratio is large over small (a fake kernel whose time is linear in T reads ~4)."""
+    import time
+
+    order = []
+
+    def fake_method(method, T, cfg, gi, libs):
+        assert method == "swa_tvm tuned" and (gi is not None) == bool(cfg["G"])
+
+        def fn(q, k, v):
+            assert q.shape[2] == T
+            order.append(T)
+            time.sleep(T * 1e-6)
+
+        return fn
+
+    monkeypatch.setattr(bench, "make_method", fake_method)
+    for dim in ("B", "H", "D"):
+        monkeypatch.setattr(bench, dim, 1)  # tiny inputs: only their length matters here
+    g = bench.time_growth("W=512 + 16 globals", 5000, 20000, libs={}, runs=3)
+    # Warm-ups, then rounds of both (each short call after an untimed one).
+    assert order[:2] == [5000, 20000] and order[2:8] == [5000, 5000, 20000, 20000, 5000, 5000]
+    assert (g["T_small"], g["T_large"]) == (5000, 20000)
+    assert 3.0 < g["ratio"] < 4.5 and g["ratio"] == pytest.approx(g["ms_large"] / g["ms_small"])
