@@ -133,7 +133,12 @@ def schedule_spec(spec: KernelSpec, tvm_target, record=None):
         raise ValueError(f"kernel {spec.name}: {spec.dtype} kernels are built for CUDA targets; the CPU serves float32/float64")
     if record is not None:
         return _postprocess(spec, kind, apply_record(spec, record.trace))
-    if default_schedule(spec, kind) == "cuda_flash":
+    fused = default_schedule(spec, kind)
+    if fused == "cuda_flash_tc":
+        from swa_tvm.schedules import cuda_flash_tc
+
+        return cuda_flash_tc.flash_local_tc(spec)
+    if fused == "cuda_flash":
         from swa_tvm.schedules import cuda_flash
 
         return cuda_flash.flash_local(spec)
@@ -148,12 +153,16 @@ def schedule_spec(spec: KernelSpec, tvm_target, record=None):
 
 
 def default_schedule(spec: KernelSpec, kind: str) -> str:
-    """Which kernel a spec gets without a tuning record: "cuda_flash" (the fused CUDA
-    kernel of schedules/cuda_flash.py, for local forward kernels whose tiles fit its
-    shared memory) or "default" (the TE compute under schedules/cpu.py or cuda.py)."""
+    """Which kernel a spec gets without a tuning record: for CUDA local forward kernels
+    the fused kernel, on tensor cores for float16/bfloat16 ("cuda_flash_tc",
+    schedules/cuda_flash_tc.py), else on CUDA cores ("cuda_flash", schedules/cuda_flash.py)
+    where its tiles fit; otherwise "default", the TE compute under schedules/cpu.py or
+    schedules/cuda.py."""
     if kind == "cuda" and spec.kind == "local":
-        from swa_tvm.schedules import cuda_flash
+        from swa_tvm.schedules import cuda_flash, cuda_flash_tc
 
+        if cuda_flash_tc.default_config(spec) is not None:
+            return "cuda_flash_tc"
         if cuda_flash.default_config(spec) is not None:
             return "cuda_flash"
     return "default"

@@ -70,7 +70,7 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
     assert [k["spec"]["dtype"] for k in manifest["kernels"]] == [spec.dtype] * len(kernels)
     assert json.load(open(f"{path}.json")) == manifest
     schedules = {k["spec"]["kind"]: k["schedule"] for k in manifest["kernels"]}
-    assert schedules.pop("local") == "cuda_flash" and set(schedules.values()) <= {"default"}
+    assert schedules.pop("local") == "cuda_flash_tc" and set(schedules.values()) <= {"default"}
 
     # The generated CUDA source (written beside the library): half inputs, fp32
     # accumulation, shared-memory tiles.
@@ -79,7 +79,12 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
     assert "__global__" in src
     tiles = re.findall(rf"__shared__ (?:alignas\(\d+\) )?{half} \w+\[\d+\]", src)
     assert len(tiles) >= 2, f"products should stage {half} tiles in shared memory"
-    assert re.search(r"__shared__ (?:alignas\(\d+\) )?float \w+\[\d+\]", src), "the probability tile should be in shared memory"
+    # The local kernel's products on tensor cores, in the input dtype with fp32 accumulators.
+    ptx = {"float16": "f16", "bfloat16": "bf16"}[spec.dtype]
+    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32" in src
+    assert re.search(rf"swa_mma_{ptx}\(qfrag", src) and re.search(rf"swa_mma_{ptx}\(pfrag", src), (
+        "Q K^T and P V should both issue mma (P from the score registers)"
+    )
 
     specs = swa_tvm.load_library(path)
     assert {s.name for s in specs} == {k.name for k in kernels}
@@ -204,13 +209,47 @@ def test_cuda_flash_kernel_computes_the_reference(dtype, window, dilation, extra
     assert (lse.double() - ref_lse)[keep].abs().max() < 1e-5
 
 
+@pytest.mark.parametrize(
+    "dtype,window,dilation,extras,config",
+    [
+        # Globals, sinks, per-head dilation up to 3; two warps, one 16-key score tile pair.
+        ("bfloat16", (21, 0), [1, 3, 2, 1], True, (2, 16)),
+        # Both sides, 32-key chunks (two k-steps of P V per chunk).
+        ("float16", (8, 9), [2, 2, 2, 2], False, (2, 32)),
+    ],
+)
+def test_cuda_flash_tc_kernel_computes_the_reference(dtype, window, dilation, extras, config):
+    """The tensor-core kernel (schedules/cuda_flash_tc.py) with its warp-collective steps
+    (mma.sync, 4-lane reductions) emulated lane by lane and its thread loops run serially
+    on the CPU: fragment addressing, masks, online softmax and the reuse of score
+    fragments as P V operands, against the float64 reference."""
+    from swa_tvm.reference import sliding_window_attention_ref
+    from swa_tvm.schedules import cuda_flash_tc
+
+    spec = KernelSpec("local", 32, dtype, *window, max_dilation=max(dilation), extras=extras)
+    func = cuda_flash_tc.flash_local_tc(spec, cuda_flash_tc.TCConfig(*config), emulate=True)
+    kernel = _serial_on_cpu(func)[spec.name]
+    (q, k, v), kw, extra_args, keep = _pattern_inputs(dtype, window, dilation, extras)
+    B, H, T, D = q.shape
+    out = torch.full((B, H, T, D), float("nan"), dtype=q.dtype)
+    lse = torch.full((B, H, T), float("nan"))
+    kernel(q, k, v, kw["dilation"], *extra_args, D**-0.5, out, lse)
+    ref_out, ref_lse = sliding_window_attention_ref(q, k, v, **kw)
+    # P enters the P V product in the input dtype, as in FlashAttention: bf16 rounds it.
+    tol = {"bfloat16": 4e-3, "float16": 5e-4}[dtype]
+    assert rel_err(out[keep], ref_out[keep]) < tol
+    assert (lse.double() - ref_lse)[keep].abs().max() < 1e-5
+
+
 def test_cuda_flash_config_checks():
     from swa_tvm.schedules import cuda_flash
 
     spec = KernelSpec("local", 128, "bfloat16", 4095, 0)
     cfg = cuda_flash.default_config(spec)
     assert cfg.shared_bytes(128, "bfloat16") <= cuda_flash.SHARED_BUDGET
-    assert build.default_schedule(spec, "cuda") == "cuda_flash"
+    assert build.default_schedule(spec, "cuda") == "cuda_flash_tc"
+    assert build.default_schedule(KernelSpec("local", 128, "float32", 7, 0), "cuda") == "cuda_flash"
+    assert build.default_schedule(KernelSpec("local", 40, "float16", 7, 0), "cuda") == "cuda_flash"  # 40 % 16
     # No tile of fp32 x 256 fits: the TE kernel under schedules/cuda.py serves it.
     assert build.default_schedule(KernelSpec("local", 256, "float32", 7, 0), "cuda") == "default"
     assert build.default_schedule(spec, "llvm") == "default"

@@ -1,0 +1,379 @@
+"""The fused CUDA kernel of ``cuda_flash`` on tensor cores (float16/bfloat16 inputs,
+fp32 accumulation), FlashAttention-2 style: each warp owns 16 query rows of the item,
+its scores, probabilities and output accumulators live in registers as
+``mma.sync.m16n8k16`` fragments, and the probabilities feed the P·V product straight
+from the score fragments (the accumulator layout of one 16x8 tile pair is the operand
+layout of the next product). Only the key and value chunks pass through shared memory.
+
+Fragment layout (PTX ISA, "Matrix Fragments for mma.m16n8k16"; the same map TVM's own
+``tensor_intrin.cuda.ldmatrix_32x8_to_shared_16x16_layout`` encodes), lane t of a warp,
+group g = t // 4, t4 = t % 4:
+- A (16x16, row-major), 8 values: row g + 8*((l % 4) // 2), column 8*(l // 4) + 2*t4 + l % 2;
+- B (16x8, k x n), 4 values: k = 8*(l // 2) + 2*t4 + l % 2, n = g;
+- C (16x8, fp32), 4 values: row g + 8*(l // 2), column 2*t4 + l % 2.
+
+``emulate=True`` builds the same kernel with the two warp-collective steps (the mma and
+the 4-lane row reductions) written as loops over the warp's lanes, so that, with the
+thread loops made serial, the CPU runs it and the tests check everything around those
+instructions (fragment addressing, masks, online softmax, the P fragments' reuse)
+against the reference. The instructions themselves are checked by the GPU check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+from tvm import tirx
+from tvm.script import tirx as T
+
+from swa_tvm.compute import extra_visible, item_key_span, row_key_range
+from swa_tvm.spec import KernelSpec
+
+from .cuda_flash import SHARED_BUDGET
+
+# A macro, not a function: its C operands are the callers' register-array elements
+# (lvalues), so no address is taken and nvcc keeps the fragments in registers. Two 16-bit
+# values pack into one 32-bit operand register, the first in the low half.
+MMA_SOURCE = r"""
+#define {name}_PACK(x, y) ((unsigned)__{t}_as_ushort(x) | ((unsigned)__{t}_as_ushort(y) << 16))
+#define {name}(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, c0, c1, c2, c3) \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32 " \
+               "{{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, {{%8,%9}}, {{%0,%1,%2,%3}};\n" \
+               : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3) \
+               : "r"({name}_PACK(a0, a1)), "r"({name}_PACK(a2, a3)), "r"({name}_PACK(a4, a5)), \
+                 "r"({name}_PACK(a6, a7)), "r"({name}_PACK(b0, b1)), "r"({name}_PACK(b2, b3)))
+"""
+PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
+C_TYPE = {"float16": "half", "bfloat16": "bfloat16"}  # as in __half_as_ushort, __bfloat16_as_ushort
+
+
+@dataclass(frozen=True)
+class TCConfig:
+    warps: int = 4  # 16 query rows each: block_q = 16 * warps
+    chunk: int = 64  # keys per online-softmax step (a multiple of 16)
+
+    @property
+    def block_q(self) -> int:
+        return 16 * self.warps
+
+    def shared_bytes(self, head_dim: int, dtype: str) -> int:
+        el = tvm.runtime.DataType(dtype).bits // 8
+        return (self.block_q + 2 * self.chunk) * (head_dim + 8) * el + self.chunk * 3 * 8 + 4 * 64
+
+
+def supports(spec: KernelSpec) -> bool:
+    return spec.kind == "local" and spec.dtype in PTX_TYPE and spec.head_dim % 16 == 0
+
+
+def default_config(spec: KernelSpec) -> TCConfig | None:
+    if not supports(spec):
+        return None
+    for cfg in (TCConfig(4, 64), TCConfig(4, 32), TCConfig(2, 32), TCConfig(2, 16)):
+        if cfg.shared_bytes(spec.head_dim, spec.dtype) <= SHARED_BUDGET:
+            return cfg
+    return None
+
+
+def flash_local_tc(spec: KernelSpec, config: TCConfig | None = None, emulate: bool = False) -> tvm.tirx.PrimFunc:
+    """The tensor-core PrimFunc of a local forward spec (fp16/bf16, head_dim % 16 == 0),
+    with the TE kernel's arguments and name."""
+    if not supports(spec):
+        raise ValueError(
+            f"kernel {spec.name}: the tensor-core kernel takes local float16/bfloat16 kernels with head_dim % 16 == 0"
+        )
+    cfg = config or default_config(spec)
+    if cfg is None or cfg.chunk % 16:
+        raise ValueError(f"kernel {spec.name}: no tensor-core tile fits (config {cfg})")
+    return _build(spec, cfg, emulate).with_attr("global_symbol", spec.name)
+
+
+def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one kernel, phase by phase
+    D, dt, acc = spec.head_dim, spec.dtype, "float32"
+    lo, hi, maxd, extras = spec.left, spec.right, spec.max_dilation, spec.extras
+    NW, KC = cfg.warps, cfg.chunk
+    BQ, NT = 16 * NW, 32 * NW
+    NS, NO, KD = KC // 8, D // 8, D // 16  # score tiles, output tiles, k-steps of Q K^T
+    # Rows padded by 8 elements (16 bytes): the 8 rows a fragment load touches fall in
+    # different banks.
+    DP = D + 8
+    Q_STEPS, KV_STEPS, X_STEPS = -(-BQ * D // NT), -(-KC * D // NT), -(-KC // NT)
+    NINF = tirx.const(float("-inf"), acc)
+    ZERO, ONE = tirx.const(0.0, acc), tirx.const(1.0, acc)
+    mma_name = f"swa_mma_{PTX_TYPE[dt]}"
+    mma_src = MMA_SOURCE.format(name=mma_name, t=C_TYPE[dt], ptx=PTX_TYPE[dt])
+
+    def f32(x):
+        return T.Cast(acc, x)
+
+    def i64(x):
+        return T.Cast("int64", x)
+
+    # Lane geometry: warp w = tx // 32, group g = lane // 4, t4 = lane % 4.
+    def c_row(tx, l):
+        """Row (in the item) of value l of a C fragment of thread tx."""
+        return (tx // 32) * 16 + (tx % 32) // 4 + 8 * (l // 2)
+
+    def c_col(tx, l):
+        return 2 * (tx % 4) + l % 2
+
+    @T.macro
+    def mma(afrag, a0, bfrag, b0, cfrag, c0):
+        # C[16x8] += A[16x16] B[16x8] for every warp, fragments at offsets a0/b0/c0 of
+        # each thread's registers.
+        if emulate:
+            for w, row, col in T.grid(NW, 16, 8):
+                for kk in T.serial(16):
+                    # C value of (row, col): lane 4*(row % 8) + col // 2, index 2*(row // 8) + col % 2.
+                    # A value of (row, kk): lane 4*(row % 8) + (kk % 8) // 2,
+                    #   index 4*(kk // 8) + 2*(row // 8) + kk % 2.
+                    # B value of (kk, col): lane 4*col + (kk % 8) // 2, index 2*(kk // 8) + kk % 2.
+                    cfrag[w * 32 + 4 * (row % 8) + col // 2, c0 + 2 * (row // 8) + col % 2] = cfrag[
+                        w * 32 + 4 * (row % 8) + col // 2, c0 + 2 * (row // 8) + col % 2
+                    ] + f32(afrag[w * 32 + 4 * (row % 8) + (kk % 8) // 2, a0 + 4 * (kk // 8) + 2 * (row // 8) + kk % 2]) * f32(
+                        bfrag[w * 32 + 4 * col + (kk % 8) // 2, b0 + 2 * (kk // 8) + kk % 2]
+                    )
+        else:
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                T.evaluate(
+                    T.cuda.func_call(
+                        mma_name,
+                        afrag[tx, a0], afrag[tx, a0 + 1], afrag[tx, a0 + 2], afrag[tx, a0 + 3],
+                        afrag[tx, a0 + 4], afrag[tx, a0 + 5], afrag[tx, a0 + 6], afrag[tx, a0 + 7],
+                        bfrag[tx, b0], bfrag[tx, b0 + 1], bfrag[tx, b0 + 2], bfrag[tx, b0 + 3],
+                        cfrag[tx, c0], cfrag[tx, c0 + 1], cfrag[tx, c0 + 2], cfrag[tx, c0 + 3],
+                        source_code=mma_src,
+                    )
+                )
+
+    @T.macro
+    def quad_reduce(part, red, op_max):
+        # red[tx, 0..1] = max or sum of part[., 0..1] over the 4 lanes of tx's group (the
+        # lanes holding the same two rows).
+        if emulate:
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                for rr in T.serial(2):
+                    if op_max:
+                        red[tx, rr] = T.max(
+                            T.max(part[tx // 4 * 4, rr], part[tx // 4 * 4 + 1, rr]),
+                            T.max(part[tx // 4 * 4 + 2, rr], part[tx // 4 * 4 + 3, rr]),
+                        )
+                    else:
+                        red[tx, rr] = (part[tx // 4 * 4, rr] + part[tx // 4 * 4 + 1, rr]) + (
+                            part[tx // 4 * 4 + 2, rr] + part[tx // 4 * 4 + 3, rr]
+                        )
+        else:
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                for rr in T.unroll(2):
+                    if op_max:
+                        red[tx, rr] = T.cuda.warp_reduce(part[tx, rr], "max", 4)
+                    else:
+                        red[tx, rr] = T.cuda.warp_reduce(part[tx, rr], "sum", 4)
+
+    @T.macro
+    def load_rows(Kt, Vt, src_k, src_v, b, kvh, pos_of, Tn):
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for x in T.serial(KV_STEPS):
+                e = T.meta_var(x * NT + tx)
+                if e < KC * D:
+                    j = T.meta_var(T.max(T.min(pos_of(e // D), Tn - 1), T.int64(0)))
+                    Kt[(e // D) * DP + e % D] = src_k[b, kvh, j, e % D]
+                    Vt[(e // D) * DP + e % D] = src_v[b, kvh, j, e % D]
+
+    @T.macro
+    def step(Kt, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, visible, scale):
+        # 1. S = Q K^T: score tile nt (keys nt*8..+8) over the k-steps of the head dim.
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for x in T.unroll(NS * 4):
+                sfrag[tx, x] = ZERO
+        for nt in T.unroll(NS):
+            for ks in T.unroll(KD):
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    for l in T.unroll(4):
+                        # B value l: k = 8*(l // 2) + 2*t4 + l % 2, n = g; B[k][n] = K[n][k].
+                        kfrag[tx, l] = Kt[(nt * 8 + (tx % 32) // 4) * DP + ks * 16 + 8 * (l // 2) + 2 * (tx % 4) + l % 2]
+                mma(qfrag, ks * 8, kfrag, 0, sfrag, nt * 4)
+        # 2. Scale, mask, and the rows' new running max (per thread, then over its group).
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for rr in T.unroll(2):
+                part[tx, rr] = m_r[tx, rr]
+            for nt in T.unroll(NS):
+                for l in T.unroll(4):
+                    sfrag[tx, nt * 4 + l] = T.Select(visible(tx, l, nt), sfrag[tx, nt * 4 + l] * scale, NINF)
+                    part[tx, l // 2] = T.max(part[tx, l // 2], sfrag[tx, nt * 4 + l])
+        quad_reduce(part, red, True)
+        # 3. Probabilities, their row sums, and the fade of the old sums and outputs. A row
+        # with no visible key yet keeps max -inf: factor 1, probabilities 0.
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for rr in T.unroll(2):
+                part[tx, rr] = ZERO
+            for nt in T.unroll(NS):
+                for l in T.unroll(4):
+                    sfrag[tx, nt * 4 + l] = T.Select(
+                        red[tx, l // 2] == NINF, ZERO, T.exp(sfrag[tx, nt * 4 + l] - red[tx, l // 2])
+                    )
+                    part[tx, l // 2] = part[tx, l // 2] + sfrag[tx, nt * 4 + l]
+                    # The A operand of P V (row-major 16 x 16 per pair of score tiles): value
+                    # l2 = 4*(nt % 2) + l holds (row, key) = C value l of score tile nt.
+                    pfrag[tx, (nt // 2) * 8 + 4 * (nt % 2) + l] = T.Cast(dt, sfrag[tx, nt * 4 + l])
+            for rr in T.unroll(2):
+                # part <- this thread's factor for row rr, kept for the outputs below.
+                part[tx, 2 + rr] = T.Select(red[tx, rr] == NINF, ONE, T.exp(m_r[tx, rr] - red[tx, rr]))
+                m_r[tx, rr] = red[tx, rr]
+            for x in T.unroll(NO * 4):
+                ofrag[tx, x] = ofrag[tx, x] * part[tx, 2 + (x % 4) // 2]
+        quad_reduce(part, red, False)
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for rr in T.unroll(2):
+                l_r[tx, rr] = l_r[tx, rr] * part[tx, 2 + rr] + red[tx, rr]
+        # 4. O += P V: k-step ks covers keys ks*16..+16, output tile nd columns nd*8..+8.
+        for ks in T.unroll(KC // 16):
+            for nd in T.unroll(NO):
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    for l in T.unroll(4):
+                        # B value l: k = key 8*(l // 2) + 2*t4 + l % 2, n = column g.
+                        vfrag[tx, l] = Vt[(ks * 16 + 8 * (l // 2) + 2 * (tx % 4) + l % 2) * DP + nd * 8 + (tx % 32) // 4]
+                mma(pfrag, ks * 8, vfrag, 0, ofrag, nd * 4)
+
+    @T.macro
+    def body(q, k, v, dil, xidx, sink, scale, out, lse, B, H, Hkv, Tn, E):
+        nitems = T.meta_var((Tn + (BQ - 1)) // BQ + (maxd - 1))
+        for item in T.thread_binding(B * H * nitems, thread="blockIdx.x"):
+            with T.sblock("flash_tc"):
+                T.reads()
+                T.writes()
+                Qs = T.alloc_buffer((BQ * DP,), dt, scope="shared")
+                Kt = T.alloc_buffer((KC * DP,), dt, scope="shared")
+                Vt = T.alloc_buffer((KC * DP,), dt, scope="shared")
+                xpos_s = T.alloc_buffer((KC,), "int64", scope="shared")
+                xres_s = T.alloc_buffer((KC,), "int64", scope="shared")
+                xt_s = T.alloc_buffer((KC,), "int64", scope="shared")
+                qfrag = T.alloc_buffer((NT, KD * 8), dt, scope="local")
+                kfrag = T.alloc_buffer((NT, 4), dt, scope="local")
+                vfrag = T.alloc_buffer((NT, 4), dt, scope="local")
+                sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
+                pfrag = T.alloc_buffer((NT, NS * 4), dt, scope="local")
+                ofrag = T.alloc_buffer((NT, NO * 4), acc, scope="local")
+                m_r = T.alloc_buffer((NT, 2), acc, scope="local")
+                l_r = T.alloc_buffer((NT, 2), acc, scope="local")
+                first_r = T.alloc_buffer((NT, 2), "int64", scope="local")
+                last_r = T.alloc_buffer((NT, 2), "int64", scope="local")
+                part = T.alloc_buffer((NT, 4), acc, scope="local")
+                red = T.alloc_buffer((NT, 2), acc, scope="local")
+
+                b = T.meta_var(item // (H * nitems))
+                h = T.meta_var(item // nitems % H)
+                beta = T.meta_var(item % nitems)
+                d = T.meta_var(i64(dil[h]))
+                kvh = T.meta_var(h // (H // Hkv))
+                m0 = T.meta_var(beta // d * BQ)
+                r = T.meta_var(beta % d)
+                row0 = T.meta_var(m0 * d + r)
+                key0 = T.meta_var((row0 - lo * d) if lo >= 0 else r)
+                # Items past the end run with every key masked and write nothing (see
+                # cuda_flash: no branch around barriers).
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    for x in T.serial(Q_STEPS):
+                        e = T.meta_var(x * NT + tx)
+                        if e < BQ * D:
+                            Qs[(e // D) * DP + e % D] = q[b, h, T.min(row0 + d * (e // D), Tn - 1), e % D]
+                    for rr in T.unroll(2):
+                        m_r[tx, rr] = sink[h]
+                        l_r[tx, rr] = T.Select(sink[h] == NINF, ZERO, ONE)
+                        first_r[tx, rr] = row_key_range(lo, hi, Tn, d, m0, r, c_row(tx, 2 * rr))[0]
+                        last_r[tx, rr] = row_key_range(lo, hi, Tn, d, m0, r, c_row(tx, 2 * rr))[1]
+                    for x in T.unroll(NO * 4):
+                        ofrag[tx, x] = ZERO
+                # Q's A fragments, once per item: k-step ks, value l of row
+                # g + 8*((l % 4) // 2), column ks*16 + 8*(l // 4) + 2*t4 + l % 2.
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    for ks in T.unroll(KD):
+                        for l in T.unroll(8):
+                            qfrag[tx, ks * 8 + l] = Qs[
+                                ((tx // 32) * 16 + (tx % 32) // 4 + 8 * ((l % 4) // 2)) * DP
+                                + ks * 16 + 8 * (l // 4) + 2 * (tx % 4) + l % 2
+                            ]
+                for c in T.serial(
+                    item_key_span(lo, hi, BQ, Tn, d, beta)[0] // KC,
+                    item_key_span(lo, hi, BQ, Tn, d, beta)[1] // KC + 1,
+                ):
+                    load_rows(Kt, Vt, k, v, b, kvh, lambda kk: key0 + d * (c * KC + kk), Tn)
+                    step(
+                        Kt, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red,
+                        # visible(thread, C value, score tile): inside the row's band interval.
+                        lambda tx, l, nt: T.And(
+                            c * KC + nt * 8 + c_col(tx, l) >= first_r[tx, l // 2],
+                            c * KC + nt * 8 + c_col(tx, l) <= last_r[tx, l // 2],
+                        ),
+                        scale,
+                    )
+                if extras:
+                    for xc in T.serial((E + (KC - 1)) // KC):
+                        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                            for x in T.serial(X_STEPS):
+                                if x * NT + tx < KC:
+                                    xpos_s[x * NT + tx] = T.Select(
+                                        xc * KC + x * NT + tx < E,
+                                        i64(xidx[b, T.min(xc * KC + x * NT + tx, E - 1)]),
+                                        T.int64(-1),
+                                    )
+                                    xres_s[x * NT + tx] = T.floormod(xpos_s[x * NT + tx], d)
+                                    xt_s[x * NT + tx] = T.floordiv(xpos_s[x * NT + tx], d)
+                        load_rows(Kt, Vt, k, v, b, kvh, lambda kk: xpos_s[kk], Tn)
+                        step(
+                            Kt, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red,
+                            lambda tx, l, nt: extra_visible(
+                                lo, hi, Tn,
+                                xpos_s[nt * 8 + c_col(tx, l)], xres_s[nt * 8 + c_col(tx, l)], xt_s[nt * 8 + c_col(tx, l)],
+                                row0 + d * c_row(tx, l), m0 + c_row(tx, l), r,
+                            ),
+                            scale,
+                        )
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    for nd in T.unroll(NO):
+                        for l in T.unroll(4):
+                            if row0 + d * c_row(tx, l) < Tn:
+                                out[b, h, row0 + d * c_row(tx, l), nd * 8 + c_col(tx, l)] = T.Cast(
+                                    dt, ofrag[tx, nd * 4 + l] / l_r[tx, l // 2]
+                                )
+                    for rr in T.unroll(2):
+                        if tx % 4 == 0:
+                            if row0 + d * c_row(tx, 2 * rr) < Tn:
+                                lse[b, h, row0 + d * c_row(tx, 2 * rr)] = m_r[tx, rr] + T.log(l_r[tx, rr])
+
+    if extras:
+
+        @T.prim_func(s_tir=True)
+        def kernel_x(
+            q_h: T.handle, k_h: T.handle, v_h: T.handle, dil_h: T.handle, x_h: T.handle, sink_h: T.handle,
+            scale: T.float32, out_h: T.handle, lse_h: T.handle,
+        ):
+            B, H, Hkv, Tn, E = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+            q = T.match_buffer(q_h, (B, H, Tn, D), dt)
+            k = T.match_buffer(k_h, (B, Hkv, Tn, D), dt)
+            v = T.match_buffer(v_h, (B, Hkv, Tn, D), dt)
+            dil = T.match_buffer(dil_h, (H,), "int32")
+            xidx = T.match_buffer(x_h, (B, E), "int32")
+            sink = T.match_buffer(sink_h, (H,), acc)
+            out = T.match_buffer(out_h, (B, H, Tn, D), dt)
+            lse = T.match_buffer(lse_h, (B, H, Tn), acc)
+            body(q, k, v, dil, xidx, sink, scale, out, lse, B, H, Hkv, Tn, E)
+
+        return kernel_x
+
+    @T.prim_func(s_tir=True)
+    def kernel(
+        q_h: T.handle, k_h: T.handle, v_h: T.handle, dil_h: T.handle, sink_h: T.handle,
+        scale: T.float32, out_h: T.handle, lse_h: T.handle,
+    ):
+        B, H, Hkv, Tn = T.int64(), T.int64(), T.int64(), T.int64()
+        q = T.match_buffer(q_h, (B, H, Tn, D), dt)
+        k = T.match_buffer(k_h, (B, Hkv, Tn, D), dt)
+        v = T.match_buffer(v_h, (B, Hkv, Tn, D), dt)
+        dil = T.match_buffer(dil_h, (H,), "int32")
+        sink = T.match_buffer(sink_h, (H,), acc)
+        out = T.match_buffer(out_h, (B, H, Tn, D), dt)
+        lse = T.match_buffer(lse_h, (B, H, Tn), acc)
+        body(q, k, v, dil, None, sink, scale, out, lse, B, H, Hkv, Tn, T.int64(0))
+
+    return kernel
