@@ -239,13 +239,15 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
                 oacc = T.alloc_buffer((NT, RS * CA), acc, scope="local")
                 red = T.alloc_buffer((NT, 2), acc, scope="local")
 
-                b = T.meta_var(item // (H * nitems))
-                h = T.meta_var(item // nitems % H)
-                beta = T.meta_var(item % nitems)
+                # Item decode: every operand is >= 0, so truncating division (one
+                # instruction) equals floor division (sign fix-ups in every index).
+                b = T.meta_var(T.truncdiv(item, H * nitems))
+                h = T.meta_var(T.truncmod(T.truncdiv(item, nitems), H))
+                beta = T.meta_var(T.truncmod(item, nitems))
                 d = T.meta_var(i64(dil[h]))
-                kvh = T.meta_var(h // (H // Hkv))
-                m0 = T.meta_var(beta // d * BQ)
-                r = T.meta_var(beta % d)
+                kvh = T.meta_var(T.truncdiv(h, T.truncdiv(H, Hkv)))
+                m0 = T.meta_var(T.truncdiv(beta, d) * BQ)
+                r = T.meta_var(T.truncmod(beta, d))
                 row0 = T.meta_var(m0 * d + r)
                 key0 = T.meta_var((row0 - lo * d) if lo >= 0 else r)
                 # Items past the end (residue classes the head's dilation lacks) run with

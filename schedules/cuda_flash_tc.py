@@ -97,7 +97,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
     # Rows padded by 8 elements (16 bytes): the 8 rows a fragment load touches fall in
     # different banks.
     DP = D + 8
-    Q_STEPS, KV_STEPS, X_STEPS = -(-BQ * D // NT), -(-KC * D // NT), -(-KC // NT)
+    VEC = 8  # 16-bit values per 16-byte global load (D % 16 == 0, rows of DP keep 16-byte alignment)
+    Q_STEPS, KV_STEPS, X_STEPS = -(-BQ * D // VEC // NT), -(-KC * D // VEC // NT), -(-KC // NT)
     NINF = tirx.const(float("-inf"), acc)
     ZERO, ONE = tirx.const(0.0, acc), tirx.const(1.0, acc)
     mma_name = f"swa_mma_{PTX_TYPE[dt]}"
@@ -172,13 +173,16 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
 
     @T.macro
     def load_rows(Kt, Vt, src_k, src_v, b, kvh, pos_of, Tn):
+        # 16-byte vectors (VEC values): slot e is row e // (D/VEC), columns VEC*(e % (D/VEC)).
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for x in T.serial(KV_STEPS):
                 e = T.meta_var(x * NT + tx)
-                if e < KC * D:
-                    j = T.meta_var(T.max(T.min(pos_of(e // D), Tn - 1), T.int64(0)))
-                    Kt[(e // D) * DP + e % D] = src_k[b, kvh, j, e % D]
-                    Vt[(e // D) * DP + e % D] = src_v[b, kvh, j, e % D]
+                if e < KC * D // VEC:
+                    j = T.meta_var(T.max(T.min(pos_of(e // (D // VEC)), Tn - 1), T.int64(0)))
+                    for u in T.vectorized(VEC):
+                        Kt[(e // (D // VEC)) * DP + e % (D // VEC) * VEC + u] = src_k[b, kvh, j, e % (D // VEC) * VEC + u]
+                    for u in T.vectorized(VEC):
+                        Vt[(e // (D // VEC)) * DP + e % (D // VEC) * VEC + u] = src_v[b, kvh, j, e % (D // VEC) * VEC + u]
 
     @T.macro
     def step(Kt, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, visible, scale):
@@ -261,13 +265,15 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                 part = T.alloc_buffer((NT, 4), acc, scope="local")
                 red = T.alloc_buffer((NT, 2), acc, scope="local")
 
-                b = T.meta_var(item // (H * nitems))
-                h = T.meta_var(item // nitems % H)
-                beta = T.meta_var(item % nitems)
+                # Item decode: every operand is >= 0, so truncating division (one
+                # instruction) equals floor division (sign fix-ups in every index).
+                b = T.meta_var(T.truncdiv(item, H * nitems))
+                h = T.meta_var(T.truncmod(T.truncdiv(item, nitems), H))
+                beta = T.meta_var(T.truncmod(item, nitems))
                 d = T.meta_var(i64(dil[h]))
-                kvh = T.meta_var(h // (H // Hkv))
-                m0 = T.meta_var(beta // d * BQ)
-                r = T.meta_var(beta % d)
+                kvh = T.meta_var(T.truncdiv(h, T.truncdiv(H, Hkv)))
+                m0 = T.meta_var(T.truncdiv(beta, d) * BQ)
+                r = T.meta_var(T.truncmod(beta, d))
                 row0 = T.meta_var(m0 * d + r)
                 key0 = T.meta_var((row0 - lo * d) if lo >= 0 else r)
                 # Items past the end run with every key masked and write nothing (see
@@ -275,8 +281,11 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     for x in T.serial(Q_STEPS):
                         e = T.meta_var(x * NT + tx)
-                        if e < BQ * D:
-                            Qs[(e // D) * DP + e % D] = q[b, h, T.min(row0 + d * (e // D), Tn - 1), e % D]
+                        if e < BQ * D // VEC:
+                            for u in T.vectorized(VEC):
+                                Qs[(e // (D // VEC)) * DP + e % (D // VEC) * VEC + u] = q[
+                                    b, h, T.min(row0 + d * (e // (D // VEC)), Tn - 1), e % (D // VEC) * VEC + u
+                                ]
                     for rr in T.unroll(2):
                         m_r[tx, rr] = sink[h]
                         l_r[tx, rr] = T.Select(sink[h] == NINF, ZERO, ONE)
