@@ -21,6 +21,7 @@ against the reference. The instructions themselves are checked by the GPU check.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import tvm
@@ -63,7 +64,8 @@ class TCConfig:
 
 
 def supports(spec: KernelSpec) -> bool:
-    return spec.kind == "local" and spec.dtype in PTX_TYPE and spec.head_dim % 16 == 0
+    """Forward kernels (local, or global rows) in float16/bfloat16 with head_dim % 16 == 0."""
+    return spec.kind in ("local", "global") and spec.dtype in PTX_TYPE and spec.head_dim % 16 == 0
 
 
 def default_config(spec: KernelSpec) -> TCConfig | None:
@@ -75,12 +77,15 @@ def default_config(spec: KernelSpec) -> TCConfig | None:
     return None
 
 
-def flash_local_tc(spec: KernelSpec, config: TCConfig | None = None, emulate: bool = False) -> tvm.tirx.PrimFunc:
-    """The tensor-core PrimFunc of a local forward spec (fp16/bf16, head_dim % 16 == 0),
-    with the TE kernel's arguments and name."""
+def flash_tc(spec: KernelSpec, config: TCConfig | None = None, emulate: bool = False) -> tvm.tirx.PrimFunc:
+    """The tensor-core PrimFunc of a forward spec (fp16/bf16, head_dim % 16 == 0), with
+    the TE kernel's arguments and name: for "local" the window (and extra keys) of every
+    row; for "global" the global rows against every key (causal: up to their position),
+    a block of rows streaming all key chunks it can see (no split-K: with few global rows
+    a GPU has idle SMs, but the work is small next to the window's)."""
     if not supports(spec):
         raise ValueError(
-            f"kernel {spec.name}: the tensor-core kernel takes local float16/bfloat16 kernels with head_dim % 16 == 0"
+            f"kernel {spec.name}: the tensor-core kernel takes float16/bfloat16 forward kernels with head_dim % 16 == 0"
         )
     cfg = config or default_config(spec)
     if cfg is None or cfg.chunk % 16:
@@ -91,6 +96,7 @@ def flash_local_tc(spec: KernelSpec, config: TCConfig | None = None, emulate: bo
 def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one kernel, phase by phase
     D, dt, acc = spec.head_dim, spec.dtype, "float32"
     lo, hi, maxd, extras = spec.left, spec.right, spec.max_dilation, spec.extras
+    causal = spec.causal
     NW, KC = cfg.warps, cfg.chunk
     BQ, NT = 16 * NW, 32 * NW
     NS, NO, KD = KC // 8, D // 8, D // 16  # score tiles, output tiles, k-steps of Q K^T
@@ -349,6 +355,105 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                         if tx % 4 == 0:
                             if row0 + d * c_row(tx, 2 * rr) < Tn:
                                 lse[b, h, row0 + d * c_row(tx, 2 * rr)] = m_r[tx, rr] + T.log(l_r[tx, rr])
+
+    def block_last_key(gidx, b, g0, G, Tn):
+        if not causal:
+            return Tn - 1
+        pos = [T.Select(g0 + row < G, T.min(i64(gidx[b, T.min(g0 + row, G - 1)]), Tn - 1), T.int64(-1)) for row in range(BQ)]
+        return functools.reduce(T.max, pos)
+
+    @T.macro
+    def global_body(qg, k, v, gidx, sink, scale, out, lse, B, H, Hkv, Tn, G):
+        nblk = T.meta_var((G + (BQ - 1)) // BQ)
+        for item in T.thread_binding(B * H * nblk, thread="blockIdx.x"):
+            with T.sblock("flash_tc_global"):
+                T.reads()
+                T.writes()
+                Qs = T.alloc_buffer((BQ * DP,), dt, scope="shared")
+                Kt = T.alloc_buffer((KC * DP,), dt, scope="shared")
+                Vt = T.alloc_buffer((KC * DP,), dt, scope="shared")
+                qfrag = T.alloc_buffer((NT, KD * 8), dt, scope="local")
+                kfrag = T.alloc_buffer((NT, 4), dt, scope="local")
+                vfrag = T.alloc_buffer((NT, 4), dt, scope="local")
+                sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
+                pfrag = T.alloc_buffer((NT, NS * 4), dt, scope="local")
+                ofrag = T.alloc_buffer((NT, NO * 4), acc, scope="local")
+                m_r = T.alloc_buffer((NT, 2), acc, scope="local")
+                l_r = T.alloc_buffer((NT, 2), acc, scope="local")
+                last_r = T.alloc_buffer((NT, 2), "int64", scope="local")
+                part = T.alloc_buffer((NT, 4), acc, scope="local")
+                red = T.alloc_buffer((NT, 2), acc, scope="local")
+
+                b = T.meta_var(T.truncdiv(item, H * nblk))
+                h = T.meta_var(T.truncmod(T.truncdiv(item, nblk), H))
+                g0 = T.meta_var(T.truncmod(item, nblk) * BQ)  # the block's first global row
+                kvh = T.meta_var(T.truncdiv(h, T.truncdiv(H, Hkv)))
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    for x in T.serial(Q_STEPS):
+                        e = T.meta_var(x * NT + tx)
+                        if e < BQ * D // VEC:
+                            for u in T.vectorized(VEC):
+                                Qs[(e // (D // VEC)) * DP + e % (D // VEC) * VEC + u] = qg[
+                                    b, h, T.min(g0 + e // (D // VEC), G - 1), e % (D // VEC) * VEC + u
+                                ]
+                    # Row rr's last visible key (-1: a padding row past G sees none).
+                    for rr in T.unroll(2):
+                        m_r[tx, rr] = sink[h]
+                        l_r[tx, rr] = T.Select(sink[h] == NINF, ZERO, ONE)
+                        last_r[tx, rr] = T.Select(
+                            g0 + c_row(tx, 2 * rr) < G,
+                            T.min(i64(gidx[b, T.min(g0 + c_row(tx, 2 * rr), G - 1)]), Tn - 1) if causal else Tn - 1,
+                            T.int64(-1),
+                        )
+                    for x in T.unroll(NO * 4):
+                        ofrag[tx, x] = ZERO
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    for ks in T.unroll(KD):
+                        for l in T.unroll(8):
+                            qfrag[tx, ks * 8 + l] = Qs[
+                                ((tx // 32) * 16 + (tx % 32) // 4 + 8 * ((l % 4) // 2)) * DP
+                                + ks * 16 + 8 * (l // 4) + 2 * (tx % 4) + l % 2
+                            ]
+                # The block's key span: up to its last row's position (causal) or T. One
+                # expression over the block's positions, not a loop: TVM allows no shared
+                # memory read in a loop bound and no barrier under a thread test.
+                for c in T.serial(T.floordiv(block_last_key(gidx, b, g0, G, Tn), KC) + 1):
+                    load_rows(Kt, Vt, k, v, b, kvh, lambda kk: c * KC + kk, Tn)
+                    step(
+                        Kt, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red,
+                        lambda tx, l, nt: c * KC + nt * 8 + c_col(tx, l) <= last_r[tx, l // 2],
+                        scale,
+                    )
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    for nd in T.unroll(NO):
+                        for l in T.unroll(4):
+                            if g0 + c_row(tx, l) < G:
+                                out[b, h, g0 + c_row(tx, l), nd * 8 + c_col(tx, l)] = T.Cast(
+                                    dt, ofrag[tx, nd * 4 + l] / l_r[tx, l // 2]
+                                )
+                    for rr in T.unroll(2):
+                        if tx % 4 == 0:
+                            if g0 + c_row(tx, 2 * rr) < G:
+                                lse[b, h, g0 + c_row(tx, 2 * rr)] = m_r[tx, rr] + T.log(l_r[tx, rr])
+
+    if spec.kind == "global":
+
+        @T.prim_func(s_tir=True)
+        def kernel_g(
+            q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, sink_h: T.handle,
+            scale: T.float32, out_h: T.handle, lse_h: T.handle,
+        ):
+            B, H, Hkv, Tn, G = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+            qg = T.match_buffer(q_h, (B, H, G, D), dt)
+            k = T.match_buffer(k_h, (B, Hkv, Tn, D), dt)
+            v = T.match_buffer(v_h, (B, Hkv, Tn, D), dt)
+            gidx = T.match_buffer(g_h, (B, G), "int32")
+            sink = T.match_buffer(sink_h, (H,), acc)
+            out = T.match_buffer(out_h, (B, H, G, D), dt)
+            lse = T.match_buffer(lse_h, (B, H, G), acc)
+            global_body(qg, k, v, gidx, sink, scale, out, lse, B, H, Hkv, Tn, G)
+
+        return kernel_g
 
     if extras:
 

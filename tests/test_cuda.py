@@ -69,8 +69,8 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
     assert manifest["target_key"] == f"cuda-{arch}" and manifest["cpu_features"] == []
     assert [k["spec"]["dtype"] for k in manifest["kernels"]] == [spec.dtype] * len(kernels)
     assert json.load(open(f"{path}.json")) == manifest
-    schedules = {k["spec"]["kind"]: k["schedule"] for k in manifest["kernels"]}
-    assert schedules.pop("local") == "cuda_flash_tc" and set(schedules.values()) <= {"default"}
+    # Local and global rows both on the tensor-core kernel.
+    assert {k["schedule"] for k in manifest["kernels"]} == {"cuda_flash_tc"}
 
     # The generated CUDA source (written beside the library): half inputs, fp32
     # accumulation, shared-memory tiles.
@@ -227,7 +227,7 @@ def test_cuda_flash_tc_kernel_computes_the_reference(dtype, window, dilation, ex
     from swa_tvm.schedules import cuda_flash_tc
 
     spec = KernelSpec("local", 32, dtype, *window, max_dilation=max(dilation), extras=extras)
-    func = cuda_flash_tc.flash_local_tc(spec, cuda_flash_tc.TCConfig(*config), emulate=True)
+    func = cuda_flash_tc.flash_tc(spec, cuda_flash_tc.TCConfig(*config), emulate=True)
     kernel = _serial_on_cpu(func)[spec.name]
     (q, k, v), kw, extra_args, keep = _pattern_inputs(dtype, window, dilation, extras)
     B, H, T, D = q.shape
@@ -239,6 +239,34 @@ def test_cuda_flash_tc_kernel_computes_the_reference(dtype, window, dilation, ex
     tol = {"bfloat16": 4e-3, "float16": 5e-4}[dtype]
     assert rel_err(out[keep], ref_out[keep]) < tol
     assert (lse.double() - ref_lse)[keep].abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype,causal", [("bfloat16", True), ("float16", False)])
+def test_cuda_flash_tc_global_rows_compute_the_reference(dtype, causal):
+    """Global rows on the tensor-core kernel (emulated, serial on the CPU): a block of
+    two warps' rows, the last one padded, unsorted positions; GQA; learned sinks; keys in
+    chunks up to the block's last position."""
+    from swa_tvm.reference import sliding_window_attention_ref
+    from swa_tvm.schedules import cuda_flash_tc
+
+    spec = KernelSpec("global", 32, dtype, 0, 0 if causal else -1)
+    kernel = _serial_on_cpu(cuda_flash_tc.flash_tc(spec, cuda_flash_tc.TCConfig(2, 16), emulate=True))[spec.name]
+    B, H, Hkv, T, D = 2, 4, 2, 150, 32
+    tdt = getattr(torch, dtype)
+    q, k, v = rand(B, H, T, D).to(tdt), rand(B, Hkv, T, D).to(tdt), rand(B, Hkv, T, D).to(tdt)
+    # 35 global rows: one full block of 32 and a padded one.
+    gidx = torch.stack([torch.randperm(T)[:35] for _ in range(B)]).to(torch.int32)
+    sink = rand(H)
+    window = (3, 0) if causal else (3, 3)
+    ref_out, ref_lse = sliding_window_attention_ref(q, k, v, window_size=window, global_idx=gidx, sink_logits=sink)
+    gi = gidx.long()
+    G = gi.shape[1]
+    qg = torch.gather(q, 2, gi[:, None, :, None].expand(B, H, G, D)).contiguous()
+    out, lse = torch.full((B, H, G, D), float("nan"), dtype=tdt), torch.full((B, H, G), float("nan"))
+    kernel(qg, k, v, gidx, sink, D**-0.5, out, lse)
+    want = torch.gather(ref_out, 2, gi[:, None, :, None].expand(B, H, G, D))
+    assert rel_err(out, want) < {"bfloat16": 4e-3, "float16": 5e-4}[dtype]
+    assert (lse.double() - torch.gather(ref_lse, 2, gi[:, None, :].expand(B, H, G))).abs().max() < 1e-5
 
 
 def test_cuda_flash_config_checks():
