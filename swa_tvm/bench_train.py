@@ -96,6 +96,7 @@ def main(argv=None) -> int:
             q, k, v = (torch.randn(bench.B, bench.H, T, bench.D, requires_grad=True) for _ in range(3))
             dout = torch.randn(bench.B, bench.H, T, bench.D)
             ref = None
+            timed = {}  # method -> (forward, forward + backward, gradients' rel err)
             for method in args.methods:
                 row = dict(config=config, T=T, method=method)
                 try:
@@ -122,17 +123,28 @@ def main(argv=None) -> int:
                     rows.append(dict(row, rel_err=err, skipped="wrong gradients"))
                     continue
                 del grads
-                with torch.no_grad():
-                    fwd = bench.median_ms(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v), args.runs)
-                train = bench.median_ms(lambda fn=fn, q=q, k=k, v=v, d=dout: _grads(fn, q, k, v, d), args.runs)
-                rows.append(dict(row, forward_ms=fwd, train_ms=train, ratio=train / fwd, rel_err=err))
+
+                def forward(fn=fn, q=q, k=k, v=v):
+                    with torch.no_grad():
+                        fn(q, k, v)
+
+                timed[method] = (forward, lambda fn=fn, q=q, k=k, v=v, d=dout: _grads(fn, q, k, v, d), err)
+            # Every method's forward and forward+backward timed round-robin (see
+            # bench.interleaved_medians: a slow spell of the machine lands on all alike).
+            fns = {(m, part): f for m, (fwd_fn, train_fn, _) in timed.items()
+                   for part, f in (("fwd", fwd_fn), ("train", train_fn))}
+            medians = bench.interleaved_medians(fns, args.runs)
+            for method, (_, _, err) in timed.items():
+                fwd, train = medians[(method, "fwd")], medians[(method, "train")]
+                rows.append(dict(config=config, T=T, method=method, forward_ms=fwd, train_ms=train,
+                                 ratio=train / fwd, rel_err=err))
                 print(f"  {config:20s} T={T:6d} {method:15s} fwd {fwd:9.1f} ms  fwd+bwd {train:9.1f} ms  "
                       f"({train / fwd:.2f}x)")
-                result = _result(argv, rows)
-                with open(path + ".tmp", "w") as f:
-                    json.dump(result, f, indent=2)
-                os.replace(path + ".tmp", path)
-            del q, k, v, dout
+            result = _result(argv, rows)
+            with open(path + ".tmp", "w") as f:
+                json.dump(result, f, indent=2)
+            os.replace(path + ".tmp", path)
+            del q, k, v, dout, timed, fns
             gc.collect()
     result = _result(argv, rows)
     with open(path, "w") as f:

@@ -291,7 +291,13 @@ def main(argv=None) -> int:
     for lib in libs:
         t0 = time.time()
         specs = swa_tvm.load_library(lib)
-        results["libraries"].append({"path": lib, "kernels": len(specs), "load_s": time.time() - t0})
+        entry = {"path": lib, "kernels": len(specs), "load_s": time.time() - t0}
+        try:  # which kernel each spec got (tensor-core flash, CUDA-core flash, TE default, tuned)
+            with open(lib + ".json") as f:
+                entry["schedules"] = {k["name"]: k.get("schedule") for k in json.load(f)["kernels"]}
+        except (OSError, ValueError, KeyError):
+            pass
+        results["libraries"].append(entry)
     print(f"loaded {len(libs)} libraries", flush=True)
     ok = True
     for stage, fn in (("correctness", lambda: check_patterns(results, dev)),
