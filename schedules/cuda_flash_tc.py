@@ -60,7 +60,8 @@ class TCConfig:
 
     def shared_bytes(self, head_dim: int, dtype: str) -> int:
         el = tvm.runtime.DataType(dtype).bits // 8
-        return (self.block_q + 2 * self.chunk) * (head_dim + 8) * el + self.chunk * 3 * 8 + 4 * 64
+        # One tile for Q then K, one for V; the extra keys' positions; 64-byte alignment.
+        return (max(self.block_q, self.chunk) + self.chunk) * (head_dim + 8) * el + self.chunk * 3 * 8 + 5 * 64
 
 
 def supports(spec: KernelSpec) -> bool:
@@ -252,8 +253,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
             with T.sblock("flash_tc"):
                 T.reads()
                 T.writes()
-                Qs = T.alloc_buffer((BQ * DP,), dt, scope="shared")
-                Kt = T.alloc_buffer((KC * DP,), dt, scope="shared")
+                # Q is in registers before the first key chunk arrives: Q and K share a tile.
+                QK = T.alloc_buffer((max(BQ, KC) * DP,), dt, scope="shared")
                 Vt = T.alloc_buffer((KC * DP,), dt, scope="shared")
                 xpos_s = T.alloc_buffer((KC,), "int64", scope="shared")
                 xres_s = T.alloc_buffer((KC,), "int64", scope="shared")
@@ -289,7 +290,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                         e = T.meta_var(x * NT + tx)
                         if e < BQ * D // VEC:
                             for u in T.vectorized(VEC):
-                                Qs[(e // (D // VEC)) * DP + e % (D // VEC) * VEC + u] = q[
+                                QK[(e // (D // VEC)) * DP + e % (D // VEC) * VEC + u] = q[
                                     b, h, T.min(row0 + d * (e // (D // VEC)), Tn - 1), e % (D // VEC) * VEC + u
                                 ]
                     for rr in T.unroll(2):
@@ -304,7 +305,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     for ks in T.unroll(KD):
                         for l in T.unroll(8):
-                            qfrag[tx, ks * 8 + l] = Qs[
+                            qfrag[tx, ks * 8 + l] = QK[
                                 ((tx // 32) * 16 + (tx % 32) // 4 + 8 * ((l % 4) // 2)) * DP
                                 + ks * 16 + 8 * (l // 4) + 2 * (tx % 4) + l % 2
                             ]
@@ -312,9 +313,9 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                     item_key_span(lo, hi, BQ, Tn, d, beta)[0] // KC,
                     item_key_span(lo, hi, BQ, Tn, d, beta)[1] // KC + 1,
                 ):
-                    load_rows(Kt, Vt, k, v, b, kvh, lambda kk: key0 + d * (c * KC + kk), Tn)
+                    load_rows(QK, Vt, k, v, b, kvh, lambda kk: key0 + d * (c * KC + kk), Tn)
                     step(
-                        Kt, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red,
+                        QK, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red,
                         # visible(thread, C value, score tile): inside the row's band interval.
                         lambda tx, l, nt: T.And(
                             c * KC + nt * 8 + c_col(tx, l) >= first_r[tx, l // 2],
@@ -334,9 +335,9 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                                     )
                                     xres_s[x * NT + tx] = T.floormod(xpos_s[x * NT + tx], d)
                                     xt_s[x * NT + tx] = T.floordiv(xpos_s[x * NT + tx], d)
-                        load_rows(Kt, Vt, k, v, b, kvh, lambda kk: xpos_s[kk], Tn)
+                        load_rows(QK, Vt, k, v, b, kvh, lambda kk: xpos_s[kk], Tn)
                         step(
-                            Kt, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red,
+                            QK, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red,
                             lambda tx, l, nt: extra_visible(
                                 lo, hi, Tn,
                                 xpos_s[nt * 8 + c_col(tx, l)], xres_s[nt * 8 + c_col(tx, l)], xt_s[nt * 8 + c_col(tx, l)],
@@ -369,8 +370,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
             with T.sblock("flash_tc_global"):
                 T.reads()
                 T.writes()
-                Qs = T.alloc_buffer((BQ * DP,), dt, scope="shared")
-                Kt = T.alloc_buffer((KC * DP,), dt, scope="shared")
+                # Q is in registers before the first key chunk arrives: Q and K share a tile.
+                QK = T.alloc_buffer((max(BQ, KC) * DP,), dt, scope="shared")
                 Vt = T.alloc_buffer((KC * DP,), dt, scope="shared")
                 qfrag = T.alloc_buffer((NT, KD * 8), dt, scope="local")
                 kfrag = T.alloc_buffer((NT, 4), dt, scope="local")
@@ -393,7 +394,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                         e = T.meta_var(x * NT + tx)
                         if e < BQ * D // VEC:
                             for u in T.vectorized(VEC):
-                                Qs[(e // (D // VEC)) * DP + e % (D // VEC) * VEC + u] = qg[
+                                QK[(e // (D // VEC)) * DP + e % (D // VEC) * VEC + u] = qg[
                                     b, h, T.min(g0 + e // (D // VEC), G - 1), e % (D // VEC) * VEC + u
                                 ]
                     # Row rr's last visible key (-1: a padding row past G sees none).
@@ -410,7 +411,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     for ks in T.unroll(KD):
                         for l in T.unroll(8):
-                            qfrag[tx, ks * 8 + l] = Qs[
+                            qfrag[tx, ks * 8 + l] = QK[
                                 ((tx // 32) * 16 + (tx % 32) // 4 + 8 * ((l % 4) // 2)) * DP
                                 + ks * 16 + 8 * (l // 4) + 2 * (tx % 4) + l % 2
                             ]
@@ -418,9 +419,9 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                 # expression over the block's positions, not a loop: TVM allows no shared
                 # memory read in a loop bound and no barrier under a thread test.
                 for c in T.serial(T.floordiv(block_last_key(gidx, b, g0, G, Tn), KC) + 1):
-                    load_rows(Kt, Vt, k, v, b, kvh, lambda kk: c * KC + kk, Tn)
+                    load_rows(QK, Vt, k, v, b, kvh, lambda kk: c * KC + kk, Tn)
                     step(
-                        Kt, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red,
+                        QK, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red,
                         lambda tx, l, nt: c * KC + nt * 8 + c_col(tx, l) <= last_r[tx, l // 2],
                         scale,
                     )
