@@ -496,6 +496,9 @@ def main(argv=None) -> int:
     return 0
 
 
+GROWTH_ROUNDS = 11
+
+
 def time_growth(config: str, small: int, large: int, libs: dict, runs: int) -> dict:
     """t(large)/t(small) of the tuned kernel of one pattern, the two lengths timed
     round-robin: the per-shape table times its lengths minutes apart, and this shared
@@ -507,9 +510,11 @@ def time_growth(config: str, small: int, large: int, libs: dict, runs: int) -> d
         fn = make_method("swa_tvm tuned", T, cfg, gi, libs)
         q, k, v = (torch.randn(B, H, T, D) for _ in range(3))
         fns[T] = lambda fn=fn, q=q, k=k, v=v: fn(q, k, v)
-    ms = interleaved_medians(fns, runs)
+    # At least GROWTH_ROUNDS rounds: one ratio of two medians of 5 moved by 20% between runs.
+    rounds = max(runs, GROWTH_ROUNDS)
+    ms = interleaved_medians(fns, rounds)
     return dict(config=config, T_small=small, T_large=large, ms_small=ms[small], ms_large=ms[large],
-                ratio=ms[large] / ms[small])
+                ratio=ms[large] / ms[small], rounds=rounds)
 
 
 def _result(args, argv, libs_tuned, threads, peak, rows, memory, growth=()) -> dict:

@@ -137,5 +137,6 @@ def test_time_growth_times_both_lengths_round_robin(monkeypatch):
     g = bench.time_growth("W=512 + 16 globals", 5000, 20000, libs={}, runs=3)
     # Warm-ups, then rounds of both (each short call after an untimed one).
     assert order[:2] == [5000, 20000] and order[2:8] == [5000, 5000, 20000, 20000, 5000, 5000]
-    assert (g["T_small"], g["T_large"]) == (5000, 20000)
+    assert (g["T_small"], g["T_large"]) == (5000, 20000) and g["rounds"] == bench.GROWTH_ROUNDS
+    assert order.count(20000) >= 1 + 2 * bench.GROWTH_ROUNDS  # warm-up, then untimed + timed per round
     assert 3.0 < g["ratio"] < 4.5 and g["ratio"] == pytest.approx(g["ms_large"] / g["ms_small"])
