@@ -60,6 +60,54 @@ def build_libraries(out: str, arch: str) -> list[str]:
     return paths
 
 
+# Tile configurations of the fused kernels to time against each other on the GPU (the
+# default is picked without one): tensor-core (warps, keys per chunk), and the CUDA-core
+# kernel. At the issue's bf16 D=128 causal W=4096 shape.
+VARIANT_SPEC = "head_dim=128,window=4095:0,dtype=bfloat16"
+TC_VARIANTS = ((4, 64), (4, 32), (2, 64), (2, 32), (8, 32), (8, 16))
+
+
+def build_variants(out: str, arch: str) -> str:
+    """One CUDA module holding the local kernel of VARIANT_SPEC under several tile
+    configurations, each its own function (``<kernel>__tc_w4_c64``, ``<kernel>__cores``),
+    and ``variants.json`` naming them. It lives in ``lib/variants/``, away from the
+    libraries the check registers: same kernel, so the registry could hold only one."""
+    import json
+
+    import tvm
+
+    from .build import _nvcc_fatbin, normalize_target
+    from .schedules import cuda_flash, cuda_flash_tc
+    from .spec import AttentionSpec
+
+    spec = next(k for k in AttentionSpec.parse(VARIANT_SPEC).kernels() if k.kind == "local")
+    funcs, entries = {}, []
+    for warps, chunk in TC_VARIANTS:
+        cfg = cuda_flash_tc.TCConfig(warps, chunk)
+        if cfg.shared_bytes(spec.head_dim, spec.dtype) > cuda_flash.SHARED_BUDGET:
+            continue
+        name = f"{spec.name}__tc_w{warps}_c{chunk}"
+        funcs[name] = cuda_flash_tc.flash_tc(spec, cfg).with_attr("global_symbol", name)
+        entries.append({"function": name, "kernel": "cuda_flash_tc", "warps": warps, "chunk": chunk,
+                        "default": cfg == cuda_flash_tc.default_config(spec)})
+    name = f"{spec.name}__cores"
+    funcs[name] = cuda_flash.flash_local(spec).with_attr("global_symbol", name)
+    entries.append({"function": name, "kernel": "cuda_flash", "config": str(cuda_flash.default_config(spec))})
+    folder = os.path.join(out, "lib", "variants")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"variants_{arch}.so")
+    t0 = time.time()
+    target = normalize_target(f"cuda -arch={arch}")
+    with _nvcc_fatbin(target):
+        module = tvm.compile(tvm.IRModule(funcs), target=tvm.target.Target(target)).mod
+    module.export_library(path)
+    with open(os.path.join(folder, "variants.json"), "w") as f:
+        json.dump({"spec": spec.to_dict(), "library": os.path.basename(path), "arch": arch, "variants": entries}, f,
+                  indent=2)
+    print(f"{path}: {len(entries)} variants in {time.time() - t0:.0f}s", flush=True)
+    return path
+
+
 def copy_runtime(out: str) -> None:
     import tvm
 
@@ -96,6 +144,7 @@ def main(argv=None) -> int:
     fetch_ffi_wheel(args.out, args.python_version)
     if not args.skip_libraries:
         build_libraries(args.out, args.arch)
+        build_variants(args.out, args.arch)
     total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.out) for f in fs)
     print(f"{args.out}: {total / 2**20:.1f} MiB (the device tool carries up to 64 MiB)")
     return 0

@@ -12,7 +12,9 @@ runtime only, then, in one process:
    (sliding-window block mask, compiled), SDPA with a banded boolean mask and SDPA causal
    with no window, at bf16 B=1 H=32 H_kv=8 D=128 T=32768 causal W=4096, plain, dilation 2
    and +64 global tokens; the bf16 matmul rate measured in the same run as the ceiling;
-3. scaling: our forward time at T = 8K ... 128K (as far as memory allows).
+3. scaling: our forward time at T = 8K ... 128K (as far as memory allows);
+4. variants: the fused kernel's tile configurations timed against each other at the
+   timing shape (``lib/variants``), each checked against the default kernel.
 
 Everything goes to ``<out>/gpu_results.json``. Usage (examples/gpu_check.sh sets the
 environment): ``python3 -m swa_tvm.gpu_check --libs build/gpu/lib --out $OUT``.
@@ -140,6 +142,62 @@ def matmul_rate(dev: torch.device, dtype) -> float:
     n = 8192 if dev.type == "cuda" else 1024
     a, b = (torch.randn(n, n, device=dev, dtype=dtype) for _ in range(2))
     return 2 * n**3 / (_time_ms(lambda: a @ b) * 1e-3) / 1e12
+
+
+def time_variants(results: dict, dev: torch.device, libs: str) -> None:
+    """Time the fused kernel's tile configurations (``lib/variants``, built by
+    gpu_bundle.build_variants) against each other at the issue's shape, each checked
+    against the library's default kernel first: which configuration the default should
+    be is a GPU measurement."""
+    import tvm_ffi
+
+    import swa_tvm
+    from swa_tvm import library
+    from swa_tvm.spec import KernelSpec
+
+    meta_path = os.path.join(libs, "variants", "variants.json")
+    if not os.path.exists(meta_path):
+        results["variants"] = "none built"
+        return
+    if dev.type != "cuda":
+        results["variants"] = "skipped: CUDA functions need a GPU"
+        return
+    with open(meta_path) as f:
+        meta = json.load(f)
+    spec = KernelSpec.from_dict(meta["spec"])
+    library._load_tvm_runtime()
+    module = tvm_ffi.load_module(os.path.join(libs, "variants", meta["library"]))
+    B, H, Hkv, D, T = 1, 32, 8, spec.head_dim, 32768
+    W = spec.left + 1
+    dtype = getattr(torch, spec.dtype)
+    q = torch.randn(B, H, T, D, device=dev, dtype=dtype)
+    k, v = (torch.randn(B, Hkv, T, D, device=dev, dtype=dtype) for _ in range(2))
+    dil = torch.ones(H, dtype=torch.int32, device=dev)
+    sink = torch.full((H,), float("-inf"), device=dev)
+    ref = swa_tvm.sliding_window_attention(q, k, v, window_size=(spec.left, spec.right))
+    flops = 4.0 * B * H * D * (W * T - W * (W - 1) // 2)  # causal: row i sees min(i + 1, W) keys
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    rows = []
+    for entry in meta["variants"]:
+        row = dict(entry)
+        try:
+            fn = module[entry["function"]]
+            out = torch.empty_like(q)
+            lse = torch.empty(B, H, T, device=dev)
+
+            def call(fn=fn, out=out, lse=lse):
+                with tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", dev.index or 0), stream):
+                    fn(q, k, v, dil, sink, D**-0.5, out, lse)
+
+            call()
+            row["rel_err_vs_default"] = _rel(out.float(), ref.float())
+            row["ms"] = _time_ms(call)
+            row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
+        except Exception as e:  # noqa: BLE001 - one failing variant must not hide the others
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(row)
+        print(f"  variant {json.dumps(row)}", flush=True)
+    results["variants"] = rows
 
 
 def _empty_cache() -> None:
@@ -301,7 +359,8 @@ def main(argv=None) -> int:
     print(f"loaded {len(libs)} libraries", flush=True)
     ok = True
     for stage, fn in (("correctness", lambda: check_patterns(results, dev)),
-                      ("bench", lambda: None if args.skip_bench else bench(results, dev, args.quick))):
+                      ("bench", lambda: None if args.skip_bench else bench(results, dev, args.quick)),
+                      ("variants", lambda: None if args.skip_bench else time_variants(results, dev, args.libs))):
         print(f"== {stage}", flush=True)
         t0 = time.time()
         try:

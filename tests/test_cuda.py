@@ -5,6 +5,7 @@ What needs a GPU (running the kernels, timing them) is swa_tvm.gpu_check, run by
 examples/gpu_check.sh on a machine that has one."""
 
 import json
+import os
 import re
 import shutil
 import warnings
@@ -329,3 +330,18 @@ def test_cuda_global_schedule_computes_the_reference(causal):
     want = torch.gather(ref_out, 2, gi[:, None, :, None].expand(B, H, 3, D))
     assert rel_err(out, want) < 1e-5
     assert (lse.double() - torch.gather(ref_lse, 2, gi[:, None, :].expand(B, H, 3))).abs().max() < 1e-5
+
+
+@needs_nvcc
+def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
+    """The GPU check's tile-configuration sweep: one module, one function per variant
+    (tensor-core configurations and the CUDA-core kernel), listed in variants.json."""
+    from swa_tvm import gpu_bundle
+
+    monkeypatch.setattr(gpu_bundle, "TC_VARIANTS", ((4, 64), (2, 16)))
+    path = gpu_bundle.build_variants(str(tmp_path), "sm_90")
+    meta = json.load(open(tmp_path / "lib" / "variants" / "variants.json"))
+    assert os.path.exists(path) and meta["library"] == os.path.basename(path) and meta["arch"] == "sm_90"
+    funcs = [v["function"] for v in meta["variants"]]
+    assert [f.rsplit("__", 1)[1] for f in funcs] == ["tc_w4_c64", "tc_w2_c16", "cores"]
+    assert [v.get("default") for v in meta["variants"][:2]] == [True, False]  # bf16 D=128's default is (4, 64)
