@@ -28,7 +28,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from swa_tvm.compute import extra_visible, item_key_span, row_key_range
+from swa_tvm.compute import extra_visible, item_interior, item_key_span, row_key_range
 from swa_tvm.spec import KernelSpec
 
 from .cuda_flash import SHARED_BUDGET
@@ -316,10 +316,15 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                     load_rows(QK, Vt, k, v, b, kvh, lambda kk: key0 + d * (c * KC + kk), Tn)
                     step(
                         QK, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red,
-                        # visible(thread, C value, score tile): inside the row's band interval.
-                        lambda tx, l, nt: T.And(
-                            c * KC + nt * 8 + c_col(tx, l) >= first_r[tx, l // 2],
-                            c * KC + nt * 8 + c_col(tx, l) <= last_r[tx, l // 2],
+                        # visible(thread, C value, score tile): inside the row's band
+                        # interval; in a chunk every row sees whole (most of a long window's
+                        # chunks) the per-score test is skipped (|| short-circuits).
+                        lambda tx, l, nt: T.Or(
+                            item_interior(lo, hi, BQ, Tn, d, m0, r, c * KC, c * KC + KC - 1),
+                            T.And(
+                                c * KC + nt * 8 + c_col(tx, l) >= first_r[tx, l // 2],
+                                c * KC + nt * 8 + c_col(tx, l) <= last_r[tx, l // 2],
+                            ),
                         ),
                         scale,
                     )

@@ -9,7 +9,7 @@ import torch
 import tvm
 from tvm import te, tirx
 
-from swa_tvm.compute import Band, i64, item_key_span
+from swa_tvm.compute import Band, i64, item_interior, item_key_span
 
 BLOCK, MAX_DIL, H = 4, 3, 3
 
@@ -57,7 +57,16 @@ def test_key_range_is_the_window(lo, hi):
         ).astype("int32"),
         name="span",
     )
-    f = tvm.compile(te.create_prim_func([anchor, dil, rng, ok, span]), target="llvm")
+    # item_interior of each single band key [kj, kj].
+
+    def interior_at(h, beta, kj):
+        d = i64(dil[h])
+        ib, r = beta // d, beta % d
+        return item_interior(lo, hi, BLOCK, T, d, i64(ib) * BLOCK, i64(r), i64(kj), i64(kj)).astype("int8")
+
+    interior = te.compute((H, band.nitems, kw), interior_at, name="interior")
+    f = tvm.compile(te.create_prim_func([anchor, dil, rng, ok, span, interior]), target="llvm")
+    interior_seen = [0]
     for t in (1, 5, 13, 16, 23):
         dils = torch.tensor([1, 2, 3], dtype=torch.int32)
         nitems = -(-t // BLOCK) + MAX_DIL - 1
@@ -65,7 +74,8 @@ def test_key_range_is_the_window(lo, hi):
         got_rng = torch.empty(H, nitems, 2, BLOCK, dtype=torch.int32)
         got_ok = torch.empty(H, nitems, BLOCK, w, dtype=torch.int8)
         got_span = torch.empty(H, nitems, 2, dtype=torch.int32)
-        f(torch.zeros(t, dtype=torch.int8), dils, got_rng, got_ok, got_span)
+        got_interior = torch.empty(H, nitems, w, dtype=torch.int8)
+        f(torch.zeros(t, dtype=torch.int8), dils, got_rng, got_ok, got_span, got_interior)
         for h, d in enumerate(dils.tolist()):
             want = brute_force(lo, hi, t, d, nitems, w)
             kj = np.arange(w)
@@ -74,12 +84,22 @@ def test_key_range_is_the_window(lo, hi):
             assert (from_range == want).all(), f"key_range T={t} d={d} lo={lo} hi={hi}"
             assert (got_ok[h].numpy().astype(bool) == want).all(), f"ok T={t} d={d} lo={lo} hi={hi}"
             assert want.any(), "the brute force saw nothing: the test would be vacuous"
+            # item_interior is sound: a key it calls interior is seen by every row
+            # of the item that is not past the end.
+            for beta in range(nitems):
+                ib, r = divmod(beta, d)
+                valid = [(ib * BLOCK + qi) * d + r < t for qi in range(BLOCK)]
+                for kj in np.flatnonzero(got_interior[h, beta].numpy()):
+                    rows = want[beta][valid]
+                    assert rows[:, kj].all(), f"interior item {beta} kj={kj} T={t} d={d}"
+            interior_seen[0] += int(got_interior[h].sum())
             # The span of an item with any visible key is exactly its first and last.
             for beta in range(nitems):
                 seen = np.flatnonzero(want[beta].any(axis=0))
                 if seen.size:
                     got = tuple(got_span[h, beta].tolist())
                     assert got == (seen[0], seen[-1]), f"span item {beta} T={t} d={d} lo={lo} hi={hi}"
+    assert interior_seen[0] > 0, "no chunk was interior: the soundness check above would be vacuous"
 
 
 @pytest.mark.parametrize("left,right,extras", [(511, 0, False), (5, 2, True), (-1, 0, False)])

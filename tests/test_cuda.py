@@ -217,6 +217,8 @@ def test_cuda_flash_kernel_computes_the_reference(dtype, window, dilation, extra
         ("bfloat16", (21, 0), [1, 3, 2, 1], True, (2, 16)),
         # Both sides, 32-key chunks (two k-steps of P V per chunk).
         ("float16", (8, 9), [2, 2, 2, 2], False, (2, 32)),
+        # A window long against the block: chunks every row sees whole skip the mask.
+        ("float16", (100, 20), [1, 2, 1, 1], False, (2, 16)),
     ],
 )
 def test_cuda_flash_tc_kernel_computes_the_reference(dtype, window, dilation, extras, config):
