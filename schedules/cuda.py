@@ -1,5 +1,8 @@
-"""CUDA schedules for the forward computes in ``swa_tvm.compute``: the default schedule
-used when no tuning record applies.
+"""CUDA schedules for the forward TE computes in ``swa_tvm.compute``. Most kernels without
+a tuning record get a fused kernel instead (``cuda_flash_tc`` for float16/bfloat16,
+``cuda_flash`` for float32 local kernels; see ``build.default_schedule``); this schedule
+serves the rest (float32 global rows, tiles too large for the fused kernels) and is the
+TE whose MetaSchedule records would apply.
 
 The compute is the one the CPU runs (blocked query x key-band items), so a GPU kernel
 computes exactly what the CPU-tested TE says; only the loop structure differs. Plan:
@@ -12,8 +15,8 @@ computes exactly what the CPU-tested TE says; only the loop structure differs. P
 - every other stage (row max, probabilities, sums, the extras, the gather back to
   [B, H, T, D]) is elementwise or a short row reduction: one thread per output;
 - scores and probabilities of an item are kept in global memory between the stages:
-  O(B*H*T*(W+block_q)) floats, which fits an H200 at the issue's largest shapes but is
-  the first thing a fused (flash-style) schedule should remove.
+  O(B*H*T*(W+block_q)) floats, which fits an H200 at the issue's largest shapes; the
+  fused kernels keep them on chip.
 
 Blocks follow TE names; ``schedule`` dispatches on the kernel kind.
 """
