@@ -3,7 +3,8 @@ fp32 accumulation), FlashAttention-2 style: each warp owns 16 query rows of the 
 its scores, probabilities and output accumulators live in registers as
 ``mma.sync.m16n8k16`` fragments, and the probabilities feed the P·V product straight
 from the score fragments (the accumulator layout of one 16x8 tile pair is the operand
-layout of the next product). Only the key and value chunks pass through shared memory.
+layout of the next product). Only the query block (once) and the key and value chunks
+pass through shared memory.
 
 Fragment layout (PTX ISA, "Matrix Fragments for mma.m16n8k16"; the same map TVM's own
 ``tensor_intrin.cuda.ldmatrix_32x8_to_shared_16x16_layout`` encodes), lane t of a warp,
@@ -89,8 +90,10 @@ def flash_tc(spec: KernelSpec, config: TCConfig | None = None, emulate: bool = F
             f"kernel {spec.name}: the tensor-core kernel takes float16/bfloat16 forward kernels with head_dim % 16 == 0"
         )
     cfg = config or default_config(spec)
-    if cfg is None or cfg.chunk % 16:
-        raise ValueError(f"kernel {spec.name}: no tensor-core tile fits (config {cfg})")
+    if cfg is None:
+        raise ValueError(f"kernel {spec.name}: no tensor-core tile fits {SHARED_BUDGET // 1024} KiB of shared memory")
+    if cfg.warps < 1 or cfg.chunk < 16 or cfg.chunk % 16:
+        raise ValueError(f"kernel {spec.name}: {cfg}: warps must be >= 1 and chunk a positive multiple of 16")
     return _build(spec, cfg, emulate).with_attr("global_symbol", spec.name)
 
 

@@ -288,6 +288,12 @@ def test_cuda_flash_config_checks():
         cuda_flash.flash_local(spec, cuda_flash.FlashConfig(96, 16, 64))
     with pytest.raises(ValueError, match="no flash tile"):
         cuda_flash.flash_local(KernelSpec("local", 256, "float32", 7, 0))
+    from swa_tvm.schedules import cuda_flash_tc
+
+    with pytest.raises(ValueError, match="chunk a positive multiple of 16"):
+        cuda_flash_tc.flash_tc(spec, cuda_flash_tc.TCConfig(4, 24))
+    with pytest.raises(ValueError, match="float16/bfloat16 forward kernels"):
+        cuda_flash_tc.flash_tc(KernelSpec("local", 128, "float32", 7, 0))
 
 
 def test_gpu_check_harness_on_cpu(tmp_path, fresh_registry):
