@@ -17,15 +17,17 @@ Per item (``block_q`` rows of one residue class of one head), with ``threads`` t
 2. for each chunk of ``chunk`` band keys that meets the item's span, then for each chunk
    of extra keys (global positions and sinks, when the spec has them): the keys and
    values are copied to shared memory; scores S = Q K^T (one register tile per thread,
-   masked); a thread per row updates the running max m and sum l and turns S into
-   probabilities P = exp(S - m); every accumulator is rescaled by exp(m_old - m) and
-   gains P V (one register tile per thread);
+   masked); a thread per row updates the running max m; each thread turns its score
+   tile into probabilities P = exp(S - m); a thread per row updates the sum l; every
+   accumulator is rescaled by exp(m_old - m) and gains P V (one register tile per
+   thread);
 3. out = acc / l and lse = m + log l are written to the item's rows.
 
 Each phase is its own loop over the thread index. On the GPU they all run on the same
 threads, TVM inserting the barriers between them; turned into serial loops they run one
 after another on the CPU, which is how the tests check this kernel without a GPU.
-Products run on CUDA cores in fp32 (tensor cores are the next step).
+Products run on CUDA cores in fp32: this kernel serves float32 (and head dims the
+tensor-core kernel, ``cuda_flash_tc``, does not take).
 """
 
 from __future__ import annotations
