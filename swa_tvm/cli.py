@@ -46,9 +46,15 @@ def _cmd_export(args) -> int:
     return 0
 
 
+FUSED_TEXT = {
+    "cuda_flash_tc": "fused kernel on tensor cores (schedules/cuda_flash_tc.py)",
+    "cuda_flash": "fused kernel on CUDA cores (schedules/cuda_flash.py)",
+}
+
+
 def _tuned_text(k) -> str:
     if not k["tuned"]:
-        return "default schedule"
+        return FUSED_TEXT.get(k.get("schedule"), "default schedule")
     t = k.get("tuning", {})
     if t.get("default_point"):
         return f"tuned: the default schedule (no searched record beat it by the required margin; {t.get('records', '?')} records)"

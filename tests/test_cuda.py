@@ -8,6 +8,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -70,8 +72,13 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
     assert manifest["target_key"] == f"cuda-{arch}" and manifest["cpu_features"] == []
     assert [k["spec"]["dtype"] for k in manifest["kernels"]] == [spec.dtype] * len(kernels)
     assert json.load(open(f"{path}.json")) == manifest
-    # Local and global rows both on the tensor-core kernel.
+    # Local and global rows both on the tensor-core kernel; `swa-tvm info` says so.
     assert {k["schedule"] for k in manifest["kernels"]} == {"cuda_flash_tc"}
+    from swa_tvm import cli
+
+    info = subprocess.run([sys.executable, "-m", "swa_tvm.cli", "info", str(path)], capture_output=True, text=True)
+    assert info.returncode == 0, info.stderr
+    assert info.stdout.count(cli.FUSED_TEXT["cuda_flash_tc"]) == len(kernels), info.stdout
 
     # The generated CUDA source (written beside the library): half inputs, fp32
     # accumulation, shared-memory tiles.
