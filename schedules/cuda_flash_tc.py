@@ -46,6 +46,36 @@ MMA_SOURCE = r"""
                : "r"({name}_PACK(a0, a1)), "r"({name}_PACK(a2, a3)), "r"({name}_PACK(a4, a5)), \
                  "r"({name}_PACK(a6, a7)), "r"({name}_PACK(b0, b1)), "r"({name}_PACK(b2, b3)))
 """
+# The fragment maps (lane of the warp, value index) <-> (row, column) of the PTX ISA's
+# m16n8k16 figures, in both directions. Plain arithmetic, so they take ints (the tests
+# compare them with TVM's own maps) or index expressions (the kernel uses them).
+def a_pos(lane, l):
+    """(row, k) of value l of lane's A fragment (16 x 16, row-major)."""
+    return lane // 4 + 8 * ((l % 4) // 2), 8 * (l // 4) + 2 * (lane % 4) + l % 2
+
+
+def a_lane(row, k):
+    return 4 * (row % 8) + (k % 8) // 2, 4 * (k // 8) + 2 * (row // 8) + k % 2
+
+
+def b_pos(lane, l):
+    """(k, n) of value l of lane's B fragment (16 x 8, k x n)."""
+    return 8 * (l // 2) + 2 * (lane % 4) + l % 2, lane // 4
+
+
+def b_lane(k, n):
+    return 4 * n + (k % 8) // 2, 2 * (k // 8) + k % 2
+
+
+def c_pos(lane, l):
+    """(row, column) of value l of lane's C fragment (16 x 8, fp32)."""
+    return lane // 4 + 8 * (l // 2), 2 * (lane % 4) + l % 2
+
+
+def c_lane(row, col):
+    return 4 * (row % 8) + col // 2, 2 * (row // 8) + col % 2
+
+
 PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
 C_TYPE = {"float16": "half", "bfloat16": "bfloat16"}  # as in __half_as_ushort, __bfloat16_as_ushort
 
@@ -120,13 +150,13 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
     def i64(x):
         return T.Cast("int64", x)
 
-    # Lane geometry: warp w = tx // 32, group g = lane // 4, t4 = lane % 4.
+    # Warp w = tx // 32 owns the item's rows 16*w .. 16*w + 15.
     def c_row(tx, l):
         """Row (in the item) of value l of a C fragment of thread tx."""
-        return (tx // 32) * 16 + (tx % 32) // 4 + 8 * (l // 2)
+        return (tx // 32) * 16 + c_pos(tx % 32, l)[0]
 
     def c_col(tx, l):
-        return 2 * (tx % 4) + l % 2
+        return c_pos(tx % 32, l)[1]
 
     @T.macro
     def mma(afrag, a0, bfrag, b0, cfrag, c0):
@@ -135,14 +165,10 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
         if emulate:
             for w, row, col in T.grid(NW, 16, 8):
                 for kk in T.serial(16):
-                    # C value of (row, col): lane 4*(row % 8) + col // 2, index 2*(row // 8) + col % 2.
-                    # A value of (row, kk): lane 4*(row % 8) + (kk % 8) // 2,
-                    #   index 4*(kk // 8) + 2*(row // 8) + kk % 2.
-                    # B value of (kk, col): lane 4*col + (kk % 8) // 2, index 2*(kk // 8) + kk % 2.
-                    cfrag[w * 32 + 4 * (row % 8) + col // 2, c0 + 2 * (row // 8) + col % 2] = cfrag[
-                        w * 32 + 4 * (row % 8) + col // 2, c0 + 2 * (row // 8) + col % 2
-                    ] + f32(afrag[w * 32 + 4 * (row % 8) + (kk % 8) // 2, a0 + 4 * (kk // 8) + 2 * (row // 8) + kk % 2]) * f32(
-                        bfrag[w * 32 + 4 * col + (kk % 8) // 2, b0 + 2 * (kk // 8) + kk % 2]
+                    cfrag[w * 32 + c_lane(row, col)[0], c0 + c_lane(row, col)[1]] = cfrag[
+                        w * 32 + c_lane(row, col)[0], c0 + c_lane(row, col)[1]
+                    ] + f32(afrag[w * 32 + a_lane(row, kk)[0], a0 + a_lane(row, kk)[1]]) * f32(
+                        bfrag[w * 32 + b_lane(kk, col)[0], b0 + b_lane(kk, col)[1]]
                     )
         else:
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
@@ -204,8 +230,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
             for ks in T.unroll(KD):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     for l in T.unroll(4):
-                        # B value l: k = 8*(l // 2) + 2*t4 + l % 2, n = g; B[k][n] = K[n][k].
-                        kfrag[tx, l] = Kt[(nt * 8 + (tx % 32) // 4) * DP + ks * 16 + 8 * (l // 2) + 2 * (tx % 4) + l % 2]
+                        # B[k][n] = K[key n][column k].
+                        kfrag[tx, l] = Kt[(nt * 8 + b_pos(tx % 32, l)[1]) * DP + ks * 16 + b_pos(tx % 32, l)[0]]
                 mma(qfrag, ks * 8, kfrag, 0, sfrag, nt * 4)
         # 2. Scale, mask, and the rows' new running max (per thread, then over its group).
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
@@ -245,8 +271,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
             for nd in T.unroll(NO):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     for l in T.unroll(4):
-                        # B value l: k = key 8*(l // 2) + 2*t4 + l % 2, n = column g.
-                        vfrag[tx, l] = Vt[(ks * 16 + 8 * (l // 2) + 2 * (tx % 4) + l % 2) * DP + nd * 8 + (tx % 32) // 4]
+                        # B[k][n] = V[key k][column n].
+                        vfrag[tx, l] = Vt[(ks * 16 + b_pos(tx % 32, l)[0]) * DP + nd * 8 + b_pos(tx % 32, l)[1]]
                 mma(pfrag, ks * 8, vfrag, 0, ofrag, nd * 4)
 
     @T.macro
@@ -303,14 +329,12 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                         last_r[tx, rr] = row_key_range(lo, hi, Tn, d, m0, r, c_row(tx, 2 * rr))[1]
                     for x in T.unroll(NO * 4):
                         ofrag[tx, x] = ZERO
-                # Q's A fragments, once per item: k-step ks, value l of row
-                # g + 8*((l % 4) // 2), column ks*16 + 8*(l // 4) + 2*t4 + l % 2.
+                # Q's A fragments, once per item, for every k-step ks of the head dim.
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     for ks in T.unroll(KD):
                         for l in T.unroll(8):
                             qfrag[tx, ks * 8 + l] = QK[
-                                ((tx // 32) * 16 + (tx % 32) // 4 + 8 * ((l % 4) // 2)) * DP
-                                + ks * 16 + 8 * (l // 4) + 2 * (tx % 4) + l % 2
+                                ((tx // 32) * 16 + a_pos(tx % 32, l)[0]) * DP + ks * 16 + a_pos(tx % 32, l)[1]
                             ]
                 for c in T.serial(
                     item_key_span(lo, hi, BQ, Tn, d, beta)[0] // KC,
@@ -420,8 +444,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                     for ks in T.unroll(KD):
                         for l in T.unroll(8):
                             qfrag[tx, ks * 8 + l] = QK[
-                                ((tx // 32) * 16 + (tx % 32) // 4 + 8 * ((l % 4) // 2)) * DP
-                                + ks * 16 + 8 * (l // 4) + 2 * (tx % 4) + l % 2
+                                ((tx // 32) * 16 + a_pos(tx % 32, l)[0]) * DP + ks * 16 + a_pos(tx % 32, l)[1]
                             ]
                 # The block's key span: up to its last row's position (causal) or T. One
                 # expression over the block's positions, not a loop: TVM allows no shared

@@ -279,6 +279,40 @@ def test_cuda_flash_tc_global_rows_compute_the_reference(dtype, causal):
     assert (lse.double() - torch.gather(ref_lse, 2, gi[:, None, :].expand(B, H, G))).abs().max() < 1e-5
 
 
+def test_mma_fragment_maps_are_the_hardware_layout():
+    """The tensor-core kernel's fragment maps (and so its emulation) against TVM's own
+    m16n8k16 maps, whose ldmatrix/mma/store intrinsics run on GPUs: A fragments whole,
+    C fragments whole (the first 16x8 tile of TVM's 16x16 accumulator), B fragments'
+    lanes (TVM's trans_b B is stored n x k, as the kernel's K tile). Then the identity
+    the kernel's P·V rests on: score C values l of tiles 2s and 2s+1 are, at A index
+    4*(tile % 2) + l, the A fragment of the probabilities' k-step s."""
+    from swa_tvm.tuning import preload_tensor_intrin
+
+    preload_tensor_intrin()  # the intrinsics' module parses hundreds of TVMScript functions on import
+    from tvm.s_tir.tensor_intrin.cuda import (
+        ldmatrix_32x8_to_shared_16x16_layout,
+        shared_16x16_to_ldmatrix_32x8_layout,
+    )
+
+    from swa_tvm.schedules.cuda_flash_tc import a_lane, a_pos, b_lane, b_pos, c_lane, c_pos
+
+    for lane in range(32):
+        for l in range(8):
+            assert a_pos(lane, l) == ldmatrix_32x8_to_shared_16x16_layout(lane, l)
+            assert a_lane(*a_pos(lane, l)) == (lane, l)
+        for l in range(4):
+            row, col = c_pos(lane, l)
+            assert shared_16x16_to_ldmatrix_32x8_layout(row, col) == (lane, l) and c_lane(row, col) == (lane, l)
+            k, n = b_pos(lane, l)
+            assert shared_16x16_to_ldmatrix_32x8_layout(n, k)[0] == lane and b_lane(k, n) == (lane, l)
+            for half in (0, 1):
+                assert a_pos(lane, 4 * half + l) == (row, 8 * half + col)
+    # Every position of each operand is held exactly once.
+    assert len({a_pos(t, l) for t in range(32) for l in range(8)}) == 256
+    assert len({b_pos(t, l) for t in range(32) for l in range(4)}) == 128
+    assert len({c_pos(t, l) for t in range(32) for l in range(4)}) == 128
+
+
 def test_cuda_flash_config_checks():
     from swa_tvm.schedules import cuda_flash
 
