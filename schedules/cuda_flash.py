@@ -38,7 +38,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from swa_tvm.compute import extra_visible, item_key_span, row_key_range
+from swa_tvm.compute import extra_visible, item_interior, item_key_span, row_key_range
 from swa_tvm.spec import KernelSpec, accum_dtype
 
 # Static shared memory of one block. More needs TVM's dynamic shared memory, whose
@@ -154,18 +154,21 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
         # masked (-inf); kept in the registers for `probabilities`, copied to S_s for the
         # row maxima.
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
-            for ii, jj in T.grid(RS, CS):
-                sacc[tx, ii * CS + jj] = ZERO
+            for ii in T.unroll(RS):
+                for jj in T.unroll(CS):
+                    sacc[tx, ii * CS + jj] = ZERO
             for cc in T.serial(D):
-                for ii, jj in T.grid(RS, CS):
-                    sacc[tx, ii * CS + jj] = sacc[tx, ii * CS + jj] + f32(Qs[((tx // TX) * RS + ii) * DP + cc]) * f32(
-                        Kt[(tx % TX + TX * jj) * DP + cc]
+                for ii in T.unroll(RS):
+                    for jj in T.unroll(CS):
+                        sacc[tx, ii * CS + jj] = sacc[tx, ii * CS + jj] + f32(Qs[((tx // TX) * RS + ii) * DP + cc]) * f32(
+                            Kt[(tx % TX + TX * jj) * DP + cc]
+                        )
+            for ii in T.unroll(RS):
+                for jj in T.unroll(CS):
+                    sacc[tx, ii * CS + jj] = T.Select(
+                        visible((tx // TX) * RS + ii, tx % TX + TX * jj), sacc[tx, ii * CS + jj] * scale, NINF
                     )
-            for ii, jj in T.grid(RS, CS):
-                sacc[tx, ii * CS + jj] = T.Select(
-                    visible((tx // TX) * RS + ii, tx % TX + TX * jj), sacc[tx, ii * CS + jj] * scale, NINF
-                )
-                S_s[((tx // TX) * RS + ii) * SP + tx % TX + TX * jj] = sacc[tx, ii * CS + jj]
+                    S_s[((tx // TX) * RS + ii) * SP + tx % TX + TX * jj] = sacc[tx, ii * CS + jj]
 
     # Rows run on thread tx = row. Every phase only reads S_s or only writes it: a loop
     # that did both would make TVM want a barrier inside it (under the row test), which it
@@ -186,10 +189,11 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
     def probabilities(S_s, m_s, sacc):
         # P = exp(S - m), from the score tile still in the registers.
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
-            for ii, jj in T.grid(RS, CS):
-                S_s[((tx // TX) * RS + ii) * SP + tx % TX + TX * jj] = T.Select(
-                    m_s[(tx // TX) * RS + ii] == NINF, ZERO, T.exp(sacc[tx, ii * CS + jj] - m_s[(tx // TX) * RS + ii])
-                )
+            for ii in T.unroll(RS):
+                for jj in T.unroll(CS):
+                    S_s[((tx // TX) * RS + ii) * SP + tx % TX + TX * jj] = T.Select(
+                        m_s[(tx // TX) * RS + ii] == NINF, ZERO, T.exp(sacc[tx, ii * CS + jj] - m_s[(tx // TX) * RS + ii])
+                    )
 
     @T.macro
     def row_sum(S_s, l_s, a_s, red):
@@ -210,13 +214,15 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
     def accumulate(S_s, Vt, a_s, oacc):
         # acc = acc * exp(m_old - m) + P V, one RS x CA register tile per thread.
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
-            for ii, jj in T.grid(RS, CA):
-                oacc[tx, ii * CA + jj] = oacc[tx, ii * CA + jj] * a_s[(tx // TX) * RS + ii]
+            for ii in T.unroll(RS):
+                for jj in T.unroll(CA):
+                    oacc[tx, ii * CA + jj] = oacc[tx, ii * CA + jj] * a_s[(tx // TX) * RS + ii]
             for kk in T.serial(KC):
-                for ii, jj in T.grid(RS, CA):
-                    oacc[tx, ii * CA + jj] = oacc[tx, ii * CA + jj] + S_s[((tx // TX) * RS + ii) * SP + kk] * f32(
-                        Vt[kk, tx % TX + TX * jj]
-                    )
+                for ii in T.unroll(RS):
+                    for jj in T.unroll(CA):
+                        oacc[tx, ii * CA + jj] = oacc[tx, ii * CA + jj] + S_s[((tx // TX) * RS + ii) * SP + kk] * f32(
+                            Vt[kk, tx % TX + TX * jj]
+                        )
 
     @T.macro
     def body(q, k, v, dil, xidx, sink, scale, out, lse, B, H, Hkv, Tn, E):
@@ -268,8 +274,9 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
                             qi = T.meta_var(e // D)
                             col = T.meta_var(e % D)
                             Qs[(qi) * DP + col] = q[b, h, T.min(row0 + d * qi, Tn - 1), col]
-                    for ii, jj in T.grid(RS, CA):
-                        oacc[tx, ii * CA + jj] = ZERO
+                    for ii in T.unroll(RS):
+                        for jj in T.unroll(CA):
+                            oacc[tx, ii * CA + jj] = ZERO
                 # 2. The band, chunk by chunk, over the chunks that meet the item's span.
                 for c in T.serial(
                     item_key_span(lo, hi, BQ, Tn, d, beta)[0] // KC,
@@ -281,7 +288,11 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
                         Kt,
                         S_s,
                         sacc,
-                        lambda row, col: T.And(c * KC + col >= first_s[row], c * KC + col <= last_s[row]),
+                        # Chunks every row sees whole skip the per-score test (|| short-circuits).
+                        lambda row, col: T.Or(
+                            item_interior(lo, hi, BQ, Tn, d, m0, r, c * KC, c * KC + KC - 1),
+                            T.And(c * KC + col >= first_s[row], c * KC + col <= last_s[row]),
+                        ),
                         scale,
                     )
                     softmax_step(S_s, m_s, l_s, a_s, red, sacc)
@@ -312,11 +323,12 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
                         accumulate(S_s, Vt, a_s, oacc)
                 # 3. Results to the item's rows.
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    for ii, jj in T.grid(RS, CA):
-                        if row0 + d * ((tx // TX) * RS + ii) < Tn:
-                            out[b, h, row0 + d * ((tx // TX) * RS + ii), tx % TX + TX * jj] = T.Cast(
-                                dt, oacc[tx, ii * CA + jj] / l_s[(tx // TX) * RS + ii]
-                            )
+                    for ii in T.unroll(RS):
+                        for jj in T.unroll(CA):
+                            if row0 + d * ((tx // TX) * RS + ii) < Tn:
+                                out[b, h, row0 + d * ((tx // TX) * RS + ii), tx % TX + TX * jj] = T.Cast(
+                                    dt, oacc[tx, ii * CA + jj] / l_s[(tx // TX) * RS + ii]
+                                )
                     if tx < BQ:
                         if row0 + d * tx < Tn:
                             lse[b, h, row0 + d * tx] = m_s[tx] + T.log(l_s[tx])

@@ -194,6 +194,8 @@ def _pattern_inputs(dtype, window, dilation, extras, B=2, H=4, Hkv=2, T=150, D=3
         ("float16", (-1, 0), [1, 2, 1, 1], False, (32, 16, 64)),
         # Unbounded right side, plus extras that fall inside some rows' windows.
         ("float32", (5, -1), [1, 1, 2, 1], True, (16, 16, 64)),
+        # A window long against the block: chunks every row sees whole skip the mask.
+        ("float32", (100, 20), [1, 2, 1, 1], False, (16, 16, 64)),
     ],
 )
 def test_cuda_flash_kernel_computes_the_reference(dtype, window, dilation, extras, config):
