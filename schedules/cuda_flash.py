@@ -247,17 +247,7 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
                 oacc = T.alloc_buffer((NT, RS * CA), acc, scope="local")
                 red = T.alloc_buffer((NT, 2), acc, scope="local")
 
-                # Item decode: every operand is >= 0, so truncating division (one
-                # instruction) equals floor division (sign fix-ups in every index).
-                b = T.meta_var(T.truncdiv(item, H * nitems))
-                h = T.meta_var(T.truncmod(T.truncdiv(item, nitems), H))
-                beta = T.meta_var(T.truncmod(item, nitems))
-                d = T.meta_var(i64(dil[h]))
-                kvh = T.meta_var(T.truncdiv(h, T.truncdiv(H, Hkv)))
-                m0 = T.meta_var(T.truncdiv(beta, d) * BQ)
-                r = T.meta_var(T.truncmod(beta, d))
-                row0 = T.meta_var(m0 * d + r)
-                key0 = T.meta_var((row0 - lo * d) if lo >= 0 else r)
+                b, h, beta, d, kvh, m0, r, row0, key0 = T.meta_var(item_fields(item, H, Hkv, nitems, dil, BQ, lo))
                 # Items past the end (residue classes the head's dilation lacks) run with
                 # every key masked and write nothing: a branch around the phases would put
                 # barriers under a condition, which TVM rightly refuses.
@@ -333,7 +323,32 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
                         if row0 + d * tx < Tn:
                             lse[b, h, row0 + d * tx] = m_s[tx] + T.log(l_s[tx])
 
-    lse_dt = acc
+    return local_kernel(body, D, dt, acc, extras)
+
+
+def item_fields(item, H, Hkv, nitems, dil, block: int, lo: int):
+    """The work item's coordinates, as index expressions: batch b, head h, item beta,
+    dilation d (int64), kv head, m0 (the item's first row in residue space), residue r,
+    row0 (its first sequence position), key0 (the position of band index 0).
+
+    Every operand is >= 0, so truncating division (one instruction) equals floor
+    division (sign fix-ups in every index)."""
+    b = T.truncdiv(item, H * nitems)
+    h = T.truncmod(T.truncdiv(item, nitems), H)
+    beta = T.truncmod(item, nitems)
+    d = T.Cast("int64", dil[h])
+    kvh = T.truncdiv(h, T.truncdiv(H, Hkv))
+    m0 = T.truncdiv(beta, d) * block
+    r = T.truncmod(beta, d)
+    row0 = m0 * d + r
+    key0 = (row0 - lo * d) if lo >= 0 else r
+    return b, h, beta, d, kvh, m0, r, row0, key0
+
+
+def local_kernel(body, D: int, dt: str, acc: str, extras: bool):
+    """The PrimFunc of a local forward kernel with the TE kernel's arguments: q, k, v,
+    dilation, [extra_idx], sink_logit, scale, out, lse; ``body`` is the T.macro that
+    computes it from those buffers and the shape vars B, H, Hkv, T, E."""
     if extras:
 
         @T.prim_func(s_tir=True)
@@ -356,7 +371,7 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
             xidx = T.match_buffer(x_h, (B, E), "int32")
             sink = T.match_buffer(sink_h, (H,), acc)
             out = T.match_buffer(out_h, (B, H, Tn, D), dt)
-            lse = T.match_buffer(lse_h, (B, H, Tn), lse_dt)
+            lse = T.match_buffer(lse_h, (B, H, Tn), acc)
             body(q, k, v, dil, xidx, sink, scale, out, lse, B, H, Hkv, Tn, E)
 
         return kernel_x
@@ -379,7 +394,7 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
         dil = T.match_buffer(dil_h, (H,), "int32")
         sink = T.match_buffer(sink_h, (H,), acc)
         out = T.match_buffer(out_h, (B, H, Tn, D), dt)
-        lse = T.match_buffer(lse_h, (B, H, Tn), lse_dt)
+        lse = T.match_buffer(lse_h, (B, H, Tn), acc)
         body(q, k, v, dil, None, sink, scale, out, lse, B, H, Hkv, Tn, T.int64(0))
 
     return kernel

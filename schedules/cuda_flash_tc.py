@@ -32,7 +32,7 @@ from tvm.script import tirx as T
 from swa_tvm.compute import extra_visible, item_interior, item_key_span, row_key_range
 from swa_tvm.spec import KernelSpec
 
-from .cuda_flash import SHARED_BUDGET
+from .cuda_flash import SHARED_BUDGET, item_fields, local_kernel
 
 # A macro, not a function: its C operands are the callers' register-array elements
 # (lvalues), so no address is taken and nvcc keeps the fragments in registers. Two 16-bit
@@ -276,6 +276,44 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                 mma(pfrag, ks * 8, vfrag, 0, ofrag, nd * 4)
 
     @T.macro
+    def start_rows(QK, qfrag, ofrag, m_r, l_r, src, b, h, src_row, sink):
+        # The block's query rows (row i from src[b, h, src_row(i)]) into the shared tile,
+        # then into registers as A fragments for every k-step of the head dim; each row's
+        # running max starts at the head's sink logit, its sum at that sink's share.
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for x in T.serial(Q_STEPS):
+                e = T.meta_var(x * NT + tx)
+                if e < BQ * D // VEC:
+                    for u in T.vectorized(VEC):
+                        QK[(e // (D // VEC)) * DP + e % (D // VEC) * VEC + u] = src[
+                            b, h, src_row(e // (D // VEC)), e % (D // VEC) * VEC + u
+                        ]
+            for rr in T.unroll(2):
+                m_r[tx, rr] = sink[h]
+                l_r[tx, rr] = T.Select(sink[h] == NINF, ZERO, ONE)
+            for x in T.unroll(NO * 4):
+                ofrag[tx, x] = ZERO
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for ks in T.unroll(KD):
+                for l in T.unroll(8):
+                    qfrag[tx, ks * 8 + l] = QK[((tx // 32) * 16 + a_pos(tx % 32, l)[0]) * DP + ks * 16 + a_pos(tx % 32, l)[1]]
+
+    @T.macro
+    def finish_rows(out, lse, ofrag, m_r, l_r, b, h, dst_row, valid):
+        # out = acc / l and lse = m + log l to row i's destination dst_row(i), where valid(i).
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for nd in T.unroll(NO):
+                for l in T.unroll(4):
+                    if valid(c_row(tx, l)):
+                        out[b, h, dst_row(c_row(tx, l)), nd * 8 + c_col(tx, l)] = T.Cast(
+                            dt, ofrag[tx, nd * 4 + l] / l_r[tx, l // 2]
+                        )
+            for rr in T.unroll(2):
+                if tx % 4 == 0:
+                    if valid(c_row(tx, 2 * rr)):
+                        lse[b, h, dst_row(c_row(tx, 2 * rr))] = m_r[tx, rr] + T.log(l_r[tx, rr])
+
+    @T.macro
     def body(q, k, v, dil, xidx, sink, scale, out, lse, B, H, Hkv, Tn, E):
         nitems = T.meta_var((Tn + (BQ - 1)) // BQ + (maxd - 1))
         for item in T.thread_binding(B * H * nitems, thread="blockIdx.x"):
@@ -301,41 +339,15 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                 part = T.alloc_buffer((NT, 4), acc, scope="local")
                 red = T.alloc_buffer((NT, 2), acc, scope="local")
 
-                # Item decode: every operand is >= 0, so truncating division (one
-                # instruction) equals floor division (sign fix-ups in every index).
-                b = T.meta_var(T.truncdiv(item, H * nitems))
-                h = T.meta_var(T.truncmod(T.truncdiv(item, nitems), H))
-                beta = T.meta_var(T.truncmod(item, nitems))
-                d = T.meta_var(i64(dil[h]))
-                kvh = T.meta_var(T.truncdiv(h, T.truncdiv(H, Hkv)))
-                m0 = T.meta_var(T.truncdiv(beta, d) * BQ)
-                r = T.meta_var(T.truncmod(beta, d))
-                row0 = T.meta_var(m0 * d + r)
-                key0 = T.meta_var((row0 - lo * d) if lo >= 0 else r)
+                b, h, beta, d, kvh, m0, r, row0, key0 = T.meta_var(item_fields(item, H, Hkv, nitems, dil, BQ, lo))
                 # Items past the end run with every key masked and write nothing (see
                 # cuda_flash: no branch around barriers).
+                start_rows(QK, qfrag, ofrag, m_r, l_r, q, b, h, lambda i: T.min(row0 + d * i, Tn - 1), sink)
+                # Each row's visible band interval.
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    for x in T.serial(Q_STEPS):
-                        e = T.meta_var(x * NT + tx)
-                        if e < BQ * D // VEC:
-                            for u in T.vectorized(VEC):
-                                QK[(e // (D // VEC)) * DP + e % (D // VEC) * VEC + u] = q[
-                                    b, h, T.min(row0 + d * (e // (D // VEC)), Tn - 1), e % (D // VEC) * VEC + u
-                                ]
                     for rr in T.unroll(2):
-                        m_r[tx, rr] = sink[h]
-                        l_r[tx, rr] = T.Select(sink[h] == NINF, ZERO, ONE)
                         first_r[tx, rr] = row_key_range(lo, hi, Tn, d, m0, r, c_row(tx, 2 * rr))[0]
                         last_r[tx, rr] = row_key_range(lo, hi, Tn, d, m0, r, c_row(tx, 2 * rr))[1]
-                    for x in T.unroll(NO * 4):
-                        ofrag[tx, x] = ZERO
-                # Q's A fragments, once per item, for every k-step ks of the head dim.
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    for ks in T.unroll(KD):
-                        for l in T.unroll(8):
-                            qfrag[tx, ks * 8 + l] = QK[
-                                ((tx // 32) * 16 + a_pos(tx % 32, l)[0]) * DP + ks * 16 + a_pos(tx % 32, l)[1]
-                            ]
                 for c in T.serial(
                     item_key_span(lo, hi, BQ, Tn, d, beta)[0] // KC,
                     item_key_span(lo, hi, BQ, Tn, d, beta)[1] // KC + 1,
@@ -377,17 +389,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                             ),
                             scale,
                         )
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    for nd in T.unroll(NO):
-                        for l in T.unroll(4):
-                            if row0 + d * c_row(tx, l) < Tn:
-                                out[b, h, row0 + d * c_row(tx, l), nd * 8 + c_col(tx, l)] = T.Cast(
-                                    dt, ofrag[tx, nd * 4 + l] / l_r[tx, l // 2]
-                                )
-                    for rr in T.unroll(2):
-                        if tx % 4 == 0:
-                            if row0 + d * c_row(tx, 2 * rr) < Tn:
-                                lse[b, h, row0 + d * c_row(tx, 2 * rr)] = m_r[tx, rr] + T.log(l_r[tx, rr])
+                finish_rows(out, lse, ofrag, m_r, l_r, b, h, lambda i: row0 + d * i, lambda i: row0 + d * i < Tn)
 
     def block_last_key(gidx, b, g0, G, Tn):
         if not causal:
@@ -421,31 +423,15 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                 h = T.meta_var(T.truncmod(T.truncdiv(item, nblk), H))
                 g0 = T.meta_var(T.truncmod(item, nblk) * BQ)  # the block's first global row
                 kvh = T.meta_var(T.truncdiv(h, T.truncdiv(H, Hkv)))
+                start_rows(QK, qfrag, ofrag, m_r, l_r, qg, b, h, lambda i: T.min(g0 + i, G - 1), sink)
+                # Row rr's last visible key (-1: a padding row past G sees none).
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    for x in T.serial(Q_STEPS):
-                        e = T.meta_var(x * NT + tx)
-                        if e < BQ * D // VEC:
-                            for u in T.vectorized(VEC):
-                                QK[(e // (D // VEC)) * DP + e % (D // VEC) * VEC + u] = qg[
-                                    b, h, T.min(g0 + e // (D // VEC), G - 1), e % (D // VEC) * VEC + u
-                                ]
-                    # Row rr's last visible key (-1: a padding row past G sees none).
                     for rr in T.unroll(2):
-                        m_r[tx, rr] = sink[h]
-                        l_r[tx, rr] = T.Select(sink[h] == NINF, ZERO, ONE)
                         last_r[tx, rr] = T.Select(
                             g0 + c_row(tx, 2 * rr) < G,
                             T.min(i64(gidx[b, T.min(g0 + c_row(tx, 2 * rr), G - 1)]), Tn - 1) if causal else Tn - 1,
                             T.int64(-1),
                         )
-                    for x in T.unroll(NO * 4):
-                        ofrag[tx, x] = ZERO
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    for ks in T.unroll(KD):
-                        for l in T.unroll(8):
-                            qfrag[tx, ks * 8 + l] = QK[
-                                ((tx // 32) * 16 + a_pos(tx % 32, l)[0]) * DP + ks * 16 + a_pos(tx % 32, l)[1]
-                            ]
                 # The block's key span: up to its last row's position (causal) or T. One
                 # expression over the block's positions, not a loop: TVM allows no shared
                 # memory read in a loop bound and no barrier under a thread test.
@@ -456,17 +442,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                         lambda tx, l, nt: c * KC + nt * 8 + c_col(tx, l) <= last_r[tx, l // 2],
                         scale,
                     )
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    for nd in T.unroll(NO):
-                        for l in T.unroll(4):
-                            if g0 + c_row(tx, l) < G:
-                                out[b, h, g0 + c_row(tx, l), nd * 8 + c_col(tx, l)] = T.Cast(
-                                    dt, ofrag[tx, nd * 4 + l] / l_r[tx, l // 2]
-                                )
-                    for rr in T.unroll(2):
-                        if tx % 4 == 0:
-                            if g0 + c_row(tx, 2 * rr) < G:
-                                lse[b, h, g0 + c_row(tx, 2 * rr)] = m_r[tx, rr] + T.log(l_r[tx, rr])
+                finish_rows(out, lse, ofrag, m_r, l_r, b, h, lambda i: g0 + i, lambda i: g0 + i < G)
 
     if spec.kind == "global":
 
@@ -487,39 +463,4 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
 
         return kernel_g
 
-    if extras:
-
-        @T.prim_func(s_tir=True)
-        def kernel_x(
-            q_h: T.handle, k_h: T.handle, v_h: T.handle, dil_h: T.handle, x_h: T.handle, sink_h: T.handle,
-            scale: T.float32, out_h: T.handle, lse_h: T.handle,
-        ):
-            B, H, Hkv, Tn, E = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
-            q = T.match_buffer(q_h, (B, H, Tn, D), dt)
-            k = T.match_buffer(k_h, (B, Hkv, Tn, D), dt)
-            v = T.match_buffer(v_h, (B, Hkv, Tn, D), dt)
-            dil = T.match_buffer(dil_h, (H,), "int32")
-            xidx = T.match_buffer(x_h, (B, E), "int32")
-            sink = T.match_buffer(sink_h, (H,), acc)
-            out = T.match_buffer(out_h, (B, H, Tn, D), dt)
-            lse = T.match_buffer(lse_h, (B, H, Tn), acc)
-            body(q, k, v, dil, xidx, sink, scale, out, lse, B, H, Hkv, Tn, E)
-
-        return kernel_x
-
-    @T.prim_func(s_tir=True)
-    def kernel(
-        q_h: T.handle, k_h: T.handle, v_h: T.handle, dil_h: T.handle, sink_h: T.handle,
-        scale: T.float32, out_h: T.handle, lse_h: T.handle,
-    ):
-        B, H, Hkv, Tn = T.int64(), T.int64(), T.int64(), T.int64()
-        q = T.match_buffer(q_h, (B, H, Tn, D), dt)
-        k = T.match_buffer(k_h, (B, Hkv, Tn, D), dt)
-        v = T.match_buffer(v_h, (B, Hkv, Tn, D), dt)
-        dil = T.match_buffer(dil_h, (H,), "int32")
-        sink = T.match_buffer(sink_h, (H,), acc)
-        out = T.match_buffer(out_h, (B, H, Tn, D), dt)
-        lse = T.match_buffer(lse_h, (B, H, Tn), acc)
-        body(q, k, v, dil, None, sink, scale, out, lse, B, H, Hkv, Tn, T.int64(0))
-
-    return kernel
+    return local_kernel(body, D, dt, acc, extras)

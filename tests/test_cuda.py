@@ -130,8 +130,6 @@ def test_cuda_schedule_computes_the_reference(dtype, window, pattern):
     from tvm import s_tir
 
     from swa_tvm.compute import prim_func
-    from swa_tvm.functional import _extra_positions
-    from swa_tvm.reference import sliding_window_attention_ref
     from swa_tvm.schedules import cuda
 
     extras = "globals" in pattern
@@ -141,26 +139,9 @@ def test_cuda_schedule_computes_the_reference(dtype, window, pattern):
     cuda.schedule(sch, spec)
     kernel = _serial_on_cpu(sch.mod)[spec.name]
 
-    B, H, T, D = 2, 4, 150, 16
-    tdt = getattr(torch, dtype)
-    q, k, v = (rand(B, H, T, D).to(tdt) for _ in range(3))
-    dil = torch.tensor([1, 2, 1, 2], dtype=torch.int32) if extras else torch.full((H,), 2, dtype=torch.int32)
-    kw = dict(window_size=window, dilation=dil)
-    if extras:
-        kw.update(global_idx=torch.tensor([[3, 77], [100, 5]], dtype=torch.int32), num_sinks=2, sink_logits=rand(H))
-    sink = kw.get("sink_logits", torch.full((H,), float("-inf")))
-    extra = _extra_positions(kw.get("global_idx"), kw.get("num_sinks", 0), B, "cpu")
-    out, lse = torch.empty(B, H, T, D, dtype=tdt), torch.empty(B, H, T)
-    kernel(q, k, v, dil, *([extra] if extras else []), sink, D**-0.5, out, lse)
-    ref_out, ref_lse = sliding_window_attention_ref(q, k, v, **kw)
-    # Global rows are the global kernel's (not scheduled here): compare the others.
-    rows = torch.ones(B, 1, T, dtype=torch.bool)
-    for b, gs in enumerate(kw.get("global_idx", torch.empty(B, 0)).tolist()):
-        rows[b, 0, gs] = False
-    keep = rows.expand(B, H, T)
+    dilation = [1, 2, 1, 2] if extras else [2, 2, 2, 2]
     tol = 3e-3 if dtype == "bfloat16" else 1e-5  # bf16: the output's rounding
-    assert rel_err(out[keep], ref_out[keep]) < tol
-    assert (lse.double() - ref_lse)[keep].abs().max() < 1e-5
+    _check_local_kernel(kernel, dtype, window, dilation, extras, tol, Hkv=4, D=16)
 
 
 def _pattern_inputs(dtype, window, dilation, extras, B=2, H=4, Hkv=2, T=150, D=32):
@@ -180,6 +161,22 @@ def _pattern_inputs(dtype, window, dilation, extras, B=2, H=4, Hkv=2, T=150, D=3
     for b, gs in enumerate(kw.get("global_idx", torch.empty(B, 0)).tolist()):
         rows[b, 0, gs] = False
     return (q, k, v), kw, ([extra] if extras else []) + [sink], rows.expand(B, H, T)
+
+
+def _check_local_kernel(kernel, dtype, window, dilation, extras, tol, **shape):
+    """Call a local kernel on fresh inputs of one pattern (outputs NaN-filled first, so
+    a row left unwritten fails) and compare the rows it owns with the float64
+    reference: out within ``tol`` (relative), lse within 1e-5."""
+    from swa_tvm.reference import sliding_window_attention_ref
+
+    (q, k, v), kw, extra_args, keep = _pattern_inputs(dtype, window, dilation, extras, **shape)
+    B, H, T, D = q.shape
+    out = torch.full((B, H, T, D), float("nan"), dtype=q.dtype)
+    lse = torch.full((B, H, T), float("nan"))
+    kernel(q, k, v, kw["dilation"], *extra_args, D**-0.5, out, lse)
+    ref_out, ref_lse = sliding_window_attention_ref(q, k, v, **kw)
+    assert rel_err(out[keep], ref_out[keep]) < tol
+    assert (lse.double() - ref_lse)[keep].abs().max() < 1e-5
 
 
 @pytest.mark.parametrize(
@@ -202,21 +199,13 @@ def test_cuda_flash_kernel_computes_the_reference(dtype, window, dilation, extra
     """The fused CUDA kernel (schedules/cuda_flash.py), its thread loops run serially on
     the CPU: every phase in the GPU's order, every row written, against the float64
     reference."""
-    from swa_tvm.reference import sliding_window_attention_ref
     from swa_tvm.schedules import cuda_flash
 
     spec = KernelSpec("local", 32, dtype, *window, max_dilation=max(dilation), extras=extras)
     cfg = cuda_flash.FlashConfig(*config) if config else None
     kernel = _serial_on_cpu(cuda_flash.flash_local(spec, cfg))[spec.name]
-    (q, k, v), kw, extra_args, keep = _pattern_inputs(dtype, window, dilation, extras)
-    B, H, T, D = q.shape
-    out = torch.full((B, H, T, D), float("nan"), dtype=q.dtype)
-    lse = torch.full((B, H, T), float("nan"))
-    kernel(q, k, v, kw["dilation"], *extra_args, D**-0.5, out, lse)
-    ref_out, ref_lse = sliding_window_attention_ref(q, k, v, **kw)
     tol = 1e-5 if dtype == "float32" else {"bfloat16": 3e-3, "float16": 5e-4}[dtype]  # the output's rounding
-    assert rel_err(out[keep], ref_out[keep]) < tol
-    assert (lse.double() - ref_lse)[keep].abs().max() < 1e-5
+    _check_local_kernel(kernel, dtype, window, dilation, extras, tol)
 
 
 @pytest.mark.parametrize(
@@ -235,22 +224,13 @@ def test_cuda_flash_tc_kernel_computes_the_reference(dtype, window, dilation, ex
     (mma.sync, 4-lane reductions) emulated lane by lane and its thread loops run serially
     on the CPU: fragment addressing, masks, online softmax and the reuse of score
     fragments as P V operands, against the float64 reference."""
-    from swa_tvm.reference import sliding_window_attention_ref
     from swa_tvm.schedules import cuda_flash_tc
 
     spec = KernelSpec("local", 32, dtype, *window, max_dilation=max(dilation), extras=extras)
     func = cuda_flash_tc.flash_tc(spec, cuda_flash_tc.TCConfig(*config), emulate=True)
     kernel = _serial_on_cpu(func)[spec.name]
-    (q, k, v), kw, extra_args, keep = _pattern_inputs(dtype, window, dilation, extras)
-    B, H, T, D = q.shape
-    out = torch.full((B, H, T, D), float("nan"), dtype=q.dtype)
-    lse = torch.full((B, H, T), float("nan"))
-    kernel(q, k, v, kw["dilation"], *extra_args, D**-0.5, out, lse)
-    ref_out, ref_lse = sliding_window_attention_ref(q, k, v, **kw)
     # P enters the P V product in the input dtype, as in FlashAttention: bf16 rounds it.
-    tol = {"bfloat16": 4e-3, "float16": 5e-4}[dtype]
-    assert rel_err(out[keep], ref_out[keep]) < tol
-    assert (lse.double() - ref_lse)[keep].abs().max() < 1e-5
+    _check_local_kernel(kernel, dtype, window, dilation, extras, {"bfloat16": 4e-3, "float16": 5e-4}[dtype])
 
 
 @pytest.mark.parametrize("dtype,causal", [("bfloat16", True), ("float16", False)])
