@@ -44,6 +44,9 @@ class Defaults:
     def choice(self, sch, candidates, default):
         return default
 
+    def split(self, sch, loop, default: list, max_inner: int) -> list:
+        return list(default)
+
 
 class Sampled:
     """Knobs answered with MetaSchedule samples (recorded in the trace)."""
@@ -55,6 +58,10 @@ class Sampled:
     def choice(self, sch, candidates, default):
         candidates = list(candidates)
         return sch.sample_categorical(candidates, [1.0 / len(candidates)] * len(candidates))
+
+    def split(self, sch, loop, default: list, max_inner: int) -> list:
+        # A perfect tile of a fixed-extent loop into len(default) factors.
+        return list(sch.sample_perfect_tile(loop, n=len(default), max_innermost_factor=max_inner))
 
 
 class DefaultPoint(Sampled):
@@ -71,6 +78,9 @@ class DefaultPoint(Sampled):
         candidates = list(candidates)
         n = len(candidates)
         return sch.sample_categorical(candidates, [1.0 / n] * n, decision=candidates.index(default))
+
+    def split(self, sch, loop, default: list, max_inner: int) -> list:
+        return list(sch.sample_perfect_tile(loop, n=len(default), max_innermost_factor=max_inner, decision=default))
 
 
 def _has(sch: s_tir.Schedule, name: str) -> bool:

@@ -131,8 +131,8 @@ def schedule_spec(spec: KernelSpec, tvm_target, record=None):
         raise NotImplementedError(f"no schedule for target kind {kind!r}")
     if kind == "llvm" and spec.dtype in HALF_DTYPES:
         raise ValueError(f"kernel {spec.name}: {spec.dtype} kernels are built for CUDA targets; the CPU serves float32/float64")
-    if record is not None:
-        return _postprocess(spec, kind, apply_record(spec, record.trace))
+    if record is not None and record.trace is not None:
+        return _postprocess(spec, kind, apply_record(spec, record.trace, kind))
     fused = default_schedule(spec, kind)
     if fused == "cuda_flash_tc":
         from swa_tvm.schedules import cuda_flash_tc
@@ -189,9 +189,9 @@ def find_records(specs: Iterable[KernelSpec], target: dict, logs: str | None = D
     found = best_records(specs, target, root)  # reads the log folder once
     for s in specs:
         rec = found[s.name]
-        if rec is not None:
+        if rec is not None and rec.trace is not None:  # trace None: the default kernel won
             try:
-                apply_record(s, rec.trace)
+                apply_record(s, rec.trace, target.get("kind", "llvm"))
             except Exception as e:  # noqa: BLE001 - a stale record must not break a build
                 # The schedule code changed since the record was made: it no longer replays.
                 warnings.warn(
@@ -315,14 +315,15 @@ def export_library(
             "name": s.name,
             "spec": s.to_dict(),
             "tuned": rec is not None,
-            "schedule": "tuned" if rec is not None else default_schedule(s, target["kind"]),
+            "schedule": "tuned" if rec is not None and rec.trace is not None else default_schedule(s, target["kind"]),
         }
         if rec is not None:
             entry["tuning"] = {
                 "run_ms": round(rec.run_ms, 4),
                 "gflops": round(rec.gflops, 2),
                 "records": rec.records,
-                "default_point": rec.default_point,  # no searched record beat the default by DEFAULT_MARGIN
+                # No searched record beat the default (CUDA: the fused kernel) by DEFAULT_MARGIN.
+                "default_point": rec.default_point,
             }
         return entry
 

@@ -2,10 +2,15 @@
 
 What is tuned. A record is measured on a *tuning workload*: the kernel's PrimFunc at a
 concrete shape (``TUNE_SHAPES``) with the scale folded to a constant, because
-MetaSchedule's runner needs concrete tensors. The search space is the CPU schedule in
-``schedules/cpu.py`` run with ``Sampled`` knobs; it samples only loops whose extent the
-spec fixes, so a record's trace replays unchanged on the symbolic-T kernel that is
-exported (``apply_record``).
+MetaSchedule's runner needs concrete tensors. The search space is the target's schedule
+(``schedules/cpu.py``, ``schedules/cuda.py``) run with ``Sampled`` knobs; it samples only
+loops whose extent the spec fixes, so a record's trace replays unchanged on the
+symbolic-T kernel that is exported (``apply_record``).
+
+CUDA. A CUDA kernel without a record is a fused kernel (``build.default_schedule``), not
+the TE this space schedules, so a CUDA record applies only where it measured faster than
+that fused kernel at the tuning shape, on the same GPU: ``baselines.json`` beside the
+records holds the fused kernels' measured times (written by ``swa_tvm.tuning_batch``).
 
 Where records live. ``<logs>/<target-key>/`` (for instance ``tuning_logs/llvm-znver3/``)
 holds MetaSchedule's own JSON database files, ``database_workload.json`` and
@@ -24,6 +29,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -51,16 +57,46 @@ def tune_shapes(spec: KernelSpec, shapes: dict | None = None) -> dict:
     return base
 
 
-def tuning_workload(spec: KernelSpec, shapes: dict | None = None):
+def tuning_workload(spec: KernelSpec, shapes: dict | None = None, target_kind: str = "llvm"):
     """The IRModule MetaSchedule tunes for ``spec``: concrete shapes, constant scale."""
     import tvm
+
+    func = _fold_scale(prim_func(spec, tune_shapes(spec, shapes), target_kind=target_kind), spec)
+    return tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
+
+
+def _fold_scale(func, spec: KernelSpec, binds: dict | None = None):
     from tvm import tirx
 
-    func = prim_func(spec, tune_shapes(spec, shapes))
+    binds = dict(binds or {})
     scale = next(p for p in func.params if p.name == "scale")
-    acc = accum_dtype(spec.dtype)
-    func = func.specialize({scale: tirx.const(1.0 / spec.head_dim**0.5, acc)})
-    return tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
+    binds[scale] = tirx.const(1.0 / spec.head_dim**0.5, accum_dtype(spec.dtype))
+    return func.specialize(binds)
+
+
+def call_args(spec: KernelSpec, target_kind: str) -> list:
+    """The arguments a tuning measurement passes, as JSON: the tuning workload's tensors
+    (``["TENSOR", dtype, shape]``, MetaSchedule's ArgInfo), plus, for a kernel that
+    takes the scale at run time (the symbolic-T kernel: the default, fused or not), a
+    ``["SCALAR", dtype, value]`` where its ``scale`` parameter is."""
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+
+    args = [a.as_json() for a in ArgInfo.from_prim_func(tuning_workload(spec, target_kind=target_kind)["main"])]
+    params = [p.name for p in prim_func(spec, target_kind=target_kind).params]
+    args.insert(params.index("scale"), ["SCALAR", accum_dtype(spec.dtype), 1.0 / spec.head_dim**0.5])
+    return args
+
+
+def tvm_target_of(target: dict):
+    """The TVM Target tuning builds for. CUDA targets get the limits of an sm_80/sm_90
+    class GPU that MetaSchedule's GPU checks read (1024 threads and 64K registers per
+    block, 48 KiB of static shared memory); the code is the same as without them."""
+    import tvm
+
+    if target.get("kind") == "cuda":
+        target = dict(target, **{"max_threads_per_block": 1024, "max_num_threads": 1024, "thread_warp_size": 32,
+                                 "max_shared_memory_per_block": 48 * 1024, "registers_per_block": 65536})
+    return tvm.target.Target(target)
 
 
 def workload_flops(spec: KernelSpec, shapes: dict | None = None) -> float:
@@ -295,38 +331,65 @@ def _same_target_class(record_target, target: dict) -> bool:
     return target_key({k: v for k, v in rec.items() if v is not None}) == target_key(target)
 
 
-def _best_in(db, spec: KernelSpec, target: dict) -> BestRecord | None:
-    recs = db.records_for(tuning_workload(spec))
+BASELINE_FILE = "baselines.json"
+
+
+def read_baselines(folder: str) -> dict:
+    """The fused kernels' measured times in a CUDA log folder: workload key -> entry
+    with ``run_secs`` (the fastest measurement), ``spec``, ``schedule``, ``device``."""
+    path = os.path.join(folder, BASELINE_FILE)
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _secs(run_secs) -> float:
+    return float(np.mean([float(s) for s in run_secs]))
+
+
+def _best_in(db, spec: KernelSpec, target: dict, baselines: dict | None = None) -> BestRecord | None:
+    kind = target.get("kind")
+    mod = tuning_workload(spec, target_kind=kind)
+    recs = db.records_for(mod)
     mine = [r for r in recs if _same_target_class(r.target, target)]
     if not mine:
         return None
-
-    def secs(r):
-        return float(np.mean([float(s) for s in r.run_secs]))
-
     best, is_default = mine[0], False
-    if target.get("kind") == "llvm":
+    if kind == "llvm":
         import tvm
 
         from .build import _vector_lanes
 
         trace = str(default_point(spec, _vector_lanes(tvm.target.Target(target))).trace)
         default = next((r for r in mine if str(r.trace) == trace), None)
-        if default is not None and (default is best or secs(best) > (1 - DEFAULT_MARGIN) * secs(default)):
+        if default is not None and (default is best or _secs(best.run_secs) > (1 - DEFAULT_MARGIN) * _secs(default.run_secs)):
             best, is_default = default, True
-    t = secs(best)
+    elif kind == "cuda":
+        # The default is the fused kernel: a record replaces it only when measured faster
+        # on the GPU; without a measurement of the fused kernel, the fused kernel stays.
+        base = (baselines or {}).get(workload_key(mod))
+        if base is None or _secs(best.run_secs) > (1 - DEFAULT_MARGIN) * _secs(base["run_secs"]):
+            if base is None:
+                return None
+            t = _secs(base["run_secs"])
+            return BestRecord(None, t * 1e3, workload_flops(spec) / t / 1e9, len(recs), True)
+    t = _secs(best.run_secs)
     return BestRecord(best.trace, t * 1e3, workload_flops(spec) / t / 1e9, len(recs), is_default)
 
 
 def best_records(specs: Iterable[KernelSpec], target: dict, logs_root: str | None) -> dict:
     """The fastest valid record of each spec in ``logs_root``'s folder for ``target``
-    (None where there is none), reading that folder once."""
+    (None where there is none), reading that folder once. A record whose ``trace`` is
+    None stands for the default kernel, measured faster than every record."""
     specs = list(specs)
     folder = log_dir(logs_root, target) if logs_root else None
     if folder is None or not os.path.exists(os.path.join(folder, RECORD_FILE)):
         return {s.name: None for s in specs}
-    db = open_log(folder, only={workload_key(tuning_workload(s)) for s in specs})
-    return {s.name: _best_in(db, s, target) for s in specs}
+    kind = target.get("kind")
+    db = open_log(folder, only={workload_key(tuning_workload(s, target_kind=kind)) for s in specs})
+    baselines = read_baselines(folder)
+    return {s.name: _best_in(db, s, target, baselines) for s in specs}
 
 
 def best_record(spec: KernelSpec, target: dict, logs_root: str | None) -> BestRecord | None:
@@ -334,12 +397,12 @@ def best_record(spec: KernelSpec, target: dict, logs_root: str | None) -> BestRe
     return best_records([spec], target, logs_root)[spec.name]
 
 
-def apply_record(spec: KernelSpec, trace):
+def apply_record(spec: KernelSpec, trace, target_kind: str = "llvm"):
     """Replay a tuned trace on the symbolic-T kernel; returns the scheduled PrimFunc."""
     import tvm
     from tvm import s_tir
 
-    sch = s_tir.Schedule(tvm.IRModule({"main": prim_func(spec)}))
+    sch = s_tir.Schedule(tvm.IRModule({"main": prim_func(spec, target_kind=target_kind)}))
     trace.apply_to_schedule(sch, remove_postproc=True)
     return sch.mod["main"].with_attr("global_symbol", spec.name)
 
@@ -497,6 +560,84 @@ def _measure_default_points(specs, db, builder, runner, tvm_target, lanes) -> No
         )
 
 
+def space_generator(spec: KernelSpec, tvm_target):
+    """MetaSchedule's design space for ``spec``: the target's schedule with Sampled knobs.
+    CUDA candidates that exceed the GPU's limits (threads, shared memory) are dropped
+    before building."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from .schedules import cpu as cpu_schedules
+    from .schedules import cuda as cuda_schedules
+
+    if tvm_target.kind.name == "cuda":
+
+        def fn(sch):
+            cuda_schedules.schedule(sch, spec, cpu_schedules.Sampled())
+            return sch
+
+        postprocs = [ms.postproc.VerifyGPUCode()]
+    else:
+        from .build import _vector_lanes
+
+        lanes = _vector_lanes(tvm_target)
+
+        def fn(sch):
+            cpu_schedules.schedule(sch, spec, lanes, cpu_schedules.Sampled())
+            return sch
+
+        postprocs = []
+    return ms.space_generator.ScheduleFn(fn, sch_rules=[], postprocs=postprocs, mutator_probs="from-target")
+
+
+def export_shared_library(mod) -> str:
+    """MetaSchedule builder export: a shared library (which the TVM runtime alone loads,
+    unlike the default tar, which needs a compiler to link on the measuring machine)."""
+    import tempfile
+
+    path = os.path.join(tempfile.mkdtemp(prefix="swa_tvm_candidate_"), "candidate.so")
+    mod.export_library(path)
+    return path
+
+
+def init_builder_worker(target: dict) -> None:
+    """Builder worker setup: the fast tensor_intrin import, and for CUDA, device code
+    compiled by nvcc (``build._nvcc_fatbin``) for the rest of the worker's life."""
+    from .build import _nvcc_fatbin
+
+    preload_tensor_intrin()
+    _nvcc_fatbin(target).__enter__()
+
+
+def make_builder(target: dict, cores: int, shared_library: bool = False):
+    """MetaSchedule's LocalBuilder for ``target``; ``shared_library``: export .so files
+    (for measuring with the runtime alone) instead of MetaSchedule's tar."""
+    from tvm.s_tir import meta_schedule as ms
+
+    return ms.builder.LocalBuilder(
+        max_workers=cores,
+        timeout_sec=300,
+        initializer=functools.partial(init_builder_worker, dict(target)),
+        f_export=export_shared_library if shared_library or target.get("kind") == "cuda" else None,
+    )
+
+
+def check_cuda_tuning(specs, rpc_tracker: str | None) -> None:
+    """CUDA tuning measures on a GPU: this machine's, or an RPC tracker's."""
+    from .spec import BACKWARD_KINDS
+
+    if any(s.kind in BACKWARD_KINDS for s in specs):
+        raise ValueError("CUDA serves the forward kernels only; tune with --kernels forward")
+    if rpc_tracker is None:
+        from .build import local_cuda_arch
+
+        if local_cuda_arch() is None:
+            raise RuntimeError(
+                "tuning for CUDA measures candidates on a GPU and this machine has none: use "
+                "--rpc-tracker, or build a batch here and measure it on a GPU machine "
+                "(swa-tvm tune --batch-out DIR; see python -m swa_tvm.measure_batch)"
+            )
+
+
 def tune(
     specs: Iterable[KernelSpec],
     target: dict,
@@ -521,17 +662,18 @@ def tune(
     from tvm.s_tir.meta_schedule.logging import get_loggers_from_work_dir
 
     from .build import _vector_lanes
-    from .schedules import cpu as cpu_schedules
 
     preload_tensor_intrin()
     specs = list(dict.fromkeys(specs))
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
-    tvm_target = tvm.target.Target(target)
-    if tvm_target.kind.name != "llvm":
-        raise NotImplementedError(f"tuning for target kind {tvm_target.kind.name!r} is not supported yet")
-    lanes = _vector_lanes(tvm_target)
-    cores = int(target.get("num-cores", os.cpu_count() or 1))
+    kind = target.get("kind")
+    if kind not in ("llvm", "cuda"):
+        raise NotImplementedError(f"tuning for target kind {kind!r} is not supported")
+    if kind == "cuda":
+        check_cuda_tuning(specs, rpc_tracker)
+    tvm_target = tvm_target_of(target)
+    cores = int(target.get("num-cores", len(os.sched_getaffinity(0)) or 1))
     folder = log_dir(logs_root, target)
     db = open_log(folder)
     os.makedirs(work_dir, exist_ok=True)
@@ -545,19 +687,17 @@ def tune(
         if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
             ms_logger.removeHandler(h)
 
-    def space(spec):
-        def fn(sch):
-            cpu_schedules.schedule(sch, spec, lanes, cpu_schedules.Sampled())
-            return sch
-
-        return ms.space_generator.ScheduleFn(fn, sch_rules=[], postprocs=[], mutator_probs="from-target")
-
-    before = {s.name: len(db.records_for(tuning_workload(s))) for s in specs}
-    builder = ms.builder.LocalBuilder(max_workers=cores, timeout_sec=300, initializer=preload_tensor_intrin)
+    before = {s.name: len(db.records_for(tuning_workload(s, target_kind=kind))) for s in specs}
+    builder = make_builder(target, cores)
     # Candidates are measured on as many threads as the target's cores, as the op runs
     # them (library.configure_cpu_threads): TVM's own default is half the logical CPUs.
     runner = make_runner(rpc_tracker, rpc_key, threads=cores)
-    _measure_default_points(specs, db, builder, runner, tvm_target, lanes)
+    if kind == "llvm":
+        _measure_default_points(specs, db, builder, runner, tvm_target, _vector_lanes(tvm_target))
+    else:
+        from .tuning_batch import measure_baselines_here
+
+        measure_baselines_here(specs, target, logs_root)
 
     per_iter = max(1, min(num_trials_per_iter, trials))
     strategy = ms.search_strategy.EvolutionarySearch(
@@ -565,9 +705,9 @@ def tune(
     )
     tasks = [
         ms.TuneContext(
-            mod=tuning_workload(spec),
+            mod=tuning_workload(spec, target_kind=kind),
             target=tvm_target,
-            space_generator=space(spec),
+            space_generator=space_generator(spec, tvm_target),
             search_strategy=strategy,
             task_name=spec.name,
             rand_state=-1 if seed is None else seed + i,
@@ -601,9 +741,10 @@ def tune(
         if bar is not None:
             bar.close()
     results = []
+    baselines = read_baselines(folder)
     for spec in specs:
-        best = _best_in(db, spec, target)  # the log in memory already holds this run's records
-        records = len(db.records_for(tuning_workload(spec)))
+        best = _best_in(db, spec, target, baselines)  # the log in memory holds this run's records
+        records = len(db.records_for(tuning_workload(spec, target_kind=kind)))
         results.append(
             TuneResult(
                 spec,
