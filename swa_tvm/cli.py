@@ -70,11 +70,6 @@ def _cmd_tune(args) -> int:
     from .tuning import log_dir, tune
 
     target = normalize_target(args.target)
-    if target.get("kind") != "llvm":
-        raise ValueError(
-            f"--target {args.target!r}: only llvm (CPU) tuning is supported by this version; "
-            "CUDA libraries export with their default schedules (swa-tvm export --target 'cuda -arch=sm_90')"
-        )
     specs = _kernel_specs(args)
     if args.kernels != "all":
         from .spec import BACKWARD_KINDS
@@ -82,7 +77,22 @@ def _cmd_tune(args) -> int:
         specs = [k for k in specs if (k.kind in BACKWARD_KINDS) == (args.kernels == "backward")]
         if not specs:
             raise ValueError(f"--kernels {args.kernels}: the specs have no such kernels (add ',backward' to a spec)")
+    if target.get("kind") == "cuda" and args.kernels == "all":
+        from .spec import BACKWARD_KINDS
+
+        specs = [k for k in specs if k.kind not in BACKWARD_KINDS]  # CUDA serves the forward kernels
     logs = args.logs or "tuning_logs"
+    if args.batch_out:
+        from .tuning_batch import build_batch
+
+        batch = build_batch(specs, target, args.trials, logs, args.batch_out, seed=args.seed,
+                            progress=lambda m: print(m, file=sys.stderr))
+        n = sum(len(t["candidates"]) for t in batch["tasks"])
+        print(f"wrote {args.batch_out}: {n} candidates and {len(batch['tasks'])} baselines of "
+              f"{len(batch['tasks'])} kernel(s) for {batch['target_key']} (batch {batch['batch_id']})")
+        print(f"measure it where the device is: python -m swa_tvm.measure_batch {args.batch_out} --out OUT; "
+              f"then here: swa-tvm import-measurements --batch {args.batch_out} OUT/measured.json")
+        return 0
     work_dir = args.work_dir or os.path.join(logs, ".work", target_key(target))
     print(
         f"tuning {len(specs)} kernel(s) for {target_key(target)}, {args.trials} trials each; "
@@ -127,6 +137,16 @@ def _cmd_tune(args) -> int:
         best = f"{r.best_ms:.2f} ms, {r.best_gflops:.1f} GFLOP/s" if r.best_ms else "no valid record"
         print(f"  {r.spec.name}: {r.records} records (+{r.trials}), best {best}")
     print(f"done in {time.time() - t0:.0f}s")
+    return 0
+
+
+def _cmd_import(args) -> int:
+    from .tuning_batch import import_measurements
+
+    logs = args.logs or "tuning_logs"
+    counts = import_measurements(args.batch, args.measured, logs, progress=lambda m: print(m, file=sys.stderr))
+    print(f"imported {counts['records']} records and {counts['baselines']} baselines "
+          f"({counts['failed']} not measured) into {logs}")
     return 0
 
 
@@ -178,7 +198,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--kernels", choices=("all", "forward", "backward"), default="all",
                    help="tune only the forward or only the backward (gradient) kernels of the specs")
+    t.add_argument("--batch-out", metavar="DIR",
+                   help="build TRIALS candidates per kernel into DIR instead of measuring them here, for "
+                        "python -m swa_tvm.measure_batch on the device's machine (then import-measurements)")
     t.set_defaults(func=_cmd_tune)
+
+    m = sub.add_parser("import-measurements",
+                       help="commit a batch measured elsewhere (swa_tvm.measure_batch) as tuning records")
+    m.add_argument("measured", help="the measured.json that python -m swa_tvm.measure_batch wrote")
+    m.add_argument("--batch", required=True, help="the batch folder it measured (tune --batch-out)")
+    m.add_argument("--logs", help="tuning log root (default: ./tuning_logs)")
+    m.set_defaults(func=_cmd_import)
 
     e = sub.add_parser("export", help="compile specs into a shared library with its manifest")
     e.add_argument("--spec", action="append", required=True, help=spec_help)

@@ -6,7 +6,9 @@ limited (64 MiB), so the full apache-tvm wheel cannot go. This writes ``build/gp
 - ``lib/*.so`` (+ manifests): CUDA libraries compiled here with nvcc for one arch;
 - ``runtime/``: libtvm_runtime.so and libtvm_runtime_cuda.so from the installed TVM and a
   ``tvm_version`` file (what ``library.tvm_version`` reads without apache-tvm);
-- ``wheels/``: the apache-tvm-ffi wheel for the GPU machine's Python (fetched by pip).
+- ``wheels/``: the apache-tvm-ffi wheel for the GPU machine's Python (fetched by pip);
+- ``tune_batch/``: a batch of MetaSchedule candidates for the GPU to measure
+  (:mod:`swa_tvm.tuning_batch`), continuing from the records in ``tuning_logs/``.
 
 Then ``examples/gpu_check.sh`` (run there, see :mod:`swa_tvm.gpu_check`) loads and checks
 them. Usage: ``python -m swa_tvm.gpu_bundle [--arch sm_90] [--out build/gpu]``.
@@ -108,6 +110,28 @@ def build_variants(out: str, arch: str) -> str:
     return path
 
 
+# The tuning batch: the kernel of the bars, TUNE_TRIALS candidates.
+TUNE_SPEC = "head_dim=128,window=4095:0,dtype=bfloat16"
+TUNE_TRIALS = 16
+
+
+def build_tune_batch(out: str, arch: str, trials: int = TUNE_TRIALS) -> str:
+    from .build import normalize_target
+    from .spec import AttentionSpec
+    from .tuning import default_logs_root
+    from .tuning_batch import build_batch
+
+    folder = os.path.join(out, "tune_batch")
+    shutil.rmtree(folder, ignore_errors=True)
+    t0 = time.time()
+    specs = [k for k in AttentionSpec.parse(TUNE_SPEC).kernels() if k.kind == "local"]
+    batch = build_batch(specs, normalize_target(f"cuda -arch={arch}"), trials, default_logs_root() or "tuning_logs",
+                        folder)
+    n = sum(len(t["candidates"]) for t in batch["tasks"])
+    print(f"{folder}: {n} candidates + baselines in {time.time() - t0:.0f}s", flush=True)
+    return folder
+
+
 def copy_runtime(out: str) -> None:
     import tvm
 
@@ -139,12 +163,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join("build", "gpu"), help="output folder (default build/gpu)")
     p.add_argument("--python-version", default="3.12", help="the GPU machine's Python (default 3.12)")
     p.add_argument("--skip-libraries", action="store_true", help="only the runtime and the wheel")
+    p.add_argument("--tune-trials", type=int, default=TUNE_TRIALS,
+                   help=f"candidates in the tuning batch (default {TUNE_TRIALS}; 0: no batch)")
     args = p.parse_args(argv)
     copy_runtime(args.out)
     fetch_ffi_wheel(args.out, args.python_version)
     if not args.skip_libraries:
         build_libraries(args.out, args.arch)
         build_variants(args.out, args.arch)
+        if args.tune_trials > 0:
+            build_tune_batch(args.out, args.arch, args.tune_trials)
     total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.out) for f in fs)
     print(f"{args.out}: {total / 2**20:.1f} MiB (the device tool carries up to 64 MiB)")
     return 0

@@ -14,9 +14,12 @@ runtime only, then, in one process:
    and +64 global tokens; the bf16 matmul rate measured in the same run as the ceiling;
 3. scaling: our forward time at T = 8K ... 128K (as far as memory allows);
 4. variants: the fused kernel's tile configurations timed against each other at the
-   timing shape (``lib/variants``), each checked against the default kernel.
+   timing shape (``lib/variants``), each checked against the default kernel;
+5. tuning: the batch of MetaSchedule candidates built there (``tune_batch``), measured
+   by :mod:`swa_tvm.measure_batch` into ``<out>/measured.json`` (import it there with
+   ``swa-tvm import-measurements``).
 
-Everything goes to ``<out>/gpu_results.json``. Usage (examples/gpu_check.sh sets the
+Everything else goes to ``<out>/gpu_results.json``. Usage (examples/gpu_check.sh sets the
 environment): ``python3 -m swa_tvm.gpu_check --libs build/gpu/lib --out $OUT``.
 """
 
@@ -200,6 +203,35 @@ def time_variants(results: dict, dev: torch.device, libs: str) -> None:
     results["variants"] = rows
 
 
+def measure_tune_batch(results: dict, dev: torch.device, batch: str, out: str) -> None:
+    """Measure the tuning batch (if one was built) into ``<out>/measured.json``."""
+    from swa_tvm import measure_batch
+
+    if not os.path.exists(os.path.join(batch, "batch.json")):
+        results["tuning"] = "no batch built"
+        return
+    with open(os.path.join(batch, "batch.json")) as f:
+        built_for = json.load(f)["device"]
+    if built_for != dev.type:
+        results["tuning"] = f"skipped: the batch is for {built_for}, this run is on {dev.type}"
+        return
+    measured = measure_batch.measure(batch, dev.type)
+    with open(os.path.join(out, measure_batch.MEASURED_FILE), "w") as f:
+        json.dump(measured, f, indent=1)
+    rows = measured["results"]
+    base = [r for r in rows if r["id"].endswith("-base")]
+    cands = [r for r in rows if not r["id"].endswith("-base")]
+    times = sorted(statistics.median(r["run_secs"]) * 1e3 for r in cands if "run_secs" in r)
+    results["tuning"] = {
+        "candidates": len(cands),
+        "measured": len(times),
+        "best_candidate_ms": times[0] if times else None,
+        "baseline_ms": [statistics.median(r["run_secs"]) * 1e3 for r in base if "run_secs" in r],
+        "errors": sorted({r["error"][:120] for r in rows if "error" in r}),
+    }
+    print(f"  tuning batch: {results['tuning']}", flush=True)
+
+
 def _empty_cache() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -325,6 +357,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_results.json")
     p.add_argument("--quick", action="store_true", help="small timing shapes (a smoke run)")
     p.add_argument("--skip-bench", action="store_true")
+    p.add_argument("--batch", default=os.path.join("build", "gpu", "tune_batch"),
+                   help="tuning batch to measure (skipped when absent)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu: a smoke run of this harness with the CPU kernels (float32, tiny shapes)")
     args = p.parse_args(argv)
@@ -360,7 +394,8 @@ def main(argv=None) -> int:
     ok = True
     for stage, fn in (("correctness", lambda: check_patterns(results, dev)),
                       ("bench", lambda: None if args.skip_bench else bench(results, dev, args.quick)),
-                      ("variants", lambda: None if args.skip_bench else time_variants(results, dev, args.libs))):
+                      ("variants", lambda: None if args.skip_bench else time_variants(results, dev, args.libs)),
+                      ("tuning", lambda: measure_tune_batch(results, dev, args.batch, args.out))):
         print(f"== {stage}", flush=True)
         t0 = time.time()
         try:

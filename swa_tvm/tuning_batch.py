@@ -257,16 +257,13 @@ def import_measurements(batch_dir: str, measured_path: str, logs_root: str, prog
     for task in batch["tasks"]:
         entries[task["baseline"]["id"]] = (task, task["baseline"])
         entries.update({c["id"]: (task, c) for c in task["candidates"]})
-    db = open_log(folder)
-    workloads = {name: db.commit_workload(Workload.from_json(wl).mod) for name, wl in saved["workloads"].items()}
-    baselines = read_baselines(folder)
-    counts = {"records": 0, "baselines": 0, "failed": 0}
+    # Check every row before writing anything: a refused import leaves the log as it was.
+    measured_rows = []
     for row in measured["results"]:
         if row["id"] not in entries:
             raise ValueError(f"{measured_path}: result {row['id']!r} is not a candidate of batch {batch['batch_id']}")
         task, entry = entries[row["id"]]
         if "run_secs" not in row:
-            counts["failed"] += 1
             progress(f"  {task['name']} {row['id']}: not measured ({row.get('error', '?')[:120]})")
             continue
         if row.get("sha256") != entry["sha256"]:
@@ -274,6 +271,12 @@ def import_measurements(batch_dir: str, measured_path: str, logs_root: str, prog
         run_secs = [float(s) for s in row["run_secs"]]
         if not run_secs or min(run_secs) <= 0:
             raise ValueError(f"{measured_path}: {row['id']} has no positive run time")
+        measured_rows.append((task, entry, run_secs))
+    counts = {"records": 0, "baselines": 0, "failed": len(measured["results"]) - len(measured_rows)}
+    db = open_log(folder)
+    workloads = {name: db.commit_workload(Workload.from_json(wl).mod) for name, wl in saved["workloads"].items()}
+    baselines = read_baselines(folder)
+    for task, entry, run_secs in measured_rows:
         if entry is task["baseline"]:
             key = saved["workloads"][task["name"]][0]
             old = baselines.get(key)
@@ -283,7 +286,7 @@ def import_measurements(batch_dir: str, measured_path: str, logs_root: str, prog
                                   "batch_id": batch["batch_id"]}
             counts["baselines"] += 1
             continue
-        rec = TuningRecord.from_json(saved["records"][row["id"]], workloads[task["name"]])
+        rec = TuningRecord.from_json(saved["records"][entry["id"]], workloads[task["name"]])
         db.commit_tuning_record(TuningRecord(rec.trace, workloads[task["name"]], convert(run_secs), rec.target, rec.args_info))
         counts["records"] += 1
     with open(os.path.join(folder, BASELINE_FILE + ".tmp"), "w") as f:

@@ -144,6 +144,28 @@ def test_cuda_schedule_computes_the_reference(dtype, window, pattern):
     _check_local_kernel(kernel, dtype, window, dilation, extras, tol, Hkv=4, D=16)
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_cuda_search_space_points_replay_and_compute_the_reference(seed):
+    """A random point of the CUDA search space (schedules/cuda.py with Sampled knobs, what
+    `swa-tvm tune --target cuda` measures), sampled on the concrete tuning workload and
+    replayed on the symbolic-T kernel as export replays a record, computes the reference
+    at another shape (run serially on the CPU)."""
+    import tvm
+    from tvm import s_tir
+
+    from swa_tvm import tuning
+    from swa_tvm.schedules import cpu, cuda
+
+    spec = KernelSpec("local", 16, "float16", 8, 9, max_dilation=2, extras=True)
+    sch = s_tir.Schedule(tuning.tuning_workload(spec, target_kind="cuda"), seed=seed)
+    cuda.schedule(sch, spec, cpu.Sampled())
+    kinds = [i.kind.name for i in sch.trace.insts]
+    assert "SamplePerfectTile" in kinds and "SampleCategorical" in kinds
+    func = tuning.apply_record(spec, sch.trace, "cuda")
+    kernel = _serial_on_cpu(tvm.IRModule({spec.name: func}))[spec.name]
+    _check_local_kernel(kernel, "float16", (8, 9), [1, 2, 1, 2], True, 3e-3, Hkv=4, D=16)
+
+
 def _pattern_inputs(dtype, window, dilation, extras, B=2, H=4, Hkv=2, T=150, D=32):
     """Fresh inputs of one pattern, the kernel's extra arguments, and the rows a local
     kernel owns (global rows belong to the global kernel)."""

@@ -1,0 +1,229 @@
+"""Tuning with the builder here and the runner elsewhere (swa_tvm.tuning_batch and
+swa_tvm.measure_batch): a CPU batch goes the whole way (built by the CLI, measured by
+the runtime alone in another process, imported as records that export then applies);
+the import refuses what it cannot vouch for; the measuring side refuses a candidate
+whose outputs differ from the baseline's; and for CUDA, records replace the fused
+kernel only when measured faster than it.
+
+Batches stay tiny (a D=16 kernel, 2 candidates): building one CPU candidate takes
+seconds, a CUDA one about ten."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from swa_tvm import tuning, tuning_batch
+from swa_tvm.build import host_target, target_key
+from swa_tvm.spec import AttentionSpec
+
+SPEC_STR = "head_dim=16,window=7:0"
+KSPEC = AttentionSpec.parse(SPEC_STR).kernels()[0]
+CLI = [sys.executable, "-m", "swa_tvm.cli"]
+
+# Measures a batch in a process that never imports the TVM compiler, as on a GPU
+# machine that has only torch, tvm-ffi and libtvm_runtime.
+MEASURE_RUNTIME_ONLY = r"""
+import sys
+from swa_tvm import measure_batch
+assert measure_batch.main([sys.argv[1], "--out", sys.argv[2], "--device", "cpu", "--repeat", "3", "--number", "1"]) == 0
+assert "tvm" not in sys.modules, "measuring must not import the TVM compiler"
+"""
+
+
+def _run(args, **kw):
+    r = subprocess.run(args, capture_output=True, text=True, timeout=900, **kw)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+@pytest.fixture(scope="module")
+def cpu_batch(tmp_path_factory):
+    """A CPU batch built by the CLI and measured by the runtime alone: (batch, measured.json)."""
+    root = tmp_path_factory.mktemp("cpu_batch")
+    batch, out = root / "batch", root / "out"
+    r = _run(CLI + ["tune", "--spec", SPEC_STR, "--trials", "2", "--seed", "3", "--logs", str(root / "unused"),
+                    "--batch-out", str(batch)])
+    assert "measure_batch" in r.stdout
+    _run([sys.executable, "-c", MEASURE_RUNTIME_ONLY, str(batch), str(out)])
+    return batch, out / "measured.json"
+
+
+def test_cpu_batch_round_trip(cpu_batch, tmp_path):
+    from tvm.s_tir.meta_schedule.database import JSONDatabase
+
+    batch, measured_path = cpu_batch
+    meta = json.loads((batch / "batch.json").read_text())
+    measured = json.loads(measured_path.read_text())
+    assert meta["device"] == "cpu" and measured["batch_id"] == meta["batch_id"]
+    (task,) = meta["tasks"]
+    assert task["name"] == KSPEC.name and len(task["candidates"]) == 2
+    assert task["baseline"]["schedule"] == "default"
+    rows = {r["id"]: r for r in measured["results"]}
+    assert set(rows) == {task["baseline"]["id"]} | {c["id"] for c in task["candidates"]}
+    for row in rows.values():
+        assert "error" not in row, row
+        assert len(row["run_secs"]) == 3 and min(row["run_secs"]) > 0
+        assert row["max_rel_err"] < 1e-4  # every candidate computes what the baseline does
+
+    logs = tmp_path / "logs"
+    r = _run(CLI + ["import-measurements", str(measured_path), "--batch", str(batch), "--logs", str(logs)])
+    assert "imported 2 records and 1 baselines" in r.stdout
+    folder = logs / target_key(host_target())
+    # MetaSchedule's own database reads the records, with the times measured there.
+    db = JSONDatabase(str(folder / tuning.WORKLOAD_FILE), str(folder / tuning.RECORD_FILE))
+    recs = db.get_all_tuning_records()
+    assert len(recs) == 2
+    got = sorted(tuple(float(s) for s in rec.run_secs) for rec in recs)
+    want = sorted(tuple(rows[c["id"]]["run_secs"]) for c in task["candidates"])
+    assert got == pytest.approx(want)
+    base = json.loads((folder / tuning.BASELINE_FILE).read_text())
+    assert list(base.values())[0]["run_secs"] == pytest.approx(rows[task["baseline"]["id"]]["run_secs"])
+    assert tuning.best_record(KSPEC, host_target(), str(logs)) is not None
+
+    # Export applies the imported records; the library computes the right answer.
+    import torch
+
+    import swa_tvm
+    from swa_tvm.reference import sliding_window_attention_ref
+
+    lib = tmp_path / "tuned.so"
+    manifest = swa_tvm.export_library([KSPEC], lib, logs=str(logs))
+    assert manifest["kernels"][0]["tuned"]
+    swa_tvm.load_library(lib)
+    q, k, v = (torch.randn(2, 3, 70, 16) for _ in range(3))
+    ref = sliding_window_attention_ref(q, k, v, window_size=(7, 0))
+    out = swa_tvm.sliding_window_attention(q, k, v, window_size=(7, 0))
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+    # A batch is imported once.
+    with pytest.raises(ValueError, match="already imported"):
+        tuning_batch.import_measurements(str(batch), str(measured_path), str(logs))
+
+
+def _edited(measured_path, tmp_path, edit):
+    data = json.loads(measured_path.read_text())
+    edit(data)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda d: d.update(batch_id="0" * 32), "measured batch"),
+        (lambda d: d.update(device="cuda"), "measured on cuda"),
+        (lambda d: d["results"][1].update(sha256="0" * 64), "ran a file other than the one built"),
+        (lambda d: d["results"][1].update(id="99-000"), "not a candidate"),
+        (lambda d: d["results"][1].update(run_secs=[0.0]), "no positive run time"),
+    ],
+)
+def test_import_refuses_what_it_cannot_vouch_for(cpu_batch, tmp_path, edit, message):
+    batch, measured_path = cpu_batch
+    logs = tmp_path / "logs"
+    with pytest.raises(ValueError, match=message):
+        tuning_batch.import_measurements(str(batch), _edited(measured_path, tmp_path, edit), str(logs))
+    records = logs / target_key(host_target()) / tuning.RECORD_FILE
+    assert not records.exists() or records.read_text() == ""  # nothing half-imported
+
+
+def test_measure_rejects_a_candidate_that_computes_something_else(cpu_batch, tmp_path):
+    """A candidate whose outputs differ from the baseline's (here: a kernel of another
+    window, same arguments) is reported as an error with no time, so it never becomes a
+    record."""
+    import tvm
+
+    from swa_tvm.schedules import cpu
+    from swa_tvm.build import _vector_lanes
+    from swa_tvm.measure_batch import measure
+    from tvm import s_tir
+
+    batch, _ = cpu_batch
+    copy = tmp_path / "batch"
+    shutil.copytree(batch, copy)
+    meta = json.loads((copy / "batch.json").read_text())
+    wrong = AttentionSpec.parse("head_dim=16,window=3:0").kernels()[0]
+    sch = s_tir.Schedule(tuning.tuning_workload(wrong))
+    target = tvm.target.Target(host_target())
+    cpu.schedule(sch, wrong, _vector_lanes(target))
+    victim = meta["tasks"][0]["candidates"][0]
+    tvm.compile(sch.mod, target=target).export_library(str(copy / victim["artifact"]))
+    rows = {r["id"]: r for r in measure(str(copy), "cpu", number=1, repeat=1, progress=lambda m: None)["results"]}
+    assert "run_secs" not in rows[victim["id"]]
+    assert "differs from the baseline" in rows[victim["id"]]["error"]
+    assert rows[victim["id"]]["max_rel_err"] > 0.01
+    other = meta["tasks"][0]["candidates"][1]["id"]
+    assert "run_secs" in rows[other]
+
+
+@pytest.fixture(scope="module")
+def cuda_batch(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cuda_batch")
+    spec = AttentionSpec.parse("head_dim=16,window=7:0,dtype=float16").kernels()[0]
+    batch = tuning_batch.build_batch([spec], "cuda -arch=sm_80", 1, str(root / "logs"), str(root / "batch"), seed=1,
+                                     progress=lambda m: None)
+    return spec, root / "batch", batch
+
+
+def _simulated_measurement(batch, path, base_ms, cand_ms):
+    """A measured.json as the GPU would write it, with chosen times: a test of how
+    export chooses between records and the fused kernel, not a measurement."""
+    (task,) = batch["tasks"]
+    rows = [{"id": task["baseline"]["id"], "sha256": task["baseline"]["sha256"], "run_secs": [base_ms * 1e-3] * 3}]
+    rows += [{"id": c["id"], "sha256": c["sha256"], "run_secs": [cand_ms * 1e-3] * 3} for c in task["candidates"]]
+    path.write_text(json.dumps({"format": 1, "batch_id": batch["batch_id"], "device": "cuda",
+                                "device_name": "simulated", "results": rows}))
+    return str(path)
+
+
+def test_cuda_batch_builds_the_search_space_and_the_fused_baseline(cuda_batch):
+    spec, folder, batch = cuda_batch
+    (task,) = batch["tasks"]
+    assert batch["device"] == "cuda" and batch["target"] == {"kind": "cuda", "arch": "sm_80"}
+    assert task["baseline"]["schedule"] == "cuda_flash_tc"
+    assert len(task["candidates"]) == 1
+    # The baseline takes the scale at run time, a candidate has it folded in.
+    assert [a[0] for a in task["args"]].count("SCALAR") == 1
+    names = [a[3]["name"] for a in task["args"] if a[0] == "TENSOR"]
+    assert names == ["q", "k", "v", "dilation", "sink_logit", "out", "lse"]
+    for entry in [task["baseline"]] + task["candidates"]:
+        assert os.path.getsize(folder / entry["artifact"]) > 0
+    # The candidate is a point of schedules/cuda.py's space (its samples in the trace).
+    records = json.loads((folder / "records.json").read_text())["records"]
+    trace = json.dumps(records[task["candidates"][0]["id"]])
+    assert "SamplePerfectTile" in trace and "SampleCategorical" in trace
+
+
+@pytest.mark.parametrize("faster", [False, True])
+def test_cuda_records_replace_the_fused_kernel_only_when_measured_faster(cuda_batch, tmp_path, faster):
+    import swa_tvm
+
+    spec, folder, batch = cuda_batch
+    logs = tmp_path / "logs"
+    target = {"kind": "cuda", "arch": "sm_80"}
+    measured = _simulated_measurement(batch, tmp_path / "m.json", 1.0, 0.5 if faster else 2.0)
+    # Without a measured baseline a CUDA record is never applied.
+    counts = tuning_batch.import_measurements(str(folder), measured, str(logs))
+    assert counts == {"records": 1, "baselines": 1, "failed": 0}
+    best = tuning.best_record(spec, target, str(logs))
+    manifest = swa_tvm.export_library([spec], tmp_path / "x.so", "cuda -arch=sm_80", logs=str(logs))
+    entry = manifest["kernels"][0]
+    if faster:
+        assert best.trace is not None and best.run_ms == pytest.approx(0.5)
+        assert entry["schedule"] == "tuned"
+    else:
+        assert best.trace is None and best.default_point and best.run_ms == pytest.approx(1.0)
+        assert entry["schedule"] == "cuda_flash_tc" and entry["tuning"]["default_point"]
+    os.remove(logs / target_key(target) / tuning.BASELINE_FILE)
+    assert tuning.best_record(spec, target, str(logs)) is None
+
+
+def test_cuda_tune_without_a_gpu_says_how_to_measure(tmp_path):
+    r = subprocess.run(CLI + ["tune", "--spec", "head_dim=16,window=7:0,dtype=float16", "--target", "cuda -arch=sm_90",
+                              "--trials", "1", "--logs", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1
+    assert "has none" in r.stderr and "--batch-out" in r.stderr
