@@ -36,20 +36,21 @@ TOLERANCE = {"float16": 1e-2, "bfloat16": 3e-2, "float32": 1e-4, "float64": 1e-9
 
 
 def make_inputs(args: list, device: torch.device, seed: int) -> list:
-    """Tensors (and scalars) for one call, from the batch's argument list."""
+    """Tensors for one call, from the batch's argument list (MetaSchedule's ArgInfo JSON
+    plus how to fill each)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     out = []
     for arg in args:
-        kind, dtype = arg[0], arg[1]
-        if kind == "SCALAR":
-            out.append(float(arg[2]))
-            continue
-        shape, fill = arg[2], arg[3] if len(arg) > 3 else {"fill": "normal"}
+        _, dtype, shape = arg[:3]
+        fill = arg[3] if len(arg) > 3 else {"fill": "normal"}
         if fill["fill"] == "ones":
             t = torch.ones(shape, dtype=getattr(torch, dtype))
         elif fill["fill"] == "positions":  # distinct sorted positions < high, per row
+            count = 1
+            for n in shape[:-1]:
+                count *= n
             rows = torch.stack([torch.randperm(fill["high"], generator=g)[: shape[-1]].sort().values
-                                for _ in range(max(1, int(torch.tensor(shape[:-1]).prod())))])
+                                for _ in range(count)])
             t = rows.reshape(shape).to(getattr(torch, dtype))
         else:
             t = torch.randn(shape, generator=g, dtype=torch.float32).to(getattr(torch, dtype))
@@ -103,8 +104,6 @@ def measure(batch_dir: str, device: str = "cuda", number: int = 3, repeat: int =
     results = []
     for n_task, task in enumerate(batch["tasks"]):
         inputs = make_inputs(task["args"], dev, seed=n_task)
-        # A candidate takes the same tensors without the scale (its workload folds it).
-        tensors_only = [x for x, a in zip(inputs, task["args"]) if a[0] == "TENSOR"]
         outputs = [i for i, a in enumerate(task["args"]) if len(a) > 3 and a[3].get("output")]
         tol = TOLERANCE[task["dtype"]]
         reference = None
@@ -119,14 +118,12 @@ def measure(batch_dir: str, device: str = "cuda", number: int = 3, repeat: int =
                 for i in outputs:
                     inputs[i].fill_(float("nan"))
 
-                args = inputs if entry is task["baseline"] else tensors_only
-
-                def call(fn=fn, args=args):
+                def call(fn=fn):
                     if stream is None:
-                        fn(*args)
+                        fn(*inputs)
                     else:
                         with tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", dev.index or 0), stream):
-                            fn(*args)
+                            fn(*inputs)
 
                 call()
                 got = [inputs[i].clone() for i in outputs]

@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -61,30 +60,17 @@ def tuning_workload(spec: KernelSpec, shapes: dict | None = None, target_kind: s
     """The IRModule MetaSchedule tunes for ``spec``: concrete shapes, constant scale."""
     import tvm
 
-    func = _fold_scale(prim_func(spec, tune_shapes(spec, shapes), target_kind=target_kind), spec)
+    func = fold_scale(prim_func(spec, tune_shapes(spec, shapes), target_kind=target_kind), spec)
     return tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
 
 
-def _fold_scale(func, spec: KernelSpec, binds: dict | None = None):
+def fold_scale(func, spec: KernelSpec):
+    """``func`` (a kernel of ``spec``) with its ``scale`` parameter fixed to 1/sqrt(D), as
+    a tuning measurement calls it."""
     from tvm import tirx
 
-    binds = dict(binds or {})
     scale = next(p for p in func.params if p.name == "scale")
-    binds[scale] = tirx.const(1.0 / spec.head_dim**0.5, accum_dtype(spec.dtype))
-    return func.specialize(binds)
-
-
-def call_args(spec: KernelSpec, target_kind: str) -> list:
-    """The arguments a tuning measurement passes, as JSON: the tuning workload's tensors
-    (``["TENSOR", dtype, shape]``, MetaSchedule's ArgInfo), plus, for a kernel that
-    takes the scale at run time (the symbolic-T kernel: the default, fused or not), a
-    ``["SCALAR", dtype, value]`` where its ``scale`` parameter is."""
-    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
-
-    args = [a.as_json() for a in ArgInfo.from_prim_func(tuning_workload(spec, target_kind=target_kind)["main"])]
-    params = [p.name for p in prim_func(spec, target_kind=target_kind).params]
-    args.insert(params.index("scale"), ["SCALAR", accum_dtype(spec.dtype), 1.0 / spec.head_dim**0.5])
-    return args
+    return func.specialize({scale: tirx.const(1.0 / spec.head_dim**0.5, accum_dtype(spec.dtype))})
 
 
 def tvm_target_of(target: dict):
@@ -657,7 +643,6 @@ def tune(
     continues where the first stopped."""
     import logging
 
-    import tvm
     from tvm.s_tir import meta_schedule as ms
     from tvm.s_tir.meta_schedule.logging import get_loggers_from_work_dir
 
@@ -695,9 +680,9 @@ def tune(
     if kind == "llvm":
         _measure_default_points(specs, db, builder, runner, tvm_target, _vector_lanes(tvm_target))
     else:
-        from .tuning_batch import measure_baselines_here
+        from .tuning_batch import measure_baselines
 
-        measure_baselines_here(specs, target, logs_root)
+        measure_baselines(specs, target, folder, builder, runner)
 
     per_iter = max(1, min(num_trials_per_iter, trials))
     strategy = ms.search_strategy.EvolutionarySearch(

@@ -45,7 +45,7 @@ def _fills(spec: KernelSpec, target_kind: str, args: list) -> list:
     from .compute import prim_func
     from .tuning import tune_shapes
 
-    names = [p.name for p in prim_func(spec, target_kind=target_kind).params]
+    names = [p.name for p in prim_func(spec, target_kind=target_kind).params if p.name != "scale"]
     T = tune_shapes(spec)["T"]
     outputs = {"out", "lse"}
     annotated = []
@@ -65,12 +65,14 @@ def _fills(spec: KernelSpec, target_kind: str, args: list) -> list:
 
 def baseline_module(spec: KernelSpec, target: dict):
     """The kernel a library uses for ``spec`` without a record, as an IRModule whose
-    "main" takes the symbolic-T kernel's arguments (scale included)."""
+    "main" takes a tuning candidate's arguments (scale folded; T stays symbolic and
+    binds to the tensors passed)."""
     import tvm
 
     from .build import schedule_spec
+    from .tuning import fold_scale
 
-    func = schedule_spec(spec, tvm.target.Target(target), record=None)
+    func = fold_scale(schedule_spec(spec, tvm.target.Target(target), record=None), spec)
     return tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
 
 
@@ -144,8 +146,9 @@ def build_batch(
 
     from .build import normalize_target, target_key
     from .library import sha256_file, tvm_version
-    from .tuning import call_args, log_dir, make_builder, preload_tensor_intrin, space_generator, tuning_workload
-    from .tuning import tvm_target_of
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+
+    from .tuning import log_dir, make_builder, preload_tensor_intrin, space_generator, tuning_workload, tvm_target_of
 
     preload_tensor_intrin()
     target = normalize_target(target)
@@ -178,7 +181,7 @@ def build_batch(
         inputs = [ms.builder.BuilderInput(c.sch.mod, tvm_target) for c in cands]
         inputs.append(ms.builder.BuilderInput(baseline_module(spec, target), tvm_target))
         built = builder.build(inputs)
-        args = _fills(spec, kind, call_args(spec, kind))
+        args = _fills(spec, kind, [a.as_json() for a in ArgInfo.from_prim_func(mod["main"])])
         task = {"name": spec.name, "spec": spec.to_dict(), "dtype": spec.dtype, "args": args, "candidates": []}
         for i, b in enumerate(built):
             is_base = i == len(cands)
@@ -198,8 +201,7 @@ def build_batch(
 
                 task["baseline"] = dict(entry, schedule=default_schedule(spec, kind))
             else:
-                # A candidate takes the baseline's tensors without the scale (folded).
-                if [a.as_json() for a in cands[i].args_info] != [a[:3] for a in args if a[0] == "TENSOR"]:
+                if [a.as_json() for a in cands[i].args_info] != [a[:3] for a in args]:
                     raise RuntimeError(f"{spec.name}: candidate arguments differ from the kernel's")
                 task["candidates"].append(entry)
                 rec = TuningRecord(cands[i].sch.trace, ms.database.Workload(mod), None, tvm_target, cands[i].args_info)
@@ -232,7 +234,7 @@ def import_measurements(batch_dir: str, measured_path: str, logs_root: str, prog
     from tvm.runtime import convert
     from tvm.s_tir.meta_schedule.database import TuningRecord, Workload
 
-    from .tuning import BASELINE_FILE, log_dir, open_log, read_baselines
+    from .tuning import log_dir, open_log
 
     with open(os.path.join(batch_dir, "batch.json")) as f:
         batch = json.load(f)
@@ -275,23 +277,19 @@ def import_measurements(batch_dir: str, measured_path: str, logs_root: str, prog
     counts = {"records": 0, "baselines": 0, "failed": len(measured["results"]) - len(measured_rows)}
     db = open_log(folder)
     workloads = {name: db.commit_workload(Workload.from_json(wl).mod) for name, wl in saved["workloads"].items()}
-    baselines = read_baselines(folder)
+    baselines = {}
     for task, entry, run_secs in measured_rows:
         if entry is task["baseline"]:
-            key = saved["workloads"][task["name"]][0]
-            old = baselines.get(key)
-            if old is None or sum(run_secs) / len(run_secs) < sum(old["run_secs"]) / len(old["run_secs"]):
-                baselines[key] = {"spec": task["name"], "schedule": entry["schedule"], "run_secs": run_secs,
-                                  "device": measured.get("device_name"), "measured": measured.get("measured"),
-                                  "batch_id": batch["batch_id"]}
+            baselines[saved["workloads"][task["name"]][0]] = {
+                "spec": task["name"], "schedule": entry["schedule"], "run_secs": run_secs,
+                "device": measured.get("device_name"), "measured": measured.get("measured"), "batch_id": batch["batch_id"],
+            }
             counts["baselines"] += 1
             continue
         rec = TuningRecord.from_json(saved["records"][entry["id"]], workloads[task["name"]])
         db.commit_tuning_record(TuningRecord(rec.trace, workloads[task["name"]], convert(run_secs), rec.target, rec.args_info))
         counts["records"] += 1
-    with open(os.path.join(folder, BASELINE_FILE + ".tmp"), "w") as f:
-        json.dump(baselines, f, indent=1, sort_keys=True)
-    os.replace(os.path.join(folder, BASELINE_FILE + ".tmp"), os.path.join(folder, BASELINE_FILE))
+    update_baselines(folder, baselines)
     imported.append({"batch_id": batch["batch_id"], "device": measured.get("device_name"),
                      "measured": measured.get("measured"), **counts})
     with open(imported_path + ".tmp", "w") as f:
@@ -300,18 +298,53 @@ def import_measurements(batch_dir: str, measured_path: str, logs_root: str, prog
     return counts
 
 
-def measure_baselines_here(specs, target: dict, logs_root: str) -> None:
-    """On a machine with the GPU and TVM (``swa-tvm tune --target cuda``): build and
-    measure each kernel's baseline here, as a one-machine batch."""
-    import tempfile
+def measure_baselines(specs, target: dict, folder: str, builder, runner) -> None:
+    """Where MetaSchedule's runner reaches the device (``swa-tvm tune --target cuda`` on
+    the GPU's machine or through an RPC tracker): build each kernel's baseline and
+    measure it with that runner, into ``baselines.json``."""
+    import datetime as dt
 
-    from .measure_batch import measure
+    from tvm.s_tir import meta_schedule as ms
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 
-    with tempfile.TemporaryDirectory() as tmp:
-        batch_dir = os.path.join(tmp, "batch")
-        batch = build_batch(specs, target, 0, logs_root, batch_dir, baselines_only=True)
-        measured = measure(batch_dir, batch["device"])
-        path = os.path.join(tmp, "measured.json")
-        with open(path, "w") as f:
-            json.dump(measured, f)
-        import_measurements(batch_dir, path, logs_root)
+    from .build import default_schedule
+    from .tuning import tuning_workload, tvm_target_of, workload_key
+
+    tvm_target = tvm_target_of(target)
+    kind = target["kind"]
+    specs = list(specs)
+    built = builder.build([ms.builder.BuilderInput(baseline_module(s, target), tvm_target) for s in specs])
+    inputs = []
+    for spec, b in zip(specs, built):
+        if b.error_msg:
+            raise RuntimeError(f"the baseline of {spec.name} failed to build: {b.error_msg[:500]}")
+        args = ArgInfo.from_prim_func(tuning_workload(spec, target_kind=kind)["main"])
+        inputs.append(ms.runner.RunnerInput(b.artifact_path, "cuda" if kind == "cuda" else "cpu", args))
+    entries = {}
+    for spec, fut in zip(specs, runner.run(inputs)):
+        res = fut.result()
+        if res.error_msg:
+            raise RuntimeError(f"the baseline of {spec.name} failed to run: {res.error_msg[:500]}")
+        entries[workload_key(tuning_workload(spec, target_kind=kind))] = {
+            "spec": spec.name, "schedule": default_schedule(spec, kind), "run_secs": [float(x) for x in res.run_secs],
+            "device": "MetaSchedule runner", "measured": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        }
+    update_baselines(folder, entries)
+
+
+def update_baselines(folder: str, entries: dict) -> None:
+    """Merge measured baselines into ``baselines.json``, keeping each kernel's fastest."""
+    from .tuning import BASELINE_FILE, read_baselines
+
+    def mean(e):
+        return sum(e["run_secs"]) / len(e["run_secs"])
+
+    baselines = read_baselines(folder)
+    for key, entry in entries.items():
+        if key not in baselines or mean(entry) < mean(baselines[key]):
+            baselines[key] = entry
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, BASELINE_FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump(baselines, f, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)

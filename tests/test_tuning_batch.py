@@ -188,9 +188,7 @@ def test_cuda_batch_builds_the_search_space_and_the_fused_baseline(cuda_batch):
     assert batch["device"] == "cuda" and batch["target"] == {"kind": "cuda", "arch": "sm_80"}
     assert task["baseline"]["schedule"] == "cuda_flash_tc"
     assert len(task["candidates"]) == 1
-    # The baseline takes the scale at run time, a candidate has it folded in.
-    assert [a[0] for a in task["args"]].count("SCALAR") == 1
-    names = [a[3]["name"] for a in task["args"] if a[0] == "TENSOR"]
+    names = [a[3]["name"] for a in task["args"]]
     assert names == ["q", "k", "v", "dilation", "sink_logit", "out", "lse"]
     for entry in [task["baseline"]] + task["candidates"]:
         assert os.path.getsize(folder / entry["artifact"]) > 0
@@ -229,3 +227,14 @@ def test_cuda_tune_without_a_gpu_says_how_to_measure(tmp_path):
                               "--trials", "1", "--logs", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 1
     assert "has none" in r.stderr and "--batch-out" in r.stderr
+
+
+def test_baselines_measured_by_metaschedules_runner(tmp_path):
+    """Where MetaSchedule's runner reaches the device (tune on the GPU's machine, or over
+    RPC) the baseline is measured by that runner: here the CPU's local runner."""
+    target = host_target()
+    folder = str(tmp_path / target_key(target))
+    tuning_batch.measure_baselines([KSPEC], target, folder, tuning.make_builder(target, 2), tuning.make_runner(threads=2))
+    (entry,) = tuning.read_baselines(folder).values()
+    assert entry["spec"] == KSPEC.name and entry["schedule"] == "default"
+    assert len(entry["run_secs"]) == 3 and min(entry["run_secs"]) > 0
