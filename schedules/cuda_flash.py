@@ -28,10 +28,15 @@ threads, TVM inserting the barriers between them; turned into serial loops they 
 after another on the CPU, which is how the tests check this kernel without a GPU.
 Products run on CUDA cores in fp32: this kernel serves float32 (and head dims the
 tensor-core kernel, ``cuda_flash_tc``, does not take).
+
+The global rows (kind "global") run on the same phases: a block of global rows streams
+the key chunks from 0 to its last row's position (causal) or to T, each row masking the
+keys past its own position; no dilation, no extra keys.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import tvm
@@ -96,11 +101,14 @@ def default_config(spec: KernelSpec) -> FlashConfig | None:
     return None
 
 
-def flash_local(spec: KernelSpec, config: FlashConfig | None = None) -> tvm.tirx.PrimFunc:
-    """The fused CUDA PrimFunc of a local forward spec, with the TE kernel's arguments
-    (q, k, v, dilation, [extra_idx], sink_logit, scale, out, lse) and name."""
-    if spec.kind != "local":
-        raise ValueError(f"kernel {spec.name}: the flash kernel serves local forward kernels, not {spec.kind!r}")
+def flash(spec: KernelSpec, config: FlashConfig | None = None) -> tvm.tirx.PrimFunc:
+    """The fused CUDA PrimFunc of a forward spec, with the TE kernel's arguments and name:
+    for "local" (q, k, v, dilation, [extra_idx], sink_logit, scale, out, lse) the window
+    and extra keys of every row; for "global" (q_global, k, v, global_idx, sink_logit,
+    scale, out, lse) the global rows against every key (causal: up to their position), a
+    block of ``block_q`` global rows streaming every key chunk it can see."""
+    if spec.kind not in ("local", "global"):
+        raise ValueError(f"kernel {spec.name}: the flash kernel serves forward kernels, not {spec.kind!r}")
     cfg = config or default_config(spec)
     if cfg is None:
         raise ValueError(
@@ -323,7 +331,83 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
                         if row0 + d * tx < Tn:
                             lse[b, h, row0 + d * tx] = m_s[tx] + T.log(l_s[tx])
 
+    causal = spec.causal
+
+    @T.macro
+    def global_body(qg, k, v, gidx, sink, scale, out, lse, B, H, Hkv, Tn, G):
+        nblk = T.meta_var((G + (BQ - 1)) // BQ)
+        for item in T.thread_binding(B * H * nblk, thread="blockIdx.x"):
+            with T.sblock("flash_global"):
+                T.reads()
+                T.writes()
+                Qs = T.alloc_buffer((BQ * DP,), dt, scope=SH)
+                Kt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                Vt = T.alloc_buffer((KC, D), dt, scope=SH)
+                S_s = T.alloc_buffer((BQ * SP,), acc, scope=SH)
+                m_s = T.alloc_buffer((BQ,), acc, scope=SH)
+                l_s = T.alloc_buffer((BQ,), acc, scope=SH)
+                a_s = T.alloc_buffer((BQ,), acc, scope=SH)
+                last_s = T.alloc_buffer((BQ,), "int64", scope=SH)
+                sacc = T.alloc_buffer((NT, RS * CS), acc, scope="local")
+                oacc = T.alloc_buffer((NT, RS * CA), acc, scope="local")
+                red = T.alloc_buffer((NT, 2), acc, scope="local")
+
+                b = T.meta_var(T.truncdiv(item, H * nblk))
+                h = T.meta_var(T.truncmod(T.truncdiv(item, nblk), H))
+                g0 = T.meta_var(T.truncmod(item, nblk) * BQ)  # the block's first global row
+                kvh = T.meta_var(T.truncdiv(h, T.truncdiv(H, Hkv)))
+                # 1. Rows: sink-initialised state, last visible key (-1: a padding row past
+                # G sees none), queries.
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    if tx < BQ:
+                        m_s[tx] = sink[h]
+                        l_s[tx] = T.Select(sink[h] == NINF, ZERO, ONE)
+                        last_s[tx] = T.Select(
+                            g0 + tx < G, T.min(i64(gidx[b, T.min(g0 + tx, G - 1)]), Tn - 1) if causal else Tn - 1,
+                            T.int64(-1),
+                        )
+                    for x in T.serial(Q_STEPS):
+                        e = T.meta_var(x * NT + tx)
+                        if e < BQ * D:
+                            Qs[(e // D) * DP + e % D] = qg[b, h, T.min(g0 + e // D, G - 1), e % D]
+                    for ii in T.unroll(RS):
+                        for jj in T.unroll(CA):
+                            oacc[tx, ii * CA + jj] = ZERO
+                # 2. Every key chunk up to the block's last visible key.
+                for c in T.serial(T.floordiv(block_last_key(gidx, b, g0, G, Tn, BQ, causal), KC) + 1):
+                    load_rows(Kt, Vt, k, v, b, kvh, lambda kk: c * KC + kk, Tn)
+                    scores(Qs, Kt, S_s, sacc, lambda row, col: c * KC + col <= last_s[row], scale)
+                    softmax_step(S_s, m_s, l_s, a_s, red, sacc)
+                    accumulate(S_s, Vt, a_s, oacc)
+                # 3. Results to the block's global rows.
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    for ii in T.unroll(RS):
+                        for jj in T.unroll(CA):
+                            if g0 + (tx // TX) * RS + ii < G:
+                                out[b, h, g0 + (tx // TX) * RS + ii, tx % TX + TX * jj] = T.Cast(
+                                    dt, oacc[tx, ii * CA + jj] / l_s[(tx // TX) * RS + ii]
+                                )
+                    if tx < BQ:
+                        if g0 + tx < G:
+                            lse[b, h, g0 + tx] = m_s[tx] + T.log(l_s[tx])
+
+    if spec.kind == "global":
+        return global_kernel(global_body, D, dt, acc)
     return local_kernel(body, D, dt, acc, extras)
+
+
+def block_last_key(gidx, b, g0, G, Tn, rows: int, causal: bool):
+    """The last key a block of ``rows`` global rows from ``g0`` sees: the largest of their
+    positions (causal; padding rows past G count -1) or T - 1. One expression over the
+    block's positions, not a loop: TVM allows no shared-memory read in a loop bound and
+    no barrier under a thread test."""
+    if not causal:
+        return Tn - 1
+    pos = [
+        T.Select(g0 + row < G, T.min(T.Cast("int64", gidx[b, T.min(g0 + row, G - 1)]), Tn - 1), T.int64(-1))
+        for row in range(rows)
+    ]
+    return functools.reduce(T.max, pos)
 
 
 def item_fields(item, H, Hkv, nitems, dil, block: int, lo: int):
@@ -398,3 +482,26 @@ def local_kernel(body, D: int, dt: str, acc: str, extras: bool):
         body(q, k, v, dil, None, sink, scale, out, lse, B, H, Hkv, Tn, T.int64(0))
 
     return kernel
+
+
+def global_kernel(body, D: int, dt: str, acc: str):
+    """The PrimFunc of a global-rows forward kernel with the TE kernel's arguments:
+    q_global, k, v, global_idx, sink_logit, scale, out, lse; ``body`` is the T.macro that
+    computes it from those buffers and the shape vars B, H, Hkv, T, G."""
+
+    @T.prim_func(s_tir=True)
+    def kernel_g(
+        q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, sink_h: T.handle,
+        scale: T.float32, out_h: T.handle, lse_h: T.handle,
+    ):
+        B, H, Hkv, Tn, G = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        qg = T.match_buffer(q_h, (B, H, G, D), dt)
+        k = T.match_buffer(k_h, (B, Hkv, Tn, D), dt)
+        v = T.match_buffer(v_h, (B, Hkv, Tn, D), dt)
+        gidx = T.match_buffer(g_h, (B, G), "int32")
+        sink = T.match_buffer(sink_h, (H,), acc)
+        out = T.match_buffer(out_h, (B, H, G, D), dt)
+        lse = T.match_buffer(lse_h, (B, H, G), acc)
+        body(qg, k, v, gidx, sink, scale, out, lse, B, H, Hkv, Tn, G)
+
+    return kernel_g

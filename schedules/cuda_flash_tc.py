@@ -22,7 +22,6 @@ against the reference. The instructions themselves are checked by the GPU check.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import tvm
@@ -32,7 +31,7 @@ from tvm.script import tirx as T
 from swa_tvm.compute import extra_visible, item_interior, item_key_span, row_key_range
 from swa_tvm.spec import KernelSpec
 
-from .cuda_flash import SHARED_BUDGET, item_fields, local_kernel
+from .cuda_flash import SHARED_BUDGET, block_last_key, global_kernel, item_fields, local_kernel
 
 # A macro, not a function: its C operands are the callers' register-array elements
 # (lvalues), so no address is taken and nvcc keeps the fragments in registers. Two 16-bit
@@ -391,12 +390,6 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                         )
                 finish_rows(out, lse, ofrag, m_r, l_r, b, h, lambda i: row0 + d * i, lambda i: row0 + d * i < Tn)
 
-    def block_last_key(gidx, b, g0, G, Tn):
-        if not causal:
-            return Tn - 1
-        pos = [T.Select(g0 + row < G, T.min(i64(gidx[b, T.min(g0 + row, G - 1)]), Tn - 1), T.int64(-1)) for row in range(BQ)]
-        return functools.reduce(T.max, pos)
-
     @T.macro
     def global_body(qg, k, v, gidx, sink, scale, out, lse, B, H, Hkv, Tn, G):
         nblk = T.meta_var((G + (BQ - 1)) // BQ)
@@ -432,10 +425,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                             T.min(i64(gidx[b, T.min(g0 + c_row(tx, 2 * rr), G - 1)]), Tn - 1) if causal else Tn - 1,
                             T.int64(-1),
                         )
-                # The block's key span: up to its last row's position (causal) or T. One
-                # expression over the block's positions, not a loop: TVM allows no shared
-                # memory read in a loop bound and no barrier under a thread test.
-                for c in T.serial(T.floordiv(block_last_key(gidx, b, g0, G, Tn), KC) + 1):
+                # The block's key span: up to its last row's position (causal) or T.
+                for c in T.serial(T.floordiv(block_last_key(gidx, b, g0, G, Tn, BQ, causal), KC) + 1):
                     load_rows(QK, Vt, k, v, b, kvh, lambda kk: c * KC + kk, Tn)
                     step(
                         QK, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red,
@@ -445,22 +436,6 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                 finish_rows(out, lse, ofrag, m_r, l_r, b, h, lambda i: g0 + i, lambda i: g0 + i < G)
 
     if spec.kind == "global":
-
-        @T.prim_func(s_tir=True)
-        def kernel_g(
-            q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, sink_h: T.handle,
-            scale: T.float32, out_h: T.handle, lse_h: T.handle,
-        ):
-            B, H, Hkv, Tn, G = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
-            qg = T.match_buffer(q_h, (B, H, G, D), dt)
-            k = T.match_buffer(k_h, (B, Hkv, Tn, D), dt)
-            v = T.match_buffer(v_h, (B, Hkv, Tn, D), dt)
-            gidx = T.match_buffer(g_h, (B, G), "int32")
-            sink = T.match_buffer(sink_h, (H,), acc)
-            out = T.match_buffer(out_h, (B, H, G, D), dt)
-            lse = T.match_buffer(lse_h, (B, H, G), acc)
-            global_body(qg, k, v, gidx, sink, scale, out, lse, B, H, Hkv, Tn, G)
-
-        return kernel_g
+        return global_kernel(global_body, D, dt, acc)
 
     return local_kernel(body, D, dt, acc, extras)

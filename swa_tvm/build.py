@@ -141,7 +141,7 @@ def schedule_spec(spec: KernelSpec, tvm_target, record=None):
     if fused == "cuda_flash":
         from swa_tvm.schedules import cuda_flash
 
-        return cuda_flash.flash_local(spec)
+        return cuda_flash.flash(spec)
     sch = s_tir.Schedule(tvm.IRModule({spec.name: prim_func(spec, target_kind=kind)}))
     sch.work_on(spec.name)
     if kind == "cuda":
@@ -155,15 +155,15 @@ def schedule_spec(spec: KernelSpec, tvm_target, record=None):
 def default_schedule(spec: KernelSpec, kind: str) -> str:
     """Which kernel a spec gets without a tuning record: for CUDA forward kernels the
     fused kernel, on tensor cores for float16/bfloat16 ("cuda_flash_tc",
-    schedules/cuda_flash_tc.py, local and global rows), else on CUDA cores for local
-    kernels ("cuda_flash", schedules/cuda_flash.py) where its tiles fit; otherwise
+    schedules/cuda_flash_tc.py), else on CUDA cores ("cuda_flash",
+    schedules/cuda_flash.py) where its tiles fit, local and global rows alike; otherwise
     "default", the TE compute under schedules/cpu.py or schedules/cuda.py."""
     if kind == "cuda" and spec.kind in ("local", "global"):
         from swa_tvm.schedules import cuda_flash, cuda_flash_tc
 
         if cuda_flash_tc.default_config(spec) is not None:
             return "cuda_flash_tc"
-        if spec.kind == "local" and cuda_flash.default_config(spec) is not None:
+        if cuda_flash.default_config(spec) is not None:
             return "cuda_flash"
     return "default"
 

@@ -56,6 +56,8 @@ def _tuned_text(k) -> str:
     if not k["tuned"]:
         return FUSED_TEXT.get(k.get("schedule"), "default schedule")
     t = k.get("tuning", {})
+    if t.get("default_point") and k.get("schedule") in FUSED_TEXT:
+        return f"{FUSED_TEXT[k['schedule']]}: measured faster than its {t.get('records', '?')} tuning records"
     if t.get("default_point"):
         return f"tuned: the default schedule (no searched record beat it by the required margin; {t.get('records', '?')} records)"
     return f"tuned: {t.get('gflops', 0):.1f} GFLOP/s at the tuning shape, best of {t.get('records', '?')} records"

@@ -93,7 +93,7 @@ def build_variants(out: str, arch: str) -> str:
         entries.append({"function": name, "kernel": "cuda_flash_tc", "warps": warps, "chunk": chunk,
                         "default": cfg == cuda_flash_tc.default_config(spec)})
     name = f"{spec.name}__cores"
-    funcs[name] = cuda_flash.flash_local(spec).with_attr("global_symbol", name)
+    funcs[name] = cuda_flash.flash(spec).with_attr("global_symbol", name)
     entries.append({"function": name, "kernel": "cuda_flash", "config": str(cuda_flash.default_config(spec))})
     folder = os.path.join(out, "lib", "variants")
     os.makedirs(folder, exist_ok=True)

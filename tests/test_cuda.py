@@ -225,7 +225,7 @@ def test_cuda_flash_kernel_computes_the_reference(dtype, window, dilation, extra
 
     spec = KernelSpec("local", 32, dtype, *window, max_dilation=max(dilation), extras=extras)
     cfg = cuda_flash.FlashConfig(*config) if config else None
-    kernel = _serial_on_cpu(cuda_flash.flash_local(spec, cfg))[spec.name]
+    kernel = _serial_on_cpu(cuda_flash.flash(spec, cfg))[spec.name]
     tol = 1e-5 if dtype == "float32" else {"bfloat16": 3e-3, "float16": 5e-4}[dtype]  # the output's rounding
     _check_local_kernel(kernel, dtype, window, dilation, extras, tol)
 
@@ -255,16 +255,23 @@ def test_cuda_flash_tc_kernel_computes_the_reference(dtype, window, dilation, ex
     _check_local_kernel(kernel, dtype, window, dilation, extras, {"bfloat16": 4e-3, "float16": 5e-4}[dtype])
 
 
-@pytest.mark.parametrize("dtype,causal", [("bfloat16", True), ("float16", False)])
-def test_cuda_flash_tc_global_rows_compute_the_reference(dtype, causal):
-    """Global rows on the tensor-core kernel (emulated, serial on the CPU): a block of
-    two warps' rows, the last one padded, unsorted positions; GQA; learned sinks; keys in
-    chunks up to the block's last position."""
+@pytest.mark.parametrize(
+    "kernel_kind,dtype,causal",
+    [("tc", "bfloat16", True), ("tc", "float16", False), ("cores", "float32", True), ("cores", "float32", False)],
+)
+def test_cuda_flash_global_rows_compute_the_reference(kernel_kind, dtype, causal):
+    """Global rows on the fused kernels (serial on the CPU; the tensor-core one emulated):
+    a block of 32 rows (two warps' on tensor cores) and a padded one, unsorted positions;
+    GQA; learned sinks; keys in chunks up to the block's last position."""
     from swa_tvm.reference import sliding_window_attention_ref
-    from swa_tvm.schedules import cuda_flash_tc
+    from swa_tvm.schedules import cuda_flash, cuda_flash_tc
 
     spec = KernelSpec("global", 32, dtype, 0, 0 if causal else -1)
-    kernel = _serial_on_cpu(cuda_flash_tc.flash_tc(spec, cuda_flash_tc.TCConfig(2, 16), emulate=True))[spec.name]
+    if kernel_kind == "tc":
+        func = cuda_flash_tc.flash_tc(spec, cuda_flash_tc.TCConfig(2, 16), emulate=True)
+    else:
+        func = cuda_flash.flash(spec, cuda_flash.FlashConfig(32, 16, 64))
+    kernel = _serial_on_cpu(func)[spec.name]
     B, H, Hkv, T, D = 2, 4, 2, 150, 32
     tdt = getattr(torch, dtype)
     q, k, v = rand(B, H, T, D).to(tdt), rand(B, Hkv, T, D).to(tdt), rand(B, Hkv, T, D).to(tdt)
@@ -279,7 +286,7 @@ def test_cuda_flash_tc_global_rows_compute_the_reference(dtype, causal):
     out, lse = torch.full((B, H, G, D), float("nan"), dtype=tdt), torch.full((B, H, G), float("nan"))
     kernel(qg, k, v, gidx, sink, D**-0.5, out, lse)
     want = torch.gather(ref_out, 2, gi[:, None, :, None].expand(B, H, G, D))
-    assert rel_err(out, want) < {"bfloat16": 4e-3, "float16": 5e-4}[dtype]
+    assert rel_err(out, want) < {"bfloat16": 4e-3, "float16": 5e-4, "float32": 1e-5}[dtype]
     assert (lse.double() - torch.gather(ref_lse, 2, gi[:, None, :].expand(B, H, G))).abs().max() < 1e-5
 
 
@@ -326,13 +333,14 @@ def test_cuda_flash_config_checks():
     assert build.default_schedule(spec, "cuda") == "cuda_flash_tc"
     assert build.default_schedule(KernelSpec("local", 128, "float32", 7, 0), "cuda") == "cuda_flash"
     assert build.default_schedule(KernelSpec("local", 40, "float16", 7, 0), "cuda") == "cuda_flash"  # 40 % 16
+    assert build.default_schedule(KernelSpec("global", 64, "float32", 7, 0), "cuda") == "cuda_flash"
     # No tile of fp32 x 256 fits: the TE kernel under schedules/cuda.py serves it.
     assert build.default_schedule(KernelSpec("local", 256, "float32", 7, 0), "cuda") == "default"
     assert build.default_schedule(spec, "llvm") == "default"
     with pytest.raises(ValueError, match="block_q=96 exceeds threads=64"):
-        cuda_flash.flash_local(spec, cuda_flash.FlashConfig(96, 16, 64))
+        cuda_flash.flash(spec, cuda_flash.FlashConfig(96, 16, 64))
     with pytest.raises(ValueError, match="no flash tile"):
-        cuda_flash.flash_local(KernelSpec("local", 256, "float32", 7, 0))
+        cuda_flash.flash(KernelSpec("local", 256, "float32", 7, 0))
     from swa_tvm.schedules import cuda_flash_tc
 
     with pytest.raises(ValueError, match="chunk a positive multiple of 16"):

@@ -216,8 +216,11 @@ def test_cuda_records_replace_the_fused_kernel_only_when_measured_faster(cuda_ba
         assert best.trace is not None and best.run_ms == pytest.approx(0.5)
         assert entry["schedule"] == "tuned"
     else:
+        from swa_tvm.cli import _tuned_text
+
         assert best.trace is None and best.default_point and best.run_ms == pytest.approx(1.0)
         assert entry["schedule"] == "cuda_flash_tc" and entry["tuning"]["default_point"]
+        assert "tensor cores" in _tuned_text(entry) and "faster than its 1 tuning records" in _tuned_text(entry)
     os.remove(logs / target_key(target) / tuning.BASELINE_FILE)
     assert tuning.best_record(spec, target, str(logs)) is None
 
