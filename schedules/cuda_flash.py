@@ -352,10 +352,7 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
                 oacc = T.alloc_buffer((NT, RS * CA), acc, scope="local")
                 red = T.alloc_buffer((NT, 2), acc, scope="local")
 
-                b = T.meta_var(T.truncdiv(item, H * nblk))
-                h = T.meta_var(T.truncmod(T.truncdiv(item, nblk), H))
-                g0 = T.meta_var(T.truncmod(item, nblk) * BQ)  # the block's first global row
-                kvh = T.meta_var(T.truncdiv(h, T.truncdiv(H, Hkv)))
+                b, h, g0, kvh = T.meta_var(global_fields(item, H, Hkv, nblk, BQ))
                 # 1. Rows: sink-initialised state, last visible key (-1: a padding row past
                 # G sees none), queries.
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
@@ -408,6 +405,14 @@ def block_last_key(gidx, b, g0, G, Tn, rows: int, causal: bool):
         for row in range(rows)
     ]
     return functools.reduce(T.max, pos)
+
+
+def global_fields(item, H, Hkv, nblk, block: int):
+    """A global-rows work item's coordinates: batch b, head h, the block's first global
+    row g0, kv head."""
+    b = T.truncdiv(item, H * nblk)
+    h = T.truncmod(T.truncdiv(item, nblk), H)
+    return b, h, T.truncmod(item, nblk) * block, T.truncdiv(h, T.truncdiv(H, Hkv))
 
 
 def item_fields(item, H, Hkv, nitems, dil, block: int, lo: int):

@@ -31,7 +31,7 @@ from tvm.script import tirx as T
 from swa_tvm.compute import extra_visible, item_interior, item_key_span, row_key_range
 from swa_tvm.spec import KernelSpec
 
-from .cuda_flash import SHARED_BUDGET, block_last_key, global_kernel, item_fields, local_kernel
+from .cuda_flash import SHARED_BUDGET, block_last_key, global_fields, global_kernel, item_fields, local_kernel
 
 # A macro, not a function: its C operands are the callers' register-array elements
 # (lvalues), so no address is taken and nvcc keeps the fragments in registers. Two 16-bit
@@ -412,10 +412,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                 part = T.alloc_buffer((NT, 4), acc, scope="local")
                 red = T.alloc_buffer((NT, 2), acc, scope="local")
 
-                b = T.meta_var(T.truncdiv(item, H * nblk))
-                h = T.meta_var(T.truncmod(T.truncdiv(item, nblk), H))
-                g0 = T.meta_var(T.truncmod(item, nblk) * BQ)  # the block's first global row
-                kvh = T.meta_var(T.truncdiv(h, T.truncdiv(H, Hkv)))
+                b, h, g0, kvh = T.meta_var(global_fields(item, H, Hkv, nblk, BQ))
                 start_rows(QK, qfrag, ofrag, m_r, l_r, qg, b, h, lambda i: T.min(g0 + i, G - 1), sink)
                 # Row rr's last visible key (-1: a padding row past G sees none).
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
