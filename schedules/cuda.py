@@ -18,6 +18,13 @@ computes exactly what the CPU-tested TE says; only the loop structure differs. P
   O(B*H*T*(W+block_q)) floats, which fits an H200 at the issue's largest shapes; the
   fused kernels keep them on chip.
 
+For float16/bfloat16 the search space has a second design space in which the score
+product (K_band Q_blk^T, the product whose operands are in the input dtype) runs on
+tensor cores: ``_tensor_core_product`` tiles it into 16 x 16 x 16 steps, one warp per
+row tile, operands staged through shared memory into wmma fragments, fp32
+accumulators, each step tensorized with TVM's wmma intrinsics (bfloat16 ones registered
+here: TVM ships float16 only). P·V stays on CUDA cores: its probabilities are fp32.
+
 The same code is MetaSchedule's CUDA search space (``swa-tvm tune --target cuda``): like
 ``schedules/cpu.py`` it asks a knobs object for each tunable decision (``Defaults``: the
 values below; ``Sampled``: MetaSchedule random variables). Only loops whose extent the
@@ -85,6 +92,18 @@ def _product_tiles(rows: int, cols: int, red: int):
     return [rows // (ti * ri), ti, ri], [cols // (tj * rj), tj, rj], [red // kc, kc]
 
 
+def _shared_tile(sch, blk, operand: str):
+    """The shared-memory tile through which block ``blk`` reads stage ``operand``: the
+    stage itself when only ``blk`` reads it (a gather never lands in global memory),
+    else a copy."""
+    producer = sch.get_sblock(operand)
+    if len(sch.get_consumers(producer)) == 1:
+        sch.set_scope(producer, 0, "shared")
+        return producer
+    reads = [r.source.name for r in sch.get(blk).reads]
+    return sch.cache_read(blk, reads.index(operand), "shared", consumer_blocks=[blk])
+
+
 def _tiled_product(sch, name: str, rows: int, cols: int, red: int, operands=(), knobs=None) -> None:
     """Schedule block ``name`` [batch..., rows, cols] += A[rows, red] * B[red, cols] as a
     tiled matmul. The ``operands`` (names of computed stages it reads) reach it through
@@ -113,18 +132,103 @@ def _tiled_product(sch, name: str, rows: int, cols: int, red: int, operands=(), 
     local = sch.cache_write(blk, 0, "local")
     sch.reverse_compute_at(local, tx, preserve_unit_loops=True)
     for operand in operands:
-        producer = sch.get_sblock(operand)
-        if len(sch.get_consumers(producer)) == 1:
-            sch.set_scope(producer, 0, "shared")
-            tile = producer
-        else:
-            reads = [r.source.name for r in sch.get(blk).reads]
-            tile = sch.cache_read(blk, reads.index(operand), "shared", consumer_blocks=[blk])
+        tile = _shared_tile(sch, blk, operand)
         sch.compute_at(tile, ko, preserve_unit_loops=True)  # loop count independent of the samples
         _cooperative_fetch(sch, tile, 5, ti, tj)  # under blockIdx.x/y, threadIdx.y/x, ko
 
 
-def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, knobs=None) -> None:
+# The wmma intrinsics of the score product per input dtype: A and B loads from shared
+# memory, the product (fp32 accumulators); fill and store are TVM's fp32 ones.
+WMMA = {
+    "float16": ("wmma_load_16x16x16_f16_a_shared", "wmma_load_16x16x16_f16_b_shared", "wmma_sync_16x16x16_f16f16f32"),
+    "bfloat16": ("swa_wmma_load_16x16x16_bf16_a_shared", "swa_wmma_load_16x16x16_bf16_b_shared",
+                 "swa_wmma_sync_16x16x16_bf16bf16f32"),
+}
+WMMA_FILL, WMMA_STORE = "wmma_fill_16x16x16_f32", "wmma_store_16x16x16_f32_global"
+
+
+def register_intrinsics() -> None:
+    """Register the bfloat16 wmma intrinsics (once per process; TVM's own module first)."""
+    from tvm.s_tir import TensorIntrin
+    from tvm.s_tir.tensor_intrin import cuda as intrin
+
+    load_a, load_b, sync = WMMA["bfloat16"]
+    try:
+        TensorIntrin.get(sync)
+        return
+    except Exception:  # noqa: BLE001 - not registered yet
+        pass
+    TensorIntrin.register(load_a, *intrin.get_wmma_load_intrin(16, 16, 16, "bfloat16", "shared", False, False))
+    TensorIntrin.register(load_b, *intrin.get_wmma_load_intrin(16, 16, 16, "bfloat16", "shared", True, False))
+    TensorIntrin.register(sync, *intrin.get_wmma_sync_intrin(16, 16, 16, "bfloat16", "float32", False))
+
+
+def tensor_cores_apply(spec: KernelSpec) -> bool:
+    """Whether the search space has a tensor-core design space for ``spec``: a half
+    dtype, a bounded band, and every extent of the score product a multiple of 16."""
+    from swa_tvm.compute import band_width
+
+    if spec.kind != "local" or spec.dtype not in WMMA or spec.left < 0 or spec.right < 0:
+        return False
+    kw = band_width(spec.block_q, spec.left, spec.right)
+    return kw % 16 == 0 and spec.block_q % 16 == 0 and spec.head_dim % 16 == 0
+
+
+def _tensor_core_product(sch, name: str, rows: int, dtype: str, operands, knobs, tensorize: bool) -> None:
+    """Block ``name`` [batch..., rows, cols] += A[rows, red] * B[red, cols] (A and B in
+    ``dtype``, all extents multiples of 16) on tensor cores:
+    a thread block per (item, group of row tiles), one warp per 16-row tile looping over
+    the column tiles and the reduction in 16-wide steps; A and B tiles in shared memory
+    (the gathers computed straight into them), then wmma fragments; fp32 accumulator
+    fragments stored to the product's buffer. ``tensorize`` False leaves the 16 x 16
+    steps as loops (how the tests run the loop nest on the CPU)."""
+    load_a, load_b, sync = WMMA[dtype]
+    blk = sch.get_sblock(name)
+    *batch, i, j, k = sch.get_loops(blk)
+    i_tiles, i16 = sch.split(i, [None, 16])
+    j_tiles, j16 = sch.split(j, [None, 16])
+    k_steps, k16 = sch.split(k, [None, 16])
+    warps_default = _largest_divisor(rows // 16, (4, 3, 2, 1))
+    factors = knobs.split(sch, i_tiles, [rows // 16 // warps_default, warps_default], max_inner=8)
+    i_blk, warp = sch.split(i_tiles, factors)
+    sch.reorder(i_blk, warp, k_steps, j_tiles, i16, j16, k16)
+    sch.bind(sch.fuse(*batch), "blockIdx.x")
+    sch.bind(i_blk, "blockIdx.y")
+    sch.bind(warp, "threadIdx.y")
+    accumulator = sch.cache_write(blk, 0, "wmma.accumulator")
+    sch.reverse_compute_at(accumulator, warp, preserve_unit_loops=True)
+    for operand in operands:
+        tile = _shared_tile(sch, blk, operand)
+        sch.compute_at(tile, i_blk, preserve_unit_loops=True)
+        fused = sch.fuse(*sch.get_loops(tile)[len(batch) + 1:])
+        _, ty, tx = sch.split(fused, [None, factors[1], 32])  # every warp's 32 lanes copy
+        sch.bind(ty, "threadIdx.y")
+        sch.bind(tx, "threadIdx.x")
+    frag_a = sch.cache_read(blk, 0, "wmma.matrix_a")
+    frag_b = sch.cache_read(blk, 1, "wmma.matrix_b")
+    sch.compute_at(frag_a, k_steps, preserve_unit_loops=True)
+    sch.compute_at(frag_b, k_steps, preserve_unit_loops=True)
+    init = sch.decompose_reduction(blk, k_steps)
+    if not tensorize:
+        return
+    sch.tensorize(_tiles16(sch, frag_a), load_a)
+    sch.tensorize(_tiles16(sch, frag_b), load_b)
+    sch.tensorize(sch.get_loops(init)[-2], WMMA_FILL)
+    sch.tensorize(i16, sync)
+    sch.tensorize(_tiles16(sch, accumulator), WMMA_STORE)
+
+
+def _tiles16(sch, block):
+    """Split a copy block's last two loops into 16 x 16 tiles; the loop to tensorize."""
+    a, b = sch.get_loops(block)[-2:]
+    a0, a1 = sch.split(a, [None, 16])
+    b0, b1 = sch.split(b, [None, 16])
+    sch.reorder(a0, b0, a1, b1)
+    return a1
+
+
+def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, knobs=None, tensor_cores: bool = False,
+                   tensorize: bool = True) -> None:
     from swa_tvm.compute import band_width
 
     knobs = knobs or Defaults()
@@ -134,7 +238,10 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, knobs=None) -> None:
             sch.compute_inline(sch.get_sblock(name))
     if bounded:
         kw = band_width(spec.block_q, spec.left, spec.right)
-        _tiled_product(sch, "score", kw, spec.block_q, spec.head_dim, ("kband", "qblk_t"), knobs)
+        if tensor_cores:
+            _tensor_core_product(sch, "score", kw, spec.dtype, ("kband", "qblk_t"), knobs, tensorize)
+        else:
+            _tiled_product(sch, "score", kw, spec.block_q, spec.head_dim, ("kband", "qblk_t"), knobs)
         _tiled_product(sch, "wacc", spec.block_q, spec.head_dim, kw, ("wprob", "vband"), knobs)
     threads = knobs.choice(sch, THREAD_CHOICES, THREADS)
     for block in _unscheduled_blocks(sch):
@@ -160,11 +267,19 @@ def schedule_global(sch: s_tir.Schedule, spec: KernelSpec, knobs=None) -> None:
 SCHEDULES = {"local": schedule_local, "global": schedule_global}
 
 
-def schedule(sch: s_tir.Schedule, spec: KernelSpec, knobs=None) -> None:
+def schedule(sch: s_tir.Schedule, spec: KernelSpec, knobs=None, tensor_cores: bool = False,
+             tensorize: bool = True) -> None:
     """Apply the CUDA schedule of ``spec`` to the PrimFunc ``sch`` works on: the default
-    (``knobs`` None), or a point of the search space (``cpu.Sampled()``)."""
+    (``knobs`` None), or a point of the search space (``cpu.Sampled()``); with
+    ``tensor_cores`` (where ``tensor_cores_apply``) the score product on tensor cores."""
     if spec.kind not in SCHEDULES:
         raise NotImplementedError(
             f"kernel {spec.name}: no CUDA schedule for kind {spec.kind!r} yet (CUDA serves the forward kernels)"
         )
+    if tensor_cores:
+        if not tensor_cores_apply(spec):
+            raise ValueError(f"kernel {spec.name}: no tensor-core schedule (half dtype, bounded band, extents % 16)")
+        register_intrinsics()
+        schedule_local(sch, spec, knobs, tensor_cores=True, tensorize=tensorize)
+        return
     SCHEDULES[spec.kind](sch, spec, knobs)

@@ -388,6 +388,10 @@ def apply_record(spec: KernelSpec, trace, target_kind: str = "llvm"):
     import tvm
     from tvm import s_tir
 
+    if target_kind == "cuda":
+        from .schedules.cuda import register_intrinsics
+
+        register_intrinsics()  # a tensor-core record names the bfloat16 wmma intrinsics
     sch = s_tir.Schedule(tvm.IRModule({"main": prim_func(spec, target_kind=target_kind)}))
     trace.apply_to_schedule(sch, remove_postproc=True)
     return sch.mod["main"].with_attr("global_symbol", spec.name)
@@ -558,8 +562,15 @@ def space_generator(spec: KernelSpec, tvm_target):
     if tvm_target.kind.name == "cuda":
 
         def fn(sch):
+            # Two design spaces where tensor cores apply: the score product on tensor
+            # cores, and everything on CUDA cores.
+            spaces = []
+            if cuda_schedules.tensor_cores_apply(spec):
+                tc = sch.copy()
+                cuda_schedules.schedule(tc, spec, cpu_schedules.Sampled(), tensor_cores=True)
+                spaces.append(tc)
             cuda_schedules.schedule(sch, spec, cpu_schedules.Sampled())
-            return sch
+            return spaces + [sch]
 
         postprocs = [ms.postproc.VerifyGPUCode()]
     else:

@@ -114,7 +114,7 @@ def _serial_on_cpu(func):
     text = func.script()
     text = text.replace("T.thread_binding(", "T.serial(")
     text = re.sub(r', thread="[a-zA-Z.]+"\)', ")", text)
-    text = re.sub(r', scope="(shared|shared\.dyn|local)"', "", text)
+    text = re.sub(r', scope="(shared|shared\.dyn|local|wmma\.[a-z_]+)"', "", text)
     text = text.replace("T.alloc_local(", "T.alloc_buffer(")
     assert "thread_binding" not in text and 'scope="shared' not in text
     mod = tvm.script.from_source(text)
@@ -164,6 +164,42 @@ def test_cuda_search_space_points_replay_and_compute_the_reference(seed):
     func = tuning.apply_record(spec, sch.trace, "cuda")
     kernel = _serial_on_cpu(tvm.IRModule({spec.name: func}))[spec.name]
     _check_local_kernel(kernel, "float16", (8, 9), [1, 2, 1, 2], True, 3e-3, Hkv=4, D=16)
+
+
+@pytest.mark.parametrize("dtype,seed", [("float16", 1), ("bfloat16", 2)])
+def test_cuda_tensor_core_space_computes_the_reference_and_issues_wmma(dtype, seed):
+    """The search space's tensor-core design space (score product on wmma 16x16x16):
+    a random point replayed on the symbolic kernel compiles for sm_90 with the dtype's
+    wmma fragments and mma; the same point with the 16x16 steps left as loops (what the
+    wmma intrinsics replace, matched by TVM's tensorize against their descriptions)
+    computes the reference, run serially on the CPU."""
+    import tvm
+    from tvm import s_tir
+
+    from swa_tvm import tuning
+    from swa_tvm.build import _nvcc_fatbin, cuda_source
+    from swa_tvm.schedules import cpu, cuda
+
+    tuning.preload_tensor_intrin()
+    spec = KernelSpec("local", 32, dtype, 15, 16, max_dilation=2, extras=True)  # band 64 keys
+    assert cuda.tensor_cores_apply(spec)
+    assert not cuda.tensor_cores_apply(KernelSpec("local", 40, dtype, 7, 0))  # head dim 40
+    assert not cuda.tensor_cores_apply(KernelSpec("local", 32, dtype, -1, 0))  # no band
+    assert not cuda.tensor_cores_apply(KernelSpec("local", 32, "float32", 15, 16))
+    sch = s_tir.Schedule(tuning.tuning_workload(spec, target_kind="cuda"), seed=seed)
+    cuda.schedule(sch, spec, cpu.Sampled(), tensor_cores=True)
+    assert [i.kind.name for i in sch.trace.insts].count("Tensorize") == 5
+    func = tuning.apply_record(spec, sch.trace, "cuda")
+    target = {"kind": "cuda", "arch": "sm_90"}
+    with _nvcc_fatbin(target):
+        src = cuda_source(tvm.compile(tvm.IRModule({spec.name: func}), target=tvm.target.Target(target)).mod)
+    half = {"float16": "half", "bfloat16": "nv_bfloat16"}[dtype]
+    assert f"wmma::matrix_a, 16, 16, 16, {half}" in src and "wmma::mma_sync" in src
+
+    loops = s_tir.Schedule(tuning.tuning_workload(spec, target_kind="cuda"), seed=seed)
+    cuda.schedule(loops, spec, cpu.Sampled(), tensor_cores=True, tensorize=False)
+    kernel = _serial_on_cpu(tvm.IRModule({spec.name: tuning.apply_record(spec, loops.trace, "cuda")}))[spec.name]
+    _check_local_kernel(kernel, dtype, (15, 16), [1, 2, 1, 2], True, 3e-3, Hkv=4, D=32)
 
 
 def _pattern_inputs(dtype, window, dilation, extras, B=2, H=4, Hkv=2, T=150, D=32):
