@@ -70,10 +70,13 @@ def _largest_divisor(n: int, candidates) -> int:
     return next((c for c in candidates if n % c == 0), 1)
 
 
-def _cooperative_fetch(sch, block, outer: int, threads_y, threads_x) -> None:
-    """Let all threads of the block copy a shared tile: fuse its own loops (those under
-    the ``outer`` enclosing ones) and spread them over the threads."""
-    fused = sch.fuse(*sch.get_loops(block)[outer:])
+def _cooperative_fetch(sch, block, threads_y, threads_x) -> None:
+    """Let all threads of the block copy a shared tile [..., rows, cols]: fuse its last
+    two loops and spread them over the threads. (The loops before them have extent 1.
+    Fusing them too would make the thread loops int64, from the symbolic kernel's int64
+    batch and item dims, while the product binds the same threads to int32 loops; with a
+    thread count of 1 the two then meet in one expression and lowering fails.)"""
+    fused = sch.fuse(*sch.get_loops(block)[-2:])
     _, ty, tx = sch.split(fused, [None, threads_y, threads_x])
     sch.bind(ty, "threadIdx.y")
     sch.bind(tx, "threadIdx.x")
@@ -134,7 +137,7 @@ def _tiled_product(sch, name: str, rows: int, cols: int, red: int, operands=(), 
     for operand in operands:
         tile = _shared_tile(sch, blk, operand)
         sch.compute_at(tile, ko, preserve_unit_loops=True)  # loop count independent of the samples
-        _cooperative_fetch(sch, tile, 5, ti, tj)  # under blockIdx.x/y, threadIdx.y/x, ko
+        _cooperative_fetch(sch, tile, ti, tj)
 
 
 # The wmma intrinsics of the score product per input dtype: A and B loads from shared
@@ -200,10 +203,7 @@ def _tensor_core_product(sch, name: str, rows: int, dtype: str, operands, knobs,
     for operand in operands:
         tile = _shared_tile(sch, blk, operand)
         sch.compute_at(tile, i_blk, preserve_unit_loops=True)
-        fused = sch.fuse(*sch.get_loops(tile)[len(batch) + 1:])
-        _, ty, tx = sch.split(fused, [None, factors[1], 32])  # every warp's 32 lanes copy
-        sch.bind(ty, "threadIdx.y")
-        sch.bind(tx, "threadIdx.x")
+        _cooperative_fetch(sch, tile, factors[1], 32)  # every warp's 32 lanes copy
     frag_a = sch.cache_read(blk, 0, "wmma.matrix_a")
     frag_b = sch.cache_read(blk, 1, "wmma.matrix_b")
     sch.compute_at(frag_a, k_steps, preserve_unit_loops=True)

@@ -202,6 +202,36 @@ def test_cuda_tensor_core_space_computes_the_reference_and_issues_wmma(dtype, se
     _check_local_kernel(kernel, dtype, (15, 16), [1, 2, 1, 2], True, 3e-3, Hkv=4, D=32)
 
 
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_cuda_search_space_points_with_one_thread_along_an_axis_compile(tensor_cores):
+    """Points of the CUDA space where a sampled thread count is 1 (one warp per block;
+    one thread along a product's rows or columns) compile on the symbolic kernel. (Such
+    points once failed in lowering, int32 thread loops meeting int64 ones.)"""
+    import tvm
+    from tvm import s_tir
+
+    from swa_tvm import tuning
+    from swa_tvm.build import _nvcc_fatbin
+    from swa_tvm.schedules import cpu, cuda
+
+    class OneThread(cpu.DefaultPoint):
+        def split(self, sch, loop, default, max_inner):
+            if len(default) == 3:  # [blocks, threads, per thread]
+                default = [default[0] * default[1], 1, default[2]]
+            elif max_inner == 8:  # tensor cores: [row-tile groups, warps]
+                default = [default[0] * default[1], 1]
+            return super().split(sch, loop, default, max_inner)
+
+    tuning.preload_tensor_intrin()
+    spec = KernelSpec("local", 16, "float16", 7, 0)
+    sch = s_tir.Schedule(tuning.tuning_workload(spec, target_kind="cuda"))
+    cuda.schedule(sch, spec, OneThread(), tensor_cores=tensor_cores)
+    func = tuning.apply_record(spec, sch.trace, "cuda")
+    target = {"kind": "cuda", "arch": "sm_80"}
+    with _nvcc_fatbin(target):
+        tvm.compile(tvm.IRModule({spec.name: func}), target=tvm.target.Target(target)).mod
+
+
 def _pattern_inputs(dtype, window, dilation, extras, B=2, H=4, Hkv=2, T=150, D=32):
     """Fresh inputs of one pattern, the kernel's extra arguments, and the rows a local
     kernel owns (global rows belong to the global kernel)."""
