@@ -355,9 +355,9 @@ def _best_in(db, spec: KernelSpec, target: dict, baselines: dict | None = None) 
         # The default is the fused kernel: a record replaces it only when measured faster
         # on the GPU; without a measurement of the fused kernel, the fused kernel stays.
         base = (baselines or {}).get(workload_key(mod))
-        if base is None or _secs(best.run_secs) > (1 - DEFAULT_MARGIN) * _secs(base["run_secs"]):
-            if base is None:
-                return None
+        if base is None:
+            return None
+        if _secs(best.run_secs) > (1 - DEFAULT_MARGIN) * _secs(base["run_secs"]):
             t = _secs(base["run_secs"])
             return BestRecord(None, t * 1e3, workload_flops(spec) / t / 1e9, len(recs), True)
     t = _secs(best.run_secs)

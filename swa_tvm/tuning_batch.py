@@ -142,12 +142,11 @@ def build_batch(
     """Build ``trials`` candidates per kernel (fewer where the space has fewer new points)
     plus each kernel's baseline into ``out_dir``; returns the batch description."""
     from tvm.s_tir import meta_schedule as ms
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
     from tvm.s_tir.meta_schedule.database import TuningRecord
 
-    from .build import normalize_target, target_key
+    from .build import default_schedule, normalize_target, target_key
     from .library import sha256_file, tvm_version
-    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
-
     from .tuning import log_dir, make_builder, preload_tensor_intrin, space_generator, tuning_workload, tvm_target_of
 
     preload_tensor_intrin()
@@ -197,8 +196,6 @@ def build_batch(
             entry = {"id": cid, "artifact": artifact, "sha256": sha256_file(os.path.join(out_dir, artifact)),
                      "function": "main"}
             if is_base:
-                from .build import default_schedule
-
                 task["baseline"] = dict(entry, schedule=default_schedule(spec, kind))
             else:
                 if [a.as_json() for a in cands[i].args_info] != [a[:3] for a in args]:
