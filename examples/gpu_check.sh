@@ -23,4 +23,4 @@ export LD_LIBRARY_PATH="$CUDART_DIRS:${LD_LIBRARY_PATH:-}"
 export PYTHONPATH="$SITE:$PWD:${PYTHONPATH:-}"
 export SWA_TVM_RUNTIME_DIR="$BUNDLE/runtime"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv || true
-$PY -m swa_tvm.gpu_check --libs "$BUNDLE/lib" --out "$OUT" "$@"
+$PY -m swa_tvm.gpu_check --libs "$BUNDLE/lib" --batch "$BUNDLE/tune_batch" --out "$OUT" "$@"
