@@ -92,7 +92,7 @@ def measure(batch_dir: str, device: str = "cuda", number: int = 3, repeat: int =
             progress=print) -> dict:
     import tvm_ffi
 
-    from .library import _load_tvm_runtime, sha256_file
+    from .library import _load_tvm_runtime, cuda_unavailable_reason, sha256_file
 
     with open(os.path.join(batch_dir, "batch.json")) as f:
         batch = json.load(f)
@@ -100,6 +100,10 @@ def measure(batch_dir: str, device: str = "cuda", number: int = 3, repeat: int =
     if (dev.type == "cuda") != (batch["device"] == "cuda"):
         raise ValueError(f"batch {batch['batch_id']} is for {batch['device']}, this run measures on {device}")
     _load_tvm_runtime()
+    if dev.type == "cuda":
+        reason = cuda_unavailable_reason()  # also loads libtvm_runtime_cuda, which CUDA modules need
+        if reason:
+            raise RuntimeError(f"cannot measure batch {batch['batch_id']} on CUDA: {reason}")
     stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else None
     results = []
     for n_task, task in enumerate(batch["tasks"]):

@@ -241,3 +241,13 @@ def test_baselines_measured_by_metaschedules_runner(tmp_path):
     (entry,) = tuning.read_baselines(folder).values()
     assert entry["spec"] == KSPEC.name and entry["schedule"] == "default"
     assert len(entry["run_secs"]) == 3 and min(entry["run_secs"]) > 0
+
+
+def test_measuring_a_cuda_batch_without_a_gpu_says_so(cuda_batch):
+    from swa_tvm.measure_batch import measure
+
+    _, folder, _ = cuda_batch
+    with pytest.raises(RuntimeError, match="no CUDA device is present"):
+        measure(str(folder), "cuda", progress=lambda m: None)
+    with pytest.raises(ValueError, match="is for cuda"):
+        measure(str(folder), "cpu", progress=lambda m: None)
