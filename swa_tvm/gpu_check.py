@@ -36,12 +36,9 @@ import traceback
 
 import torch
 
+from swa_tvm.measure_batch import rel_err, time_calls
+
 TOLERANCE = {torch.float16: (3e-3, 2e-3), torch.bfloat16: (2e-2, 2e-3), torch.float32: (1e-4, 1e-4)}
-
-
-def _rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
 def check_patterns(results: dict, dev: torch.device) -> bool:
@@ -84,7 +81,7 @@ def check_patterns(results: dict, dev: torch.device) -> bool:
             try:
                 out, lse = swa_tvm.sliding_window_attention(q.to(dev), k.to(dev), v.to(dev), return_lse=True, **to_dev)
                 ref_out, ref_lse = sliding_window_attention_ref(q, k, v, **kw)
-                entry["out_rel_err"] = _rel(out.cpu(), ref_out)
+                entry["out_rel_err"] = rel_err(out.cpu(), ref_out)
                 entry["lse_max_abs_err"] = (lse.cpu().double() - ref_lse).abs().max().item()
                 entry["ok"] = bool(entry["out_rel_err"] < tol_out and entry["lse_max_abs_err"] < tol_lse)
             except Exception as e:  # noqa: BLE001 - record and go on to the next case
@@ -119,25 +116,10 @@ def check_patterns(results: dict, dev: torch.device) -> bool:
 
 
 def _time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
-    for _ in range(warmup):
-        fn()
-    if not torch.cuda.is_available():  # the CPU smoke run of this script
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median milliseconds of single calls: CUDA events on the GPU, ``perf_counter`` in
+    the CPU smoke run of this script."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return statistics.median(time_calls(fn, device, 1, reps, warmup)) * 1e3
 
 
 def matmul_rate(dev: torch.device, dtype) -> float:
@@ -193,7 +175,7 @@ def time_variants(results: dict, dev: torch.device, libs: str) -> None:
                     fn(q, k, v, dil, sink, D**-0.5, out, lse)
 
             call()
-            row["rel_err_vs_default"] = _rel(out.float(), ref.float())
+            row["rel_err_vs_default"] = rel_err(out.float(), ref.float())
             row["ms"] = _time_ms(call)
             row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
         except Exception as e:  # noqa: BLE001 - one failing variant must not hide the others
@@ -316,7 +298,7 @@ def bench(results: dict, dev: torch.device, quick: bool) -> None:
             try:
                 po = fn()
                 if pname != "sdpa_causal_full" and "ours_ms" in row:
-                    row[f"{pname}_vs_ours_rel_err"] = _rel(po.float(), out.float())
+                    row[f"{pname}_vs_ours_rel_err"] = rel_err(po.float(), out.float())
                 row[f"{pname}_ms"] = _time_ms(fn)
                 if "ours_ms" in row:
                     row[f"speedup_vs_{pname}"] = row[f"{pname}_ms"] / row["ours_ms"]

@@ -58,7 +58,9 @@ def make_inputs(args: list, device: torch.device, seed: int) -> list:
     return out
 
 
-def _timer(fn, device: torch.device, number: int, repeat: int, warmup: int) -> list[float]:
+def time_calls(fn, device: torch.device, number: int, repeat: int, warmup: int) -> list[float]:
+    """Seconds per call of ``fn``, one entry per repeat of ``number`` calls, after
+    ``warmup`` calls: CUDA events on a CUDA device, ``perf_counter`` on the CPU."""
     for _ in range(warmup):
         fn()
     secs = []
@@ -81,7 +83,8 @@ def _timer(fn, device: torch.device, number: int, repeat: int, warmup: int) -> l
     return secs
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64; inf when ``a`` has a non-finite value."""
     a, b = a.double(), b.double()
     if not torch.isfinite(a).all():
         return float("inf")
@@ -133,10 +136,10 @@ def measure(batch_dir: str, device: str = "cuda", number: int = 3, repeat: int =
                 got = [inputs[i].clone() for i in outputs]
                 if reference is None:
                     reference = got  # the baseline comes first
-                row["max_rel_err"] = max(_rel_err(a, b) for a, b in zip(got, reference))
+                row["max_rel_err"] = max(rel_err(a, b) for a, b in zip(got, reference))
                 if not row["max_rel_err"] <= tol:
                     raise ValueError(f"output differs from the baseline's by {row['max_rel_err']:.2e} (tolerance {tol:.0e})")
-                row["run_secs"] = _timer(call, dev, number, repeat, warmup)
+                row["run_secs"] = time_calls(call, dev, number, repeat, warmup)
             except Exception as e:  # noqa: BLE001 - one broken candidate must not stop the batch
                 row.pop("run_secs", None)
                 row["error"] = f"{type(e).__name__}: {str(e)[:400]}"

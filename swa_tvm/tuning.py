@@ -334,9 +334,9 @@ def _secs(run_secs) -> float:
     return float(np.mean([float(s) for s in run_secs]))
 
 
-def _best_in(db, spec: KernelSpec, target: dict, baselines: dict | None = None) -> BestRecord | None:
+def _best_in(db, spec: KernelSpec, target: dict, baselines: dict | None = None, mod=None) -> BestRecord | None:
     kind = target.get("kind")
-    mod = tuning_workload(spec, target_kind=kind)
+    mod = mod if mod is not None else tuning_workload(spec, target_kind=kind)
     recs = db.records_for(mod)
     mine = [r for r in recs if _same_target_class(r.target, target)]
     if not mine:
@@ -373,9 +373,10 @@ def best_records(specs: Iterable[KernelSpec], target: dict, logs_root: str | Non
     if folder is None or not os.path.exists(os.path.join(folder, RECORD_FILE)):
         return {s.name: None for s in specs}
     kind = target.get("kind")
-    db = open_log(folder, only={workload_key(tuning_workload(s, target_kind=kind)) for s in specs})
+    mods = {s.name: tuning_workload(s, target_kind=kind) for s in specs}
+    db = open_log(folder, only={workload_key(m) for m in mods.values()})
     baselines = read_baselines(folder)
-    return {s.name: _best_in(db, s, target, baselines) for s in specs}
+    return {s.name: _best_in(db, s, target, baselines, mods[s.name]) for s in specs}
 
 
 def best_record(spec: KernelSpec, target: dict, logs_root: str | None) -> BestRecord | None:
@@ -618,12 +619,17 @@ def make_builder(target: dict, cores: int, shared_library: bool = False):
     )
 
 
-def check_cuda_tuning(specs, rpc_tracker: str | None) -> None:
-    """CUDA tuning measures on a GPU: this machine's, or an RPC tracker's."""
+def check_cuda_specs(specs) -> None:
+    """CUDA serves the forward kernels only."""
     from .spec import BACKWARD_KINDS
 
     if any(s.kind in BACKWARD_KINDS for s in specs):
         raise ValueError("CUDA serves the forward kernels only; tune with --kernels forward")
+
+
+def check_cuda_tuning(specs, rpc_tracker: str | None) -> None:
+    """CUDA tuning measures on a GPU: this machine's, or an RPC tracker's."""
+    check_cuda_specs(specs)
     if rpc_tracker is None:
         from .build import local_cuda_arch
 

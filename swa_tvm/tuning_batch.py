@@ -147,7 +147,8 @@ def build_batch(
 
     from .build import default_schedule, normalize_target, target_key
     from .library import sha256_file, tvm_version
-    from .tuning import log_dir, make_builder, preload_tensor_intrin, space_generator, tuning_workload, tvm_target_of
+    from .tuning import check_cuda_specs, log_dir, make_builder, preload_tensor_intrin, space_generator
+    from .tuning import tuning_workload, tvm_target_of
 
     preload_tensor_intrin()
     target = normalize_target(target)
@@ -156,10 +157,7 @@ def build_batch(
     if trials < 1 and not baselines_only:
         raise ValueError(f"trials must be >= 1, got {trials}")
     if kind == "cuda":
-        from .spec import BACKWARD_KINDS
-
-        if any(s.kind in BACKWARD_KINDS for s in specs):
-            raise ValueError("CUDA serves the forward kernels only; tune with --kernels forward")
+        check_cuda_specs(specs)
     if os.path.exists(os.path.join(out_dir, "batch.json")):
         raise FileExistsError(f"{out_dir} already holds a batch: give an empty or new folder")
     os.makedirs(out_dir, exist_ok=True)
