@@ -243,9 +243,7 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, knobs=None, tensor_cor
         else:
             _tiled_product(sch, "score", kw, spec.block_q, spec.head_dim, ("kband", "qblk_t"), knobs)
         _tiled_product(sch, "wacc", spec.block_q, spec.head_dim, kw, ("wprob", "vband"), knobs)
-    threads = knobs.choice(sch, THREAD_CHOICES, THREADS)
-    for block in _unscheduled_blocks(sch):
-        _one_thread_per_output(sch, block, threads)
+    _rest_one_thread_per_output(sch, knobs)
 
 
 def _unscheduled_blocks(sch):
@@ -258,13 +256,68 @@ def _unscheduled_blocks(sch):
     return out
 
 
-def schedule_global(sch: s_tir.Schedule, spec: KernelSpec, knobs=None) -> None:
+def _inline(sch, *names) -> None:
+    for name in names:
+        if _has(sch, name):
+            sch.compute_inline(sch.get_sblock(name))
+
+
+def schedule_local_dq(sch: s_tir.Schedule, spec: KernelSpec, knobs=None) -> None:
+    """dq of the local kernel (``compute_backward.local_dq``): scores and dP = dO V^T of an
+    item as tiled products, dS (computed from them) straight into the shared tiles of
+    dq = dS^T K_band; the extras and the gather back one thread per output."""
+    from swa_tvm.compute import band_width
+
+    knobs = knobs or Defaults()
+    _inline(sch, "arg", "dq_blk")
+    if spec.left >= 0 and spec.right >= 0:
+        kw, bq, d = band_width(spec.block_q, spec.left, spec.right), spec.block_q, spec.head_dim
+        _tiled_product(sch, "score", kw, bq, d, ("kband", "qblk_t"), knobs)
+        _tiled_product(sch, "dp", kw, bq, d, ("vband", "dblk_t"), knobs)
+        _tiled_product(sch, "dqw", bq, d, kw, ("ds", "kband"), knobs)
+    _rest_one_thread_per_output(sch, knobs)
+
+
+def schedule_local_dkv(sch: s_tir.Schedule, spec: KernelSpec, knobs=None) -> None:
+    """dk, dv of the local kernel's window (``compute_backward.local_dkv``), key-major:
+    S^T and dP^T of a key block against its query band, dv = P^T dO and dk = dS^T Q as
+    tiled products (dS computed straight into the last one's shared tile)."""
+    from swa_tvm.compute import band_width
+
+    knobs = knobs or Defaults()
+    _inline(sch, "arg")
+    if spec.left >= 0 and spec.right >= 0:
+        qw, bk, d = band_width(spec.block_q, spec.right, spec.left), spec.block_q, spec.head_dim
+        _tiled_product(sch, "score", qw, bk, d, ("qband", "kblk_t"), knobs)
+        _tiled_product(sch, "dp", qw, bk, d, ("dband", "vblk_t"), knobs)
+        _tiled_product(sch, "dv_blk", bk, d, qw, ("prob", "dband"), knobs)
+        _tiled_product(sch, "dk_blk", bk, d, qw, ("ds", "qband"), knobs)
+    _rest_one_thread_per_output(sch, knobs)
+
+
+def schedule_rows(sch: s_tir.Schedule, spec: KernelSpec, knobs=None) -> None:
+    """Kernels whose products run along the sequence (the extras' key gradients, the
+    global rows' gradients; global rows forward): one thread per output, reductions
+    serial inside. Their outputs are few (E or G rows, or a [T, G] tile) next to the
+    local kernels'."""
+    _inline(sch, "arg", "garg")
+    _rest_one_thread_per_output(sch, knobs)
+
+
+def _rest_one_thread_per_output(sch, knobs) -> None:
     threads = (knobs or Defaults()).choice(sch, THREAD_CHOICES, THREADS)
     for block in _unscheduled_blocks(sch):
         _one_thread_per_output(sch, block, threads)
 
 
-SCHEDULES = {"local": schedule_local, "global": schedule_global}
+SCHEDULES = {
+    "local": schedule_local,
+    "global": schedule_rows,
+    "local_dq": schedule_local_dq,
+    "local_dkv": schedule_local_dkv,
+    "local_dx": schedule_rows,
+    "global_bwd": schedule_rows,
+}
 
 
 def schedule(sch: s_tir.Schedule, spec: KernelSpec, knobs=None, tensor_cores: bool = False,
@@ -272,10 +325,6 @@ def schedule(sch: s_tir.Schedule, spec: KernelSpec, knobs=None, tensor_cores: bo
     """Apply the CUDA schedule of ``spec`` to the PrimFunc ``sch`` works on: the default
     (``knobs`` None), or a point of the search space (``cpu.Sampled()``); with
     ``tensor_cores`` (where ``tensor_cores_apply``) the score product on tensor cores."""
-    if spec.kind not in SCHEDULES:
-        raise NotImplementedError(
-            f"kernel {spec.name}: no CUDA schedule for kind {spec.kind!r} yet (CUDA serves the forward kernels)"
-        )
     if tensor_cores:
         if not tensor_cores_apply(spec):
             raise ValueError(f"kernel {spec.name}: no tensor-core schedule (half dtype, bounded band, extents % 16)")

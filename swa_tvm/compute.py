@@ -603,10 +603,8 @@ def prim_func(spec: KernelSpec, shapes: dict | None = None, target_kind: str = "
     ``spec.name``. The kinds differ only in how exp is computed."""
     from .compute_backward import BACKWARD_COMPUTES
 
-    if spec.kind in FORWARD_COMPUTES:
-        args = FORWARD_COMPUTES[spec.kind](spec, shapes, native_exp=target_kind != "llvm")
-    else:
-        args = BACKWARD_COMPUTES[spec.kind](spec, shapes)  # CPU only
+    computes = FORWARD_COMPUTES if spec.kind in FORWARD_COMPUTES else BACKWARD_COMPUTES
+    args = computes[spec.kind](spec, shapes, native_exp=target_kind != "llvm")
     func = te.create_prim_func(args)
     return func.with_attr("global_symbol", spec.name)
 

@@ -26,7 +26,9 @@ Four kernels, none of which scatters (TE cannot), each owning the outputs it wri
 Products are laid out [band, block] with the block axis innermost, so each product
 runs along a small contiguous gathered tile and the large bands are gathered as plain
 rows (no transposed gather); rows are reduced along their outer axis.
-dk/dv are per *query* head ([B, H, ...]); the caller sums each GQA group.
+dk/dv are per *query* head ([B, H, ...]) and in the accumulation dtype (float32 for
+float16/bfloat16 inputs): the caller sums each GQA group before rounding to the input
+dtype. ``native_exp``: the target's exp (CUDA), as in the forward computes.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def _grad_inputs(spec: KernelSpec, B, H, Hkv, T, E):
     return ins, (q, k, v, dil, xidx, dout, lse, delta, scale)
 
 
-def local_dq(spec: KernelSpec, shapes: dict | None = None):
+def local_dq(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = False):
     """dq [B,H,T,D] of the local kernel.
 
     Arguments: q, k, v, dilation, [extra_idx], dout, lse, delta, scale, dq. Rows that
@@ -117,7 +119,7 @@ def local_dq(spec: KernelSpec, shapes: dict | None = None):
     )
     ds = te.compute(
         (B, H, n, kw, Bq),
-        lambda b, h, be, kj, qi: _exp(arg[b, h, be, kj, qi], acc) * (dp[b, h, be, kj, qi] - rstat[b, h, be, 1, qi]),
+        lambda b, h, be, kj, qi: _exp(arg[b, h, be, kj, qi], acc, native_exp) * (dp[b, h, be, kj, qi] - rstat[b, h, be, 1, qi]),
         name="ds",
     )
     kr = te.reduce_axis((0, kw), name="kr")
@@ -160,7 +162,7 @@ def local_dq(spec: KernelSpec, shapes: dict | None = None):
         )
         xds = te.compute(
             (B, H, n, E, Bq),
-            lambda b, h, be, e, qi: _exp(xarg[b, h, be, e, qi], acc) * (xdp[b, h, be, e, qi] - rstat[b, h, be, 1, qi]),
+            lambda b, h, be, e, qi: _exp(xarg[b, h, be, e, qi], acc, native_exp) * (xdp[b, h, be, e, qi] - rstat[b, h, be, 1, qi]),
             name="xds",
         )
         er = te.reduce_axis((0, E), name="er")
@@ -184,8 +186,9 @@ def local_dq(spec: KernelSpec, shapes: dict | None = None):
     return ins + [dq]
 
 
-def local_dkv(spec: KernelSpec, shapes: dict | None = None):
-    """dk, dv [B,H,T,D] (per query head) of the window terms of the local kernel.
+def local_dkv(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = False):
+    """dk, dv [B,H,T,D] (per query head, accumulation dtype) of the window terms of the
+    local kernel.
 
     Arguments: q, k, v, dilation, [extra_idx], dout, lse, delta, scale, dk, dv.
     ``extra_idx`` is accepted for a uniform signature; the extras' own key gradients
@@ -193,7 +196,7 @@ def local_dkv(spec: KernelSpec, shapes: dict | None = None):
     """
     assert spec.kind == "local_dkv"
     B, H, Hkv, T, E = _dims(shapes, "B H Hkv T E")
-    D, dt, Bk, acc = spec.head_dim, spec.dtype, spec.block_q, accum_dtype(spec.dtype)
+    D, Bk, acc = spec.head_dim, spec.block_q, accum_dtype(spec.dtype)
     ins, (q, k, v, dil, _, dout, lse, delta, scale) = _grad_inputs(spec, B, H, Hkv, T, E)
     # Key j is seen by query i = j + u*d for -right <= u <= left: the transposed window.
     band = Band(spec.right, spec.left, Bk, spec.max_dilation, T, H, dil)
@@ -243,7 +246,7 @@ def local_dkv(spec: KernelSpec, shapes: dict | None = None):
         ),
         name="arg",
     )
-    prob = te.compute((B, H, n, qw, Bk), lambda b, h, be, qj, kr: _exp(arg[b, h, be, qj, kr], acc), name="prob")
+    prob = te.compute((B, H, n, qw, Bk), lambda b, h, be, qj, kr: _exp(arg[b, h, be, qj, kr], acc, native_exp), name="prob")
     ds = te.compute(
         (B, H, n, qw, Bk),
         lambda b, h, be, qj, kr: prob[b, h, be, qj, kr] * (dp[b, h, be, qj, kr] - bstat[b, h, be, qj, 1]),
@@ -261,15 +264,14 @@ def local_dkv(spec: KernelSpec, shapes: dict | None = None):
         lambda b, h, be, kr, cc: te.sum(ds[b, h, be, qr2, kr] * qband[b, h, be, qr2, cc], axis=qr2),
         name="dk_blk",
     )
-    dk = te.compute(
-        (B, H, T, D), lambda b, h, j, cc: (dk_blk[(b, h) + band.item_of(h, j) + (cc,)] * scale).astype(dt), name="dk"
-    )
-    dv = te.compute((B, H, T, D), lambda b, h, j, cc: dv_blk[(b, h) + band.item_of(h, j) + (cc,)].astype(dt), name="dv")
+    dk = te.compute((B, H, T, D), lambda b, h, j, cc: dk_blk[(b, h) + band.item_of(h, j) + (cc,)] * scale, name="dk")
+    dv = te.compute((B, H, T, D), lambda b, h, j, cc: dv_blk[(b, h) + band.item_of(h, j) + (cc,)], name="dv")
     return ins + [dk, dv]
 
 
-def local_dx(spec: KernelSpec, shapes: dict | None = None):
-    """dk, dv [B,H,E,D] of the extra keys, from every row that sees them as extras.
+def local_dx(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = False):
+    """dk, dv [B,H,E,D] (accumulation dtype) of the extra keys, from every row that sees
+    them as extras.
 
     Arguments: q, k, v, dilation, extra_idx, dout, lse, delta, scale, dk_extra,
     dv_extra. Row e of the outputs belongs to position extra_idx[b, e] (zero for
@@ -277,7 +279,7 @@ def local_dx(spec: KernelSpec, shapes: dict | None = None):
     """
     assert spec.kind == "local_dx" and spec.extras
     B, H, Hkv, T, E = _dims(shapes, "B H Hkv T E")
-    D, dt, acc = spec.head_dim, spec.dtype, accum_dtype(spec.dtype)
+    D, acc = spec.head_dim, accum_dtype(spec.dtype)
     ins, (q, k, v, dil, xidx, dout, lse, delta, scale) = _grad_inputs(spec, B, H, Hkv, T, E)
     group = div_nonneg(H, Hkv)
     ninf = _neg_inf(acc)
@@ -308,7 +310,7 @@ def local_dx(spec: KernelSpec, shapes: dict | None = None):
         lambda b, h, i, e: tirx.Select(seen(b, h, i, e), score[b, h, i, e] * scale - lse[b, h, i], ninf),
         name="arg",
     )
-    prob = te.compute((B, H, T, E), lambda b, h, i, e: _exp(arg[b, h, i, e], acc), name="prob")
+    prob = te.compute((B, H, T, E), lambda b, h, i, e: _exp(arg[b, h, i, e], acc, native_exp), name="prob")
     ds = te.compute(
         (B, H, T, E), lambda b, h, i, e: prob[b, h, i, e] * (dp[b, h, i, e] - delta[b, h, i]), name="ds"
     )
@@ -324,14 +326,14 @@ def local_dx(spec: KernelSpec, shapes: dict | None = None):
         lambda b, h, e, cc: te.sum(ds[b, h, ir2, e] * q[b, h, ir2, cc].astype(acc), axis=ir2),
         name="dk_extra_acc",
     )
-    dkx = te.compute((B, H, E, D), lambda *i: (dkx_acc[i] * scale).astype(dt), name="dk_extra")
-    dvx = te.compute((B, H, E, D), lambda *i: dvx_acc[i].astype(dt), name="dv_extra")
+    dkx = te.compute((B, H, E, D), lambda *i: dkx_acc[i] * scale, name="dk_extra")
+    dvx = te.compute((B, H, E, D), lambda *i: dvx_acc[i], name="dv_extra")
     return ins + [dkx, dvx]
 
 
-def global_backward(spec: KernelSpec, shapes: dict | None = None):
+def global_backward(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = False):
     """Gradients of the global rows: d q_global [B,H,G,D], d k_global and d v_global
-    [B,H,T,D] (per query head).
+    [B,H,T,D] (per query head, accumulation dtype).
 
     Arguments: q_global, k_global, v_global, global_idx, dout [B,H,G,D] (the global
     rows' output gradient), lse [B,H,G], delta [B,H,G], scale, dq_global, dk_global,
@@ -374,7 +376,7 @@ def global_backward(spec: KernelSpec, shapes: dict | None = None):
         lambda b, h, j, g: tirx.Select(ok(b, g, j), score[b, h, j, g] * scale - lse[b, h, g], ninf),
         name="garg",
     )
-    prob = te.compute((B, H, T, G), lambda b, h, j, g: _exp(arg[b, h, j, g], acc), name="gprob")
+    prob = te.compute((B, H, T, G), lambda b, h, j, g: _exp(arg[b, h, j, g], acc, native_exp), name="gprob")
     ds = te.compute((B, H, T, G), lambda b, h, j, g: prob[b, h, j, g] * (dp[b, h, j, g] - delta[b, h, g]), name="gds")
     jr = te.reduce_axis((0, T), name="jr")
     dqg_acc = te.compute(
@@ -395,8 +397,8 @@ def global_backward(spec: KernelSpec, shapes: dict | None = None):
         name="dv_global_acc",
     )
     dqg = te.compute((B, H, G, D), lambda *i: (dqg_acc[i] * scale).astype(dt), name="dq_global")
-    dkg = te.compute((B, H, T, D), lambda *i: (dkg_acc[i] * scale).astype(dt), name="dk_global")
-    dvg = te.compute((B, H, T, D), lambda *i: dvg_acc[i].astype(dt), name="dv_global")
+    dkg = te.compute((B, H, T, D), lambda *i: dkg_acc[i] * scale, name="dk_global")
+    dvg = te.compute((B, H, T, D), lambda *i: dvg_acc[i], name="dv_global")
     return [qg, kg, vg, gidx, dout, lse, delta, scale, dqg, dkg, dvg]
 
 

@@ -267,11 +267,6 @@ def attention_backward(
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     device = q.device.type
-    if device != "cpu":
-        raise NotImplementedError(
-            f"gradients of swa_tvm attention are computed on the CPU only; q is on {q.device} "
-            "(CUDA backward kernels are not built yet)"
-        )
     acc = lse.dtype
     q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
     dil = dilation.to(torch.int32).contiguous()
@@ -306,15 +301,17 @@ def attention_backward(
     kernels = {s.kind: _kernel(s, device) for s in fwd.backward_kernels()}
     common = [q, k, v, dil] + ([extra] if extra is not None else []) + [dout_l, lse_l.contiguous(), delta_l.contiguous(), float(scale)]
     dq = torch.empty_like(q)
-    kernels["local_dq"].func(*common, dq)
-    dk = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
+    _launch(kernels["local_dq"], q.device, *common, dq)
+    # Key gradients per query head come in the accumulation dtype: a GQA group and the
+    # extra and global terms are summed before the one rounding to k's dtype.
+    dk = torch.empty(B, H, T, D, dtype=acc, device=q.device)
     dv = torch.empty_like(dk)
-    kernels["local_dkv"].func(*common, dk, dv)
+    _launch(kernels["local_dkv"], q.device, *common, dk, dv)
     if extra is not None:
         E = extra.shape[1]
-        dkx = torch.empty(B, H, E, D, dtype=q.dtype, device=q.device)
+        dkx = torch.empty(B, H, E, D, dtype=acc, device=q.device)
         dvx = torch.empty_like(dkx)
-        kernels["local_dx"].func(*common, dkx, dvx)
+        _launch(kernels["local_dx"], q.device, *common, dkx, dvx)
         # Padding entries (-1) have zero gradient; send them to row 0 harmlessly.
         xi = extra.long().clamp_min(0)[:, None, :, None].expand(B, H, E, D)
         dk.scatter_add_(2, xi, dkx)
@@ -328,23 +325,23 @@ def attention_backward(
         kg = k_global.contiguous() if k_global is not None else k
         vg = v_global.contiguous() if v_global is not None else v
         g_dq = torch.empty(B, H, G, D, dtype=q.dtype, device=q.device)
-        g_dk = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
+        g_dk = torch.empty(B, H, T, D, dtype=acc, device=q.device)
         g_dv = torch.empty_like(g_dk)
-        gkern.func(qg, kg, vg, global_idx.contiguous(), dout_g, lse_g, delta_g, float(scale), g_dq, g_dk, g_dv)
+        _launch(gkern, q.device, qg, kg, vg, global_idx.contiguous(), dout_g, lse_g, delta_g, float(scale), g_dq, g_dk, g_dv)
         g_dk, g_dv = _group_sum(g_dk, Hkv), _group_sum(g_dv, Hkv)
         if q_global is not None:
             dqg = g_dq
         else:
             dq.scatter_add_(2, idx4, g_dq)
         if k_global is not None:
-            dkg = g_dk
+            dkg = g_dk.to(k_global.dtype)
         else:
             dk += g_dk
         if v_global is not None:
-            dvg = g_dv
+            dvg = g_dv.to(v_global.dtype)
         else:
             dv += g_dv
-    return dq, dk, dv, dqg, dkg, dvg, dsink
+    return dq, dk.to(k.dtype), dv.to(v.dtype), dqg, dkg, dvg, dsink
 
 
 def sliding_window_attention(

@@ -42,8 +42,8 @@ def test_half_precision_is_cuda_only(tmp_path):
     q = rand(1, 2, 40, 16).to(torch.bfloat16)
     with pytest.raises(TypeError, match="q has dtype torch.bfloat16; on cpu the kernels support"):
         swa_tvm.sliding_window_attention(q, q, q, window_size=(3, 0))
-    with pytest.raises(ValueError, match="gradient kernels are not built yet"):
-        KernelSpec("local_dq", 16, "float16", 3, 0)
+    with pytest.raises(ValueError, match="bfloat16 kernels are built for CUDA targets"):
+        build.export_library([KernelSpec("local_dq", 16, "bfloat16", 3, 0)], tmp_path / "y.so", target="llvm", logs=None)
 
 
 @needs_nvcc
@@ -51,9 +51,9 @@ def test_half_precision_is_cuda_only(tmp_path):
     "arch,spec_text",
     [
         # sm_90 gets every pattern (dilation, globals, sinks); sm_80 the plain window in
-        # bf16, which keeps this test's nvcc time down.
+        # bf16 with its gradient kernels, which keeps this test's nvcc time down.
         ("sm_90", "head_dim=32,window=15:0,dilation=2,globals,sinks,dtype=float16"),
-        ("sm_80", "head_dim=32,window=15:0,dtype=bfloat16"),
+        ("sm_80", "head_dim=32,window=15:0,dtype=bfloat16,backward"),
     ],
 )
 def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fresh_registry):
@@ -72,13 +72,16 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
     assert manifest["target_key"] == f"cuda-{arch}" and manifest["cpu_features"] == []
     assert [k["spec"]["dtype"] for k in manifest["kernels"]] == [spec.dtype] * len(kernels)
     assert json.load(open(f"{path}.json")) == manifest
-    # Local and global rows both on the tensor-core kernel; `swa-tvm info` says so.
-    assert {k["schedule"] for k in manifest["kernels"]} == {"cuda_flash_tc"}
+    # Local and global rows both on the tensor-core kernel, gradients on the TE kernels'
+    # CUDA schedule; `swa-tvm info` says so.
+    forward = [k for k in kernels if k.kind in ("local", "global")]
+    schedules = {k["spec"]["kind"]: k["schedule"] for k in manifest["kernels"]}
+    assert schedules == {k.kind: "cuda_flash_tc" if k in forward else "default" for k in kernels}
     from swa_tvm import cli
 
     info = subprocess.run([sys.executable, "-m", "swa_tvm.cli", "info", str(path)], capture_output=True, text=True)
     assert info.returncode == 0, info.stderr
-    assert info.stdout.count(cli.FUSED_TEXT["cuda_flash_tc"]) == len(kernels), info.stdout
+    assert info.stdout.count(cli.FUSED_TEXT["cuda_flash_tc"]) == len(forward), info.stdout
 
     # The generated CUDA source (written beside the library): half inputs, fp32
     # accumulation, shared-memory tiles.
@@ -93,6 +96,11 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
     assert re.search(rf"swa_mma_{ptx}\(qfrag", src) and re.search(rf"swa_mma_{ptx}\(pfrag", src), (
         "Q K^T and P V should both issue mma (P from the score registers)"
     )
+    if spec.backward:
+        # The gradient kernels' products (scores, dP, dq, dk, dv) stage fp32 tiles.
+        kinds = set(re.findall(r'extern "C" __global__ void[^\n]*? swa_local_(dq|dkv)_d32', src))
+        assert kinds == {"dq", "dkv"}, "the gradient kernels should be in the library's CUDA source"
+        assert len(re.findall(r"__shared__ (?:alignas\(\d+\) )?float \w+\[\d+\]", src)) >= 2 * 5
 
     specs = swa_tvm.load_library(path)
     assert {s.name for s in specs} == {k.name for k in kernels}
@@ -425,6 +433,72 @@ def test_gpu_check_harness_on_cpu(tmp_path, fresh_registry):
     assert rc == 0 and results["ok"] is True
     assert len(results["correctness"]) == 6 and all(r["ok"] and r["out_rel_err"] < 1e-5 for r in results["correctness"])
     assert results["stream_and_compile"] == {"compile_fullgraph_equal": True}
+
+
+# Backward cases: (dtype, window, per-head dilation, globals with separate projections,
+# sinks and learned sink logits, GQA); the tolerance is the gradients' rounding.
+BACKWARD_CASES = {
+    "bf16_causal_everything": ("bfloat16", (8, 0), [1, 2, 1, 2], True, 1e-2),
+    "fp32_both_sides_dilation_2": ("float32", (5, 7), [2, 2, 2, 2], False, 1e-5),
+    "fp16_unbounded_left": ("float16", (-1, 0), [1, 1, 2, 1], False, 2e-3),
+}
+
+
+@pytest.mark.parametrize("case", list(BACKWARD_CASES))
+def test_cuda_backward_schedules_compute_the_reference_gradients(case, monkeypatch):
+    """The whole backward (``functional.attention_backward``: delta, sink gradient, the
+    global rows' split, GQA sums) with every gradient kernel under its CUDA schedule, run
+    serially on the CPU, against autograd through the float64 dense reference."""
+    import tvm
+    from tvm import s_tir
+
+    from swa_tvm import functional
+    from swa_tvm.compute import prim_func
+    from swa_tvm.library import Kernel
+    from swa_tvm.reference import sliding_window_attention_ref
+    from swa_tvm.schedules import cuda
+    from swa_tvm.spec import BACKWARD_KINDS
+
+    built = []
+
+    def serial_cuda_kernel(want, device):
+        assert want.kind in BACKWARD_KINDS, "the forward comes from the reference here"
+        sch = s_tir.Schedule(tvm.IRModule({want.name: prim_func(want, target_kind="cuda")}))
+        sch.work_on(want.name)
+        cuda.schedule(sch, want)
+        built.append(want.kind)
+        return Kernel(want, _serial_on_cpu(sch.mod)[want.name], device, "serial CUDA schedule")
+
+    monkeypatch.setattr(functional, "_kernel", serial_cuda_kernel)
+    dtype, window, dilation, extras, tol = BACKWARD_CASES[case]
+    B, H, Hkv, T, D, G = 2, 4, 2, 45, 16, 2
+    tdt = getattr(torch, dtype)
+    leaf = lambda *shape: rand(*shape).to(tdt).double().requires_grad_()  # noqa: E731 - values exact in dtype
+    q, k, v = leaf(B, H, T, D), leaf(B, Hkv, T, D), leaf(B, Hkv, T, D)
+    kw = dict(window_size=window, dilation=torch.tensor(dilation, dtype=torch.int32))
+    if extras:
+        kw.update(global_idx=torch.tensor([[3, 30], [44, 5]], dtype=torch.int32), num_sinks=2,
+                  q_global=leaf(B, H, G, D), k_global=leaf(B, Hkv, T, D), v_global=leaf(B, Hkv, T, D),
+                  sink_logits=leaf(H))
+    leaves = [q, k, v] + [kw[n] for n in ("q_global", "k_global", "v_global", "sink_logits") if n in kw]
+    ref_out, ref_lse = sliding_window_attention_ref(q, k, v, **kw)
+    d_out, d_lse = torch.randn_like(ref_out).to(tdt).double(), torch.randn_like(ref_lse)
+    want = torch.autograd.grad((ref_out * d_out).sum() + (ref_lse * d_lse).sum(), leaves)
+
+    low = lambda x: x.detach().to(tdt) if x is not None else None  # noqa: E731
+    sink = kw.get("sink_logits")
+    got = functional.attention_backward(
+        low(d_out), d_lse.float(), low(q), low(k), low(v), kw["dilation"], kw.get("global_idx"),
+        low(kw.get("q_global")), low(kw.get("k_global")), low(kw.get("v_global")), kw.get("num_sinks", 0),
+        sink.detach().float() if sink is not None else None, D**-0.5, *window, low(ref_out), ref_lse.float(),
+    )
+    assert sorted(built) == sorted(["local_dq", "local_dkv"] + (["local_dx", "global_bwd"] if extras else []))
+    names = ["dq", "dk", "dv", "dq_global", "dk_global", "dv_global", "dsink_logits"]
+    given = [True, True, True] + [n in kw for n in ("q_global", "k_global", "v_global", "sink_logits")]
+    for name, a, b in zip([n for n, g in zip(names, given) if g], [a for a, g in zip(got, given) if g], want):
+        assert a.dtype == (torch.float32 if name == "dsink_logits" else tdt), name
+        e = rel_err(a, b)
+        assert e < tol, f"{name} relative error {e:.2e} >= {tol}"
 
 
 @pytest.mark.parametrize("causal", [True, False])
