@@ -274,7 +274,7 @@ def schedule_local_dq(sch: s_tir.Schedule, spec: KernelSpec, knobs=None) -> None
         kw, bq, d = band_width(spec.block_q, spec.left, spec.right), spec.block_q, spec.head_dim
         _tiled_product(sch, "score", kw, bq, d, ("kband", "qblk_t"), knobs)
         _tiled_product(sch, "dp", kw, bq, d, ("vband", "dblk_t"), knobs)
-        _tiled_product(sch, "dqw", bq, d, kw, ("ds", "kband"), knobs)
+        _tiled_product(sch, "dqw", bq, d, kw, ("ds", "kband_dq"), knobs)
     _rest_one_thread_per_output(sch, knobs)
 
 
@@ -290,8 +290,8 @@ def schedule_local_dkv(sch: s_tir.Schedule, spec: KernelSpec, knobs=None) -> Non
         qw, bk, d = band_width(spec.block_q, spec.right, spec.left), spec.block_q, spec.head_dim
         _tiled_product(sch, "score", qw, bk, d, ("qband", "kblk_t"), knobs)
         _tiled_product(sch, "dp", qw, bk, d, ("dband", "vblk_t"), knobs)
-        _tiled_product(sch, "dv_blk", bk, d, qw, ("prob", "dband"), knobs)
-        _tiled_product(sch, "dk_blk", bk, d, qw, ("ds", "qband"), knobs)
+        _tiled_product(sch, "dv_blk", bk, d, qw, ("prob", "dband_dv"), knobs)
+        _tiled_product(sch, "dk_blk", bk, d, qw, ("ds", "qband_dk"), knobs)
     _rest_one_thread_per_output(sch, knobs)
 
 

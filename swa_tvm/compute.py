@@ -600,7 +600,8 @@ FORWARD_COMPUTES = {"local": local_attention, "global": global_attention}
 
 def prim_func(spec: KernelSpec, shapes: dict | None = None, target_kind: str = "llvm") -> tvm.tirx.PrimFunc:
     """The unscheduled PrimFunc of a spec for a target kind ("llvm" or "cuda"), named by
-    ``spec.name``. The kinds differ only in how exp is computed."""
+    ``spec.name``. The kinds compute the same values; they differ in how exp is computed
+    and, for the gradients, in which gathers are shared (``compute_backward``)."""
     from .compute_backward import BACKWARD_COMPUTES
 
     computes = FORWARD_COMPUTES if spec.kind in FORWARD_COMPUTES else BACKWARD_COMPUTES

@@ -28,7 +28,9 @@ runs along a small contiguous gathered tile and the large bands are gathered as 
 rows (no transposed gather); rows are reduced along their outer axis.
 dk/dv are per *query* head ([B, H, ...]) and in the accumulation dtype (float32 for
 float16/bfloat16 inputs): the caller sums each GQA group before rounding to the input
-dtype. ``native_exp``: the target's exp (CUDA), as in the forward computes.
+dtype. ``native_exp`` (GPU targets): the target's exp, as in the forward computes, and
+each product its own gather of a band (the CUDA schedule computes gathers straight into
+shared-memory tiles; the CPU's share one per item).
 """
 
 from __future__ import annotations
@@ -122,10 +124,18 @@ def local_dq(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
         lambda b, h, be, kj, qi: _exp(arg[b, h, be, kj, qi], acc, native_exp) * (dp[b, h, be, kj, qi] - rstat[b, h, be, 1, qi]),
         name="ds",
     )
+    kband_dq = kband
+    if native_exp:
+        # GPU: each product gathers its own band straight into its shared tiles; one
+        # gather read by two products would have to be materialized (D x the scores).
+        kband_dq = te.compute(
+            (B, H, n, kw, D), lambda b, h, be, kj, c: k[b, div_nonneg(h, group), key(h, be, kj), c].astype(acc),
+            name="kband_dq",
+        )
     kr = te.reduce_axis((0, kw), name="kr")
     dqw = te.compute(
         (B, H, n, Bq, D),
-        lambda b, h, be, qi, cc: te.sum(ds[b, h, be, kr, qi] * kband[b, h, be, kr, cc], axis=kr),
+        lambda b, h, be, qi, cc: te.sum(ds[b, h, be, kr, qi] * kband_dq[b, h, be, kr, cc], axis=kr),
         name="dqw",
     )
     parts = [dqw]
@@ -252,16 +262,24 @@ def local_dkv(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = F
         lambda b, h, be, qj, kr: prob[b, h, be, qj, kr] * (dp[b, h, be, qj, kr] - bstat[b, h, be, qj, 1]),
         name="ds",
     )
+    dband_dv, qband_dk = dband, qband
+    if native_exp:  # GPU: each product its own gathers (see local_dq)
+        dband_dv = te.compute(
+            (B, H, n, qw, D), lambda b, h, be, qj, c: dout[b, h, row(h, be, qj), c].astype(acc), name="dband_dv"
+        )
+        qband_dk = te.compute(
+            (B, H, n, qw, D), lambda b, h, be, qj, c: q[b, h, row(h, be, qj), c].astype(acc), name="qband_dk"
+        )
     qr = te.reduce_axis((0, qw), name="qr")
     dv_blk = te.compute(
         (B, H, n, Bk, D),
-        lambda b, h, be, kr, cc: te.sum(prob[b, h, be, qr, kr] * dband[b, h, be, qr, cc], axis=qr),
+        lambda b, h, be, kr, cc: te.sum(prob[b, h, be, qr, kr] * dband_dv[b, h, be, qr, cc], axis=qr),
         name="dv_blk",
     )
     qr2 = te.reduce_axis((0, qw), name="qr2")
     dk_blk = te.compute(
         (B, H, n, Bk, D),
-        lambda b, h, be, kr, cc: te.sum(ds[b, h, be, qr2, kr] * qband[b, h, be, qr2, cc], axis=qr2),
+        lambda b, h, be, kr, cc: te.sum(ds[b, h, be, qr2, kr] * qband_dk[b, h, be, qr2, cc], axis=qr2),
         name="dk_blk",
     )
     dk = te.compute((B, H, T, D), lambda b, h, j, cc: dk_blk[(b, h) + band.item_of(h, j) + (cc,)] * scale, name="dk")

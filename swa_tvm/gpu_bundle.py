@@ -28,9 +28,9 @@ import warnings
 # Correctness libraries: every pattern in every dtype, at a head dim and windows small
 # enough for a dense float64 reference.
 CHECK_SPECS = (
-    "head_dim=64,window=31:0,dilation=2",
-    "head_dim=64,window=31:0,dilation=2,globals,sinks",
-    "head_dim=64,window=16:16,dilation=2,globals",
+    "head_dim=64,window=31:0,dilation=2,backward",
+    "head_dim=64,window=31:0,dilation=2,globals,sinks,backward",
+    "head_dim=64,window=16:16,dilation=2,globals,backward",
 )
 CHECK_DTYPES = ("float16", "bfloat16", "float32")
 # The timing shapes: bf16, D=128, causal W=4096, plain / dilation 2 / globals.
@@ -38,6 +38,8 @@ BENCH_SPECS = (
     "head_dim=128,window=4095:0,dtype=bfloat16",
     "head_dim=128,window=4095:0,dilation=2,dtype=bfloat16",
     "head_dim=128,window=4095:0,globals,dtype=bfloat16",
+    # The training timing's shape (gpu_check.time_training), with its gradient kernels.
+    "head_dim=128,window=1023:0,dtype=bfloat16,backward",
 )
 
 

@@ -6,13 +6,15 @@ runtime only, then, in one process:
 1. correctness: every pattern (window causal and symmetric, uniform and per-head
    dilation, globals with and without their own projections, sinks, learned sink
    logits, GQA) in float16, bfloat16 and float32 against the float64 dense reference on
-   fresh random inputs, out and lse, with tolerances by dtype; a call on a side stream
-   and under ``torch.compile(fullgraph=True)``;
+   fresh random inputs, out, lse and the gradients of every float input (through
+   ``torch.autograd``: the backward kernels), with tolerances by dtype; a call on a side
+   stream and under ``torch.compile(fullgraph=True)``;
 2. timing (median of CUDA-event timed runs after warm-up) of ours against FlexAttention
    (sliding-window block mask, compiled), SDPA with a banded boolean mask and SDPA causal
    with no window, at bf16 B=1 H=32 H_kv=8 D=128 T=32768 causal W=4096, plain, dilation 2
    and +64 global tokens; the bf16 matmul rate measured in the same run as the ceiling;
-3. scaling: our forward time at T = 8K ... 128K (as far as memory allows);
+3. scaling: our forward time at T = 8K ... 128K (as far as memory allows); training
+   (forward + backward) against FlexAttention and SDPA at bf16 T=8192 causal W=1024;
 4. variants: the fused kernel's tile configurations timed against each other at the
    timing shape (``lib/variants``), each checked against the default kernel;
 5. tuning: the batch of MetaSchedule candidates built there (``tune_batch``), measured
@@ -39,10 +41,17 @@ import torch
 from swa_tvm.measure_batch import rel_err, time_calls
 
 TOLERANCE = {torch.float16: (3e-3, 2e-3), torch.bfloat16: (2e-2, 2e-3), torch.float32: (1e-4, 1e-4)}
+# Relative error of every gradient (dq, dk, dv, the global projections', the sink logits').
+GRAD_TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 3e-2, torch.float32: 1e-4}
+
+
+# The float inputs of a call that have gradients (besides q, k, v).
+GRAD_INPUTS = ("q_global", "k_global", "v_global", "sink_logits")
 
 
 def check_patterns(results: dict, dev: torch.device) -> bool:
-    """Every pattern x dtype against the float64 reference; True when all pass."""
+    """Every pattern x dtype against the float64 reference, forward and gradients; True
+    when all pass."""
     import swa_tvm
     from swa_tvm.reference import sliding_window_attention_ref
 
@@ -76,21 +85,34 @@ def check_patterns(results: dict, dev: torch.device) -> bool:
             kw["num_sinks"] = case.pop("num_sinks", 0)
             if case.pop("sink_logits", False):
                 kw["sink_logits"] = torch.randn(H, generator=g)
-            to_dev = {n: (x.to(dev) if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
             entry = {"case": name, "dtype": str(dtype).replace("torch.", "")}
             try:
-                out, lse = swa_tvm.sliding_window_attention(q.to(dev), k.to(dev), v.to(dev), return_lse=True, **to_dev)
-                ref_out, ref_lse = sliding_window_attention_ref(q, k, v, **kw)
-                entry["out_rel_err"] = rel_err(out.cpu(), ref_out)
-                entry["lse_max_abs_err"] = (lse.cpu().double() - ref_lse).abs().max().item()
-                entry["ok"] = bool(entry["out_rel_err"] < tol_out and entry["lse_max_abs_err"] < tol_lse)
+                # Gradients of <out, d_out> + <lse, d_lse> with respect to every float
+                # input, ours on the device against autograd through the reference.
+                inputs = {"q": q, "k": k, "v": v, **{n: kw.pop(n) for n in GRAD_INPUTS if n in kw}}
+                ours_in = {n: x.to(dev).requires_grad_() for n, x in inputs.items()}
+                ref_in = {n: x.double().requires_grad_() for n, x in inputs.items()}
+                to_dev = {n: (x.to(dev) if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
+                out, lse = swa_tvm.sliding_window_attention(**ours_in, **to_dev, return_lse=True)
+                ref_out, ref_lse = sliding_window_attention_ref(**ref_in, **kw)
+                entry["out_rel_err"] = rel_err(out.detach().cpu(), ref_out.detach())
+                entry["lse_max_abs_err"] = (lse.detach().cpu().double() - ref_lse.detach()).abs().max().item()
+                d_out = torch.randn(ref_out.shape, generator=g).to(dtype)
+                d_lse = torch.randn(ref_lse.shape, generator=g)
+                got = torch.autograd.grad((out * d_out.to(dev)).float().sum() + (lse * d_lse.to(dev)).sum(),
+                                          list(ours_in.values()))
+                want = torch.autograd.grad((ref_out * d_out.double()).sum() + (ref_lse * d_lse.double()).sum(),
+                                           list(ref_in.values()))
+                entry["grad_rel_err"] = {n: rel_err(a.cpu(), b) for n, a, b in zip(inputs, got, want)}
+                entry["ok"] = bool(entry["out_rel_err"] < tol_out and entry["lse_max_abs_err"] < tol_lse
+                                   and max(entry["grad_rel_err"].values()) < GRAD_TOLERANCE[dtype])
             except Exception as e:  # noqa: BLE001 - record and go on to the next case
                 entry.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-2000:])
             ok_all &= entry["ok"]
             rows.append(entry)
             print(f"  {entry['dtype']:9s} {name:48s} {'ok' if entry['ok'] else 'FAIL'} "
-                  f"{entry.get('out_rel_err', float('nan')):.1e} {entry.get('lse_max_abs_err', float('nan')):.1e}",
-                  flush=True)
+                  f"{entry.get('out_rel_err', float('nan')):.1e} {entry.get('lse_max_abs_err', float('nan')):.1e} "
+                  f"grads {max(entry.get('grad_rel_err', {'': float('nan')}).values()):.1e}", flush=True)
     results["correctness"] = rows
 
     # Stream and compile: the same call on a side stream, and under torch.compile.
@@ -331,6 +353,55 @@ def bench(results: dict, dev: torch.device, quick: bool) -> None:
             _empty_cache()
         print(f"  scaling {scaling[-1]}", flush=True)
     results["scaling"] = scaling
+    if dev.type == "cuda":
+        time_training(results, dev, flex)
+
+
+def time_training(results: dict, dev: torch.device, flex) -> None:
+    """Forward + backward (gradients of q, k, v) at a training shape, ours against
+    FlexAttention and SDPA with the banded mask, in bf16; dq/dk/dv compared with
+    FlexAttention's. The shape is smaller than the forward bars': our gradient kernels
+    keep an item's scores in global memory (O(H*T*(W+64)) floats per stage)."""
+    import swa_tvm
+
+    B, H, Hkv, D, T, W = 1, 32, 8, 128, 8192, 1024
+    dtype = torch.bfloat16
+    q = torch.randn(B, H, T, D, device=dev, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, T, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
+    dout = torch.randn(B, H, T, D, device=dev, dtype=dtype)
+    mask = _visible_mask(T, W, 1, None, dev)
+    row = {"T": T, "W": W, "H": H, "H_kv": Hkv, "D": D, "dtype": "bfloat16",
+           "useful_gflop_fwd_bwd": 4.0 * 3.5 * B * H * D * int(mask.sum()) / 1e9}  # bwd ~ 2.5x fwd FLOPs
+
+    def grads(fn):
+        return torch.autograd.grad(fn(), (q, k, v), dout)
+
+    runs = {"ours": lambda: swa_tvm.sliding_window_attention(q, k, v, window_size=(W - 1, 0))}
+    if flex is not None:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        bm = create_block_mask(lambda b, h, qi, ki: (qi >= ki) & (qi - ki < W), None, None, T, T, device=dev)
+        runs["flex_attention"] = lambda: flex(q, k, v, block_mask=bm, enable_gqa=True)
+    kr = lambda x: x.repeat_interleave(H // Hkv, 1)  # noqa: E731
+    runs["sdpa_banded_mask"] = lambda: torch.nn.functional.scaled_dot_product_attention(q, kr(k), kr(v), attn_mask=mask)
+    ours_grads = None
+    for name, fn in runs.items():
+        try:
+            g = grads(fn)
+            if name == "ours":
+                ours_grads = g
+            elif ours_grads is not None:
+                row[f"{name}_grads_vs_ours_rel_err"] = max(rel_err(a.float(), b.float()) for a, b in zip(g, ours_grads))
+            row[f"{name}_fwd_ms"] = _time_ms(lambda: fn())
+            row[f"{name}_fwd_bwd_ms"] = _time_ms(lambda: grads(fn))
+        except Exception as e:  # noqa: BLE001 - out of memory or a peer's failure: keep the rest
+            row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        _empty_cache()
+    for name in runs:
+        if name != "ours" and f"{name}_fwd_bwd_ms" in row and "ours_fwd_bwd_ms" in row:
+            row[f"speedup_vs_{name}"] = row[f"{name}_fwd_bwd_ms"] / row["ours_fwd_bwd_ms"]
+    results["training"] = row
+    print(f"  training {json.dumps(row)}", flush=True)
 
 
 def main(argv=None) -> int:

@@ -432,6 +432,11 @@ def test_gpu_check_harness_on_cpu(tmp_path, fresh_registry):
     results = json.load(open(tmp_path / "gpu_results.json"))
     assert rc == 0 and results["ok"] is True
     assert len(results["correctness"]) == 6 and all(r["ok"] and r["out_rel_err"] < 1e-5 for r in results["correctness"])
+    # Gradients of every float input, the own projections' and sink logits' included.
+    grads = {r["case"]: r["grad_rel_err"] for r in results["correctness"]}
+    assert set(grads["globals with own projections, sink logits"]) == {"q", "k", "v", "q_global", "k_global",
+                                                                       "v_global", "sink_logits"}
+    assert all(e < 1e-4 for g in grads.values() for e in g.values()), grads
     assert results["stream_and_compile"] == {"compile_fullgraph_equal": True}
 
 
