@@ -142,6 +142,10 @@ def schedule_spec(spec: KernelSpec, tvm_target, record=None):
         from swa_tvm.schedules import cuda_flash
 
         return cuda_flash.flash(spec)
+    if fused == "cuda_flash_bwd":
+        from swa_tvm.schedules import cuda_flash_bwd
+
+        return cuda_flash_bwd.flash_bwd(spec)
     sch = s_tir.Schedule(tvm.IRModule({spec.name: prim_func(spec, target_kind=kind)}))
     sch.work_on(spec.name)
     if kind == "cuda":
@@ -156,8 +160,10 @@ def default_schedule(spec: KernelSpec, kind: str) -> str:
     """Which kernel a spec gets without a tuning record: for CUDA forward kernels the
     fused kernel, on tensor cores for float16/bfloat16 ("cuda_flash_tc",
     schedules/cuda_flash_tc.py), else on CUDA cores ("cuda_flash",
-    schedules/cuda_flash.py) where its tiles fit, local and global rows alike; otherwise
-    "default", the TE compute under schedules/cpu.py or schedules/cuda.py."""
+    schedules/cuda_flash.py) where its tiles fit, local and global rows alike; for the
+    CUDA gradients of the local window (dq, dk/dv) the fused backward ("cuda_flash_bwd",
+    schedules/cuda_flash_bwd.py); otherwise "default", the TE compute under
+    schedules/cpu.py or schedules/cuda.py."""
     if kind == "cuda" and spec.kind in ("local", "global"):
         from swa_tvm.schedules import cuda_flash, cuda_flash_tc
 
@@ -165,6 +171,11 @@ def default_schedule(spec: KernelSpec, kind: str) -> str:
             return "cuda_flash_tc"
         if cuda_flash.default_config(spec) is not None:
             return "cuda_flash"
+    if kind == "cuda":
+        from swa_tvm.schedules import cuda_flash_bwd
+
+        if cuda_flash_bwd.default_config(spec) is not None:
+            return "cuda_flash_bwd"
     return "default"
 
 
@@ -360,10 +371,10 @@ def _kernel_code_digest() -> str:
     import hashlib
 
     from swa_tvm import compute, compute_backward
-    from swa_tvm.schedules import cpu, cuda
+    from swa_tvm.schedules import cpu, cuda, cuda_flash, cuda_flash_bwd, cuda_flash_tc
 
     h = hashlib.sha256()
-    for mod in (compute, compute_backward, cpu, cuda):
+    for mod in (compute, compute_backward, cpu, cuda, cuda_flash, cuda_flash_tc, cuda_flash_bwd):
         with open(mod.__file__, "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]

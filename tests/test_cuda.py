@@ -72,16 +72,17 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
     assert manifest["target_key"] == f"cuda-{arch}" and manifest["cpu_features"] == []
     assert [k["spec"]["dtype"] for k in manifest["kernels"]] == [spec.dtype] * len(kernels)
     assert json.load(open(f"{path}.json")) == manifest
-    # Local and global rows both on the tensor-core kernel, gradients on the TE kernels'
-    # CUDA schedule; `swa-tvm info` says so.
+    # Local and global rows both on the tensor-core kernel, the window's gradients on the
+    # fused backward; `swa-tvm info` says so.
     forward = [k for k in kernels if k.kind in ("local", "global")]
     schedules = {k["spec"]["kind"]: k["schedule"] for k in manifest["kernels"]}
-    assert schedules == {k.kind: "cuda_flash_tc" if k in forward else "default" for k in kernels}
+    assert schedules == {k.kind: "cuda_flash_tc" if k in forward else "cuda_flash_bwd" for k in kernels}
     from swa_tvm import cli
 
     info = subprocess.run([sys.executable, "-m", "swa_tvm.cli", "info", str(path)], capture_output=True, text=True)
     assert info.returncode == 0, info.stderr
     assert info.stdout.count(cli.FUSED_TEXT["cuda_flash_tc"]) == len(forward), info.stdout
+    assert info.stdout.count(cli.FUSED_TEXT["cuda_flash_bwd"]) == len(kernels) - len(forward), info.stdout
 
     # The generated CUDA source (written beside the library): half inputs, fp32
     # accumulation, shared-memory tiles.
@@ -97,10 +98,14 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
         "Q K^T and P V should both issue mma (P from the score registers)"
     )
     if spec.backward:
-        # The gradient kernels' products (scores, dP, dq, dk, dv) stage fp32 tiles.
-        kinds = set(re.findall(r'extern "C" __global__ void[^\n]*? swa_local_(dq|dkv)_d32', src))
-        assert kinds == {"dq", "dkv"}, "the gradient kernels should be in the library's CUDA source"
-        assert len(re.findall(r"__shared__ (?:alignas\(\d+\) )?float \w+\[\d+\]", src)) >= 2 * 5
+        # The fused gradient kernels: four 16-bit tiles each (dq: Q, dO, K, V; dk/dv: K,
+        # V, Q, dO) and fp32 dS (and P) tiles, in shared memory.
+        kinds = re.findall(r'extern "C" __global__ void[^\n]*? swa_local_(dq|dkv)_d32\w*\(', src)
+        assert set(kinds) == {"dkv", "dq"}, "kernels for dq and dk/dv, in the library's CUDA source"
+        for kind in ("dq", "dkv"):
+            body = src.rsplit(f"swa_local_{kind}_d32", 1)[1].split('extern "C"')[0]  # the definition
+            assert len(re.findall(rf"__shared__ (?:alignas\(\d+\) )?{half} \w+\[\d+\]", body)) == 4, kind
+            assert re.search(r"__shared__ (?:alignas\(\d+\) )?float \w+\[\d+\]", body), kind
 
     specs = swa_tvm.load_library(path)
     assert {s.name for s in specs} == {k.name for k in kernels}
@@ -441,19 +446,25 @@ def test_gpu_check_harness_on_cpu(tmp_path, fresh_registry):
 
 
 # Backward cases: (dtype, window, per-head dilation, globals with separate projections,
-# sinks and learned sink logits, GQA); the tolerance is the gradients' rounding.
+# sinks and learned sink logits, GQA; the tolerance is the gradients' rounding; the fused
+# kernels' tiles (block, chunk, threads), None for the default: small ones make several
+# items and chunks of T=45, and fewer threads than a tile's rows x columns).
 BACKWARD_CASES = {
-    "bf16_causal_everything": ("bfloat16", (8, 0), [1, 2, 1, 2], True, 1e-2),
-    "fp32_both_sides_dilation_2": ("float32", (5, 7), [2, 2, 2, 2], False, 1e-5),
-    "fp16_unbounded_left": ("float16", (-1, 0), [1, 1, 2, 1], False, 2e-3),
+    "bf16_causal_everything": ("bfloat16", (8, 0), [1, 2, 1, 2], True, 1e-2, (16, 16, 64)),
+    "fp32_both_sides_dilation_2": ("float32", (5, 7), [2, 2, 2, 2], False, 1e-5, (16, 8, 32)),
+    "fp16_unbounded_left": ("float16", (-1, 0), [1, 1, 2, 1], False, 2e-3, None),
+    "fp32_long_window": ("float32", (30, 3), [1, 2, 1, 1], True, 1e-5, (16, 16, 64)),
 }
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "te"])
 @pytest.mark.parametrize("case", list(BACKWARD_CASES))
-def test_cuda_backward_schedules_compute_the_reference_gradients(case, monkeypatch):
+def test_cuda_backward_kernels_compute_the_reference_gradients(case, fused, monkeypatch):
     """The whole backward (``functional.attention_backward``: delta, sink gradient, the
-    global rows' split, GQA sums) with every gradient kernel under its CUDA schedule, run
-    serially on the CPU, against autograd through the float64 dense reference."""
+    global rows' split, GQA sums) with every gradient kernel as the CUDA build makes it
+    (``fused``: dq and dk/dv on the fused kernels of schedules/cuda_flash_bwd.py; else
+    all on the TE kernels' CUDA schedule), run serially on the CPU, against autograd
+    through the float64 dense reference."""
     import tvm
     from tvm import s_tir
 
@@ -461,21 +472,25 @@ def test_cuda_backward_schedules_compute_the_reference_gradients(case, monkeypat
     from swa_tvm.compute import prim_func
     from swa_tvm.library import Kernel
     from swa_tvm.reference import sliding_window_attention_ref
-    from swa_tvm.schedules import cuda
+    from swa_tvm.schedules import cuda, cuda_flash_bwd
     from swa_tvm.spec import BACKWARD_KINDS
 
+    config = BACKWARD_CASES[case][5] if fused else None
     built = []
 
     def serial_cuda_kernel(want, device):
         assert want.kind in BACKWARD_KINDS, "the forward comes from the reference here"
+        built.append(want.kind)
+        if fused and want.kind in cuda_flash_bwd.KINDS:
+            cfg = cuda_flash_bwd.BwdConfig(*config) if config else None
+            return Kernel(want, _serial_on_cpu(cuda_flash_bwd.flash_bwd(want, cfg))[want.name], device, "serial")
         sch = s_tir.Schedule(tvm.IRModule({want.name: prim_func(want, target_kind="cuda")}))
         sch.work_on(want.name)
         cuda.schedule(sch, want)
-        built.append(want.kind)
         return Kernel(want, _serial_on_cpu(sch.mod)[want.name], device, "serial CUDA schedule")
 
     monkeypatch.setattr(functional, "_kernel", serial_cuda_kernel)
-    dtype, window, dilation, extras, tol = BACKWARD_CASES[case]
+    dtype, window, dilation, extras, tol, _ = BACKWARD_CASES[case]
     B, H, Hkv, T, D, G = 2, 4, 2, 45, 16, 2
     tdt = getattr(torch, dtype)
     leaf = lambda *shape: rand(*shape).to(tdt).double().requires_grad_()  # noqa: E731 - values exact in dtype

@@ -1,0 +1,408 @@
+"""The fused CUDA kernels of the local gradients (``local_dq`` and ``local_dkv``): one
+thread block per work item, the item's band streamed through shared memory in chunks,
+every probability recomputed from the saved lse (p = exp(scale * q.k - lse)), so no
+score, probability or band copy reaches global memory. FlashAttention-2's backward,
+split as the TE's is (``compute_backward``): no kernel scatters, so no atomics.
+
+``local_dq`` (query-major, the forward's items): per item, its query rows and output
+gradients go to shared memory with their lse and delta; for each chunk of band keys
+(then of extra keys): K and V rows to shared memory; per thread a register tile of
+S = Q K^T and of dP = dO V^T; dS = P * (dP - delta) to shared memory; dq += dS K.
+
+``local_dkv`` (key-major: the items of the transposed band, whose partners are the
+queries that see a block of keys): per item, its keys and values; for each chunk of
+band queries: Q and dO rows with their lse and delta; per thread S^T = K Q^T and dP^T =
+V dO^T; P^T and dS^T to shared memory; dv += P^T dO, dk += dS^T Q. The extra keys'
+gradients come from ``local_dx`` (rows along the sequence; TE kernel).
+
+Products run on CUDA cores in fp32, as in ``cuda_flash``; the masks are the TE's
+(``row_key_range``, ``item_key_span``, ``item_interior``, ``extra_visible``), the
+transposed band being the window with its sides swapped. Each phase is its own loop
+over the thread index (see ``cuda_flash``), so the tests run these kernels serially on
+the CPU. Arguments and outputs are the TE kernels': dq in the input dtype; dk and dv
+per query head in the accumulation dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+from tvm import tirx
+from tvm.script import tirx as T
+
+from swa_tvm.compute import extra_visible, item_interior, item_key_span, row_key_range
+from swa_tvm.schedules.cuda_flash import SHARED_BUDGET, _pad, item_fields
+from swa_tvm.spec import KernelSpec, accum_dtype
+
+KINDS = ("local_dq", "local_dkv")
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    block: int = 32  # rows of an item: query rows (dq) or keys (dk/dv)
+    chunk: int = 32  # band partners per step
+    threads: int = 128
+
+    def thread_cols(self, head_dim: int) -> int:
+        """Threads along a tile's columns: they read consecutive shared-memory words."""
+        return next(c for c in (16, 8, 4, 2, 1) if head_dim % c == 0 and self.chunk % c == 0 and self.threads % c == 0)
+
+    def check(self, head_dim: int) -> None:
+        cols = self.thread_cols(head_dim)
+        if self.block > self.threads:
+            raise ValueError(f"backward config: block={self.block} exceeds threads={self.threads} (a thread per row)")
+        if self.block % (self.threads // cols):
+            raise ValueError(f"backward config: block={self.block} is not a multiple of {self.threads // cols} ({self})")
+
+    def shared_bytes(self, head_dim: int, dtype: str) -> int:
+        el = tvm.runtime.DataType(dtype).bits // 8
+        tiles = 2 * (self.block + self.chunk) * (head_dim + _pad(dtype)) * el  # item's pair, chunk's pair
+        scores = 2 * self.block * (self.chunk + 1) * 4  # dS (and P)
+        rows = (self.block + self.chunk) * 2 * 4 + self.block * 2 * 8 + self.chunk * 3 * 8
+        return tiles + scores + rows + 16 * 64  # 64-byte alignment each
+
+
+def default_config(spec: KernelSpec) -> BwdConfig | None:
+    """The largest tiles within SHARED_BUDGET (None: none fits, or not a CUDA dtype)."""
+    if spec.kind not in KINDS or spec.dtype not in ("float32", "float16", "bfloat16"):
+        return None
+    for block, chunk in ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16)):
+        cfg = BwdConfig(block, chunk)
+        if cfg.shared_bytes(spec.head_dim, spec.dtype) <= SHARED_BUDGET:
+            return cfg
+    return None
+
+
+def flash_bwd(spec: KernelSpec, config: BwdConfig | None = None) -> tvm.tirx.PrimFunc:
+    """The fused CUDA PrimFunc of a ``local_dq`` or ``local_dkv`` spec, with the TE
+    kernel's arguments and name."""
+    if spec.kind not in KINDS:
+        raise ValueError(f"kernel {spec.name}: the fused backward serves {KINDS}, not {spec.kind!r}")
+    cfg = config or default_config(spec)
+    if cfg is None:
+        raise ValueError(
+            f"kernel {spec.name}: no backward tile of {spec.dtype} x head_dim {spec.head_dim} fits "
+            f"{SHARED_BUDGET // 1024} KiB of shared memory"
+        )
+    cfg.check(spec.head_dim)
+    return _build(spec, cfg).with_attr("global_symbol", spec.name)
+
+
+def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - two kernels, phase by phase
+    D, dt, acc = spec.head_dim, spec.dtype, accum_dtype(spec.dtype)
+    lo, hi, maxd, extras = spec.left, spec.right, spec.max_dilation, spec.extras
+    BR, KC, NT = cfg.block, cfg.chunk, cfg.threads
+    TX = cfg.thread_cols(D)
+    TY = NT // TX
+    RS, CS, CA = BR // TY, KC // TX, D // TX  # register tiles: rows x partners, rows x columns
+    DP, SP = D + _pad(dt), KC + 1  # padded rows of the tiles
+    R_STEPS, C_STEPS, X_STEPS = -(-BR * D // NT), -(-KC * D // NT), -(-KC // NT)
+    SH = "shared"
+    INF = tirx.const(float("inf"), acc)
+    ZERO = tirx.const(0.0, acc)
+
+    def f32(x):
+        return x if dt == acc else T.Cast(acc, x)
+
+    def i64(x):
+        return T.Cast("int64", x)
+
+    @T.macro
+    def load_pair(A, Bt, src_a, src_b, b, hh, pos_of, Tn, rows, steps):
+        # Rows i < ``rows`` of two tiles from sequence positions pos_of(i), clamped (a row
+        # out of range is masked by the scores).
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for x in T.serial(steps):
+                e = T.meta_var(x * NT + tx)
+                if e < rows * D:
+                    i = T.meta_var(e // D)
+                    col = T.meta_var(e % D)
+                    j = T.meta_var(T.max(T.min(pos_of(i), Tn - 1), T.int64(0)))
+                    A[i * DP + col] = src_a[b, hh, j, col]
+                    Bt[i * DP + col] = src_b[b, hh, j, col]
+
+    @T.macro
+    def products(A, A2, Bt, B2, sacc, pacc):
+        # Per thread, an RS x CS tile of A Bt^T and of A2 B2^T (rows of the item against
+        # partners of the chunk), over the head dim.
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for ii in T.unroll(RS):
+                for jj in T.unroll(CS):
+                    sacc[tx, ii * CS + jj] = ZERO
+                    pacc[tx, ii * CS + jj] = ZERO
+            for cc in T.serial(D):
+                for ii in T.unroll(RS):
+                    for jj in T.unroll(CS):
+                        row = T.meta_var((tx // TX) * RS + ii)
+                        col = T.meta_var(tx % TX + TX * jj)
+                        sacc[tx, ii * CS + jj] = sacc[tx, ii * CS + jj] + f32(A[row * DP + cc]) * f32(Bt[col * DP + cc])
+                        pacc[tx, ii * CS + jj] = pacc[tx, ii * CS + jj] + f32(A2[row * DP + cc]) * f32(B2[col * DP + cc])
+
+    @T.macro
+    def accumulate(W_s, Ct, racc):
+        # racc += W C: the RS rows of W_s [rows, partners] (shared) against the chunk's
+        # tile C [partners, D], CA columns per thread.
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for kk in T.serial(KC):
+                for ii in T.unroll(RS):
+                    for jj in T.unroll(CA):
+                        racc[tx, ii * CA + jj] = racc[tx, ii * CA + jj] + W_s[((tx // TX) * RS + ii) * SP + kk] * f32(
+                            Ct[kk * DP + tx % TX + TX * jj]
+                        )
+
+    @T.macro
+    def zero(racc):
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for x in T.unroll(RS * CA):
+                racc[tx, x] = ZERO
+
+    @T.macro
+    def dq_chunk(Qs, dOs, Kt, Vt, S_s, sacc, pacc, lse_s, delta_s, dacc, visible, scale):
+        products(Qs, dOs, Kt, Vt, sacc, pacc)
+        # dS = P (dP - delta), P = exp(S - lse); masked entries 0 (a row with lse = +inf,
+        # a global row or one past the end, gets exp(-inf) = 0).
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for ii in T.unroll(RS):
+                for jj in T.unroll(CS):
+                    row = T.meta_var((tx // TX) * RS + ii)
+                    col = T.meta_var(tx % TX + TX * jj)
+                    S_s[row * SP + col] = T.Select(
+                        visible(row, col),
+                        T.exp(sacc[tx, ii * CS + jj] * scale - lse_s[row]) * (pacc[tx, ii * CS + jj] - delta_s[row]),
+                        ZERO,
+                    )
+        accumulate(S_s, Kt, dacc)
+
+    @T.macro
+    def dq_body(q, k, v, dil, xidx, dout, lse, delta, scale, dq, B, H, Hkv, Tn, E):
+        nitems = T.meta_var((Tn + (BR - 1)) // BR + (maxd - 1))
+        for item in T.thread_binding(B * H * nitems, thread="blockIdx.x"):
+            with T.sblock("flash_dq"):
+                T.reads()
+                T.writes()
+                Qs = T.alloc_buffer((BR * DP,), dt, scope=SH)
+                dOs = T.alloc_buffer((BR * DP,), dt, scope=SH)
+                Kt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                Vt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                S_s = T.alloc_buffer((BR * SP,), acc, scope=SH)
+                lse_s = T.alloc_buffer((BR,), acc, scope=SH)
+                delta_s = T.alloc_buffer((BR,), acc, scope=SH)
+                first_s = T.alloc_buffer((BR,), "int64", scope=SH)
+                last_s = T.alloc_buffer((BR,), "int64", scope=SH)
+                xpos_s = T.alloc_buffer((KC,), "int64", scope=SH)
+                xres_s = T.alloc_buffer((KC,), "int64", scope=SH)
+                xt_s = T.alloc_buffer((KC,), "int64", scope=SH)
+                sacc = T.alloc_buffer((NT, RS * CS), acc, scope="local")
+                pacc = T.alloc_buffer((NT, RS * CS), acc, scope="local")
+                dacc = T.alloc_buffer((NT, RS * CA), acc, scope="local")
+
+                b, h, beta, d, kvh, m0, r, row0, key0 = T.meta_var(item_fields(item, H, Hkv, nitems, dil, BR, lo))
+                # 1. Rows: lse and delta (a row past the end: +inf and 0), band intervals,
+                # queries and output gradients.
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    if tx < BR:
+                        lse_s[tx] = T.Select(row0 + d * tx < Tn, lse[b, h, T.min(row0 + d * tx, Tn - 1)], INF)
+                        delta_s[tx] = T.Select(row0 + d * tx < Tn, delta[b, h, T.min(row0 + d * tx, Tn - 1)], ZERO)
+                        first_s[tx] = row_key_range(lo, hi, Tn, d, m0, r, tx)[0]
+                        last_s[tx] = row_key_range(lo, hi, Tn, d, m0, r, tx)[1]
+                load_pair(Qs, dOs, q, dout, b, h, lambda i: row0 + d * i, Tn, BR, R_STEPS)
+                zero(dacc)
+                # 2. The band, chunk by chunk, over the chunks that meet the item's span.
+                for c in T.serial(
+                    item_key_span(lo, hi, BR, Tn, d, beta)[0] // KC,
+                    item_key_span(lo, hi, BR, Tn, d, beta)[1] // KC + 1,
+                ):
+                    load_pair(Kt, Vt, k, v, b, kvh, lambda kk: key0 + d * (c * KC + kk), Tn, KC, C_STEPS)
+                    dq_chunk(
+                        Qs, dOs, Kt, Vt, S_s, sacc, pacc, lse_s, delta_s, dacc,
+                        lambda row, col: T.Or(
+                            item_interior(lo, hi, BR, Tn, d, m0, r, c * KC, c * KC + KC - 1),
+                            T.And(c * KC + col >= first_s[row], c * KC + col <= last_s[row]),
+                        ),
+                        scale,
+                    )
+                if extras:
+                    for xc in T.serial((E + (KC - 1)) // KC):
+                        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                            for x in T.serial(X_STEPS):
+                                kk = T.meta_var(x * NT + tx)
+                                if kk < KC:
+                                    xpos_s[kk] = T.Select(
+                                        xc * KC + kk < E, i64(xidx[b, T.min(xc * KC + kk, E - 1)]), T.int64(-1)
+                                    )
+                                    xres_s[kk] = T.floormod(xpos_s[kk], d)
+                                    xt_s[kk] = T.floordiv(xpos_s[kk], d)
+                        load_pair(Kt, Vt, k, v, b, kvh, lambda kk: xpos_s[kk], Tn, KC, C_STEPS)
+                        dq_chunk(
+                            Qs, dOs, Kt, Vt, S_s, sacc, pacc, lse_s, delta_s, dacc,
+                            lambda row, col: extra_visible(
+                                lo, hi, Tn, xpos_s[col], xres_s[col], xt_s[col], row0 + d * row, m0 + row, r
+                            ),
+                            scale,
+                        )
+                # 3. dq = scale * dS K to the item's rows.
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    for ii in T.unroll(RS):
+                        for jj in T.unroll(CA):
+                            if row0 + d * ((tx // TX) * RS + ii) < Tn:
+                                dq[b, h, row0 + d * ((tx // TX) * RS + ii), tx % TX + TX * jj] = T.Cast(
+                                    dt, dacc[tx, ii * CA + jj] * scale
+                                )
+
+    # The transposed band: key j is seen by the queries j + u*d, -right <= u <= left.
+    tlo, thi = hi, lo
+
+    @T.macro
+    def dkv_body(q, k, v, dil, dout, lse, delta, scale, dk, dv, B, H, Hkv, Tn):
+        nitems = T.meta_var((Tn + (BR - 1)) // BR + (maxd - 1))
+        for item in T.thread_binding(B * H * nitems, thread="blockIdx.x"):
+            with T.sblock("flash_dkv"):
+                T.reads()
+                T.writes()
+                Ks = T.alloc_buffer((BR * DP,), dt, scope=SH)
+                Vs = T.alloc_buffer((BR * DP,), dt, scope=SH)
+                Qt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                dOt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                P_s = T.alloc_buffer((BR * SP,), acc, scope=SH)
+                S_s = T.alloc_buffer((BR * SP,), acc, scope=SH)
+                lse_c = T.alloc_buffer((KC,), acc, scope=SH)
+                delta_c = T.alloc_buffer((KC,), acc, scope=SH)
+                first_s = T.alloc_buffer((BR,), "int64", scope=SH)
+                last_s = T.alloc_buffer((BR,), "int64", scope=SH)
+                sacc = T.alloc_buffer((NT, RS * CS), acc, scope="local")
+                pacc = T.alloc_buffer((NT, RS * CS), acc, scope="local")
+                kacc = T.alloc_buffer((NT, RS * CA), acc, scope="local")
+                vacc = T.alloc_buffer((NT, RS * CA), acc, scope="local")
+
+                # row0: the item's first key; key0: the position of band (query) index 0.
+                b, h, beta, d, kvh, m0, r, row0, key0 = T.meta_var(item_fields(item, H, Hkv, nitems, dil, BR, tlo))
+                # 1. Keys: the query interval that sees each, keys and values.
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    if tx < BR:
+                        first_s[tx] = row_key_range(tlo, thi, Tn, d, m0, r, tx)[0]
+                        last_s[tx] = row_key_range(tlo, thi, Tn, d, m0, r, tx)[1]
+                load_pair(Ks, Vs, k, v, b, kvh, lambda i: row0 + d * i, Tn, BR, R_STEPS)
+                zero(kacc)
+                zero(vacc)
+                # 2. The queries that see the item, chunk by chunk.
+                for c in T.serial(
+                    item_key_span(tlo, thi, BR, Tn, d, beta)[0] // KC,
+                    item_key_span(tlo, thi, BR, Tn, d, beta)[1] // KC + 1,
+                ):
+                    load_pair(Qt, dOt, q, dout, b, h, lambda kk: key0 + d * (c * KC + kk), Tn, KC, C_STEPS)
+                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                        for x in T.serial(X_STEPS):
+                            kk = T.meta_var(x * NT + tx)
+                            if kk < KC:
+                                # Out-of-range queries are masked; clamped reads stay in bounds.
+                                lse_c[kk] = lse[b, h, T.max(T.min(key0 + d * (c * KC + kk), Tn - 1), T.int64(0))]
+                                delta_c[kk] = delta[b, h, T.max(T.min(key0 + d * (c * KC + kk), Tn - 1), T.int64(0))]
+                    products(Ks, Vs, Qt, dOt, sacc, pacc)
+                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                        for ii in T.unroll(RS):
+                            for jj in T.unroll(CS):
+                                row = T.meta_var((tx // TX) * RS + ii)
+                                col = T.meta_var(tx % TX + TX * jj)
+                                P_s[row * SP + col] = T.Select(
+                                    T.Or(
+                                        item_interior(tlo, thi, BR, Tn, d, m0, r, c * KC, c * KC + KC - 1),
+                                        T.And(c * KC + col >= first_s[row], c * KC + col <= last_s[row]),
+                                    ),
+                                    T.exp(sacc[tx, ii * CS + jj] * scale - lse_c[col]),
+                                    ZERO,
+                                )
+                                S_s[row * SP + col] = P_s[row * SP + col] * (pacc[tx, ii * CS + jj] - delta_c[col])
+                    accumulate(P_s, dOt, vacc)
+                    accumulate(S_s, Qt, kacc)
+                # 3. dk = scale * dS^T Q and dv = P^T dO to the item's keys (per query head).
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    for ii in T.unroll(RS):
+                        for jj in T.unroll(CA):
+                            if row0 + d * ((tx // TX) * RS + ii) < Tn:
+                                dk[b, h, row0 + d * ((tx // TX) * RS + ii), tx % TX + TX * jj] = kacc[tx, ii * CA + jj] * scale
+                                dv[b, h, row0 + d * ((tx // TX) * RS + ii), tx % TX + TX * jj] = vacc[tx, ii * CA + jj]
+
+    if spec.kind == "local_dkv":
+        return _dkv_kernel(dkv_body, D, dt, acc, extras)
+    return _dq_kernel(dq_body, D, dt, acc, extras)
+
+
+def _dq_kernel(body, D: int, dt: str, acc: str, extras: bool):
+    """The PrimFunc with local_dq's arguments: q, k, v, dilation, [extra_idx], dout, lse,
+    delta, scale, dq."""
+    if extras:
+
+        @T.prim_func(s_tir=True)
+        def kernel_x(q_h: T.handle, k_h: T.handle, v_h: T.handle, dil_h: T.handle, x_h: T.handle, do_h: T.handle,
+                     lse_h: T.handle, delta_h: T.handle, scale: T.float32, dq_h: T.handle):
+            B, H, Hkv, Tn, E = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+            q = T.match_buffer(q_h, (B, H, Tn, D), dt)
+            k = T.match_buffer(k_h, (B, Hkv, Tn, D), dt)
+            v = T.match_buffer(v_h, (B, Hkv, Tn, D), dt)
+            dil = T.match_buffer(dil_h, (H,), "int32")
+            xidx = T.match_buffer(x_h, (B, E), "int32")
+            dout = T.match_buffer(do_h, (B, H, Tn, D), dt)
+            lse = T.match_buffer(lse_h, (B, H, Tn), acc)
+            delta = T.match_buffer(delta_h, (B, H, Tn), acc)
+            dq = T.match_buffer(dq_h, (B, H, Tn, D), dt)
+            body(q, k, v, dil, xidx, dout, lse, delta, scale, dq, B, H, Hkv, Tn, E)
+
+        return kernel_x
+
+    @T.prim_func(s_tir=True)
+    def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, dil_h: T.handle, do_h: T.handle, lse_h: T.handle,
+               delta_h: T.handle, scale: T.float32, dq_h: T.handle):
+        B, H, Hkv, Tn = T.int64(), T.int64(), T.int64(), T.int64()
+        q = T.match_buffer(q_h, (B, H, Tn, D), dt)
+        k = T.match_buffer(k_h, (B, Hkv, Tn, D), dt)
+        v = T.match_buffer(v_h, (B, Hkv, Tn, D), dt)
+        dil = T.match_buffer(dil_h, (H,), "int32")
+        dout = T.match_buffer(do_h, (B, H, Tn, D), dt)
+        lse = T.match_buffer(lse_h, (B, H, Tn), acc)
+        delta = T.match_buffer(delta_h, (B, H, Tn), acc)
+        dq = T.match_buffer(dq_h, (B, H, Tn, D), dt)
+        body(q, k, v, dil, None, dout, lse, delta, scale, dq, B, H, Hkv, Tn, T.int64(0))
+
+    return kernel
+
+
+def _dkv_kernel(body, D: int, dt: str, acc: str, extras: bool):
+    """The PrimFunc with local_dkv's arguments: q, k, v, dilation, [extra_idx] (unread:
+    the extras' key gradients are local_dx's), dout, lse, delta, scale, dk, dv."""
+    if extras:
+
+        @T.prim_func(s_tir=True)
+        def kernel_x(q_h: T.handle, k_h: T.handle, v_h: T.handle, dil_h: T.handle, x_h: T.handle, do_h: T.handle,
+                     lse_h: T.handle, delta_h: T.handle, scale: T.float32, dk_h: T.handle, dv_h: T.handle):
+            B, H, Hkv, Tn, E = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+            q = T.match_buffer(q_h, (B, H, Tn, D), dt)
+            k = T.match_buffer(k_h, (B, Hkv, Tn, D), dt)
+            v = T.match_buffer(v_h, (B, Hkv, Tn, D), dt)
+            dil = T.match_buffer(dil_h, (H,), "int32")
+            T.match_buffer(x_h, (B, E), "int32")
+            dout = T.match_buffer(do_h, (B, H, Tn, D), dt)
+            lse = T.match_buffer(lse_h, (B, H, Tn), acc)
+            delta = T.match_buffer(delta_h, (B, H, Tn), acc)
+            dk = T.match_buffer(dk_h, (B, H, Tn, D), acc)
+            dv = T.match_buffer(dv_h, (B, H, Tn, D), acc)
+            body(q, k, v, dil, dout, lse, delta, scale, dk, dv, B, H, Hkv, Tn)
+
+        return kernel_x
+
+    @T.prim_func(s_tir=True)
+    def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, dil_h: T.handle, do_h: T.handle, lse_h: T.handle,
+               delta_h: T.handle, scale: T.float32, dk_h: T.handle, dv_h: T.handle):
+        B, H, Hkv, Tn = T.int64(), T.int64(), T.int64(), T.int64()
+        q = T.match_buffer(q_h, (B, H, Tn, D), dt)
+        k = T.match_buffer(k_h, (B, Hkv, Tn, D), dt)
+        v = T.match_buffer(v_h, (B, Hkv, Tn, D), dt)
+        dil = T.match_buffer(dil_h, (H,), "int32")
+        dout = T.match_buffer(do_h, (B, H, Tn, D), dt)
+        lse = T.match_buffer(lse_h, (B, H, Tn), acc)
+        delta = T.match_buffer(delta_h, (B, H, Tn), acc)
+        dk = T.match_buffer(dk_h, (B, H, Tn, D), acc)
+        dv = T.match_buffer(dv_h, (B, H, Tn, D), acc)
+        body(q, k, v, dil, dout, lse, delta, scale, dk, dv, B, H, Hkv, Tn)
+
+    return kernel
