@@ -400,8 +400,7 @@ def sliding_window_attention(
     backward saves only the inputs, out and lse, and costs O(T * (W + G)) like the
     forward. CPU: float32/float64; CUDA: float16, bfloat16 and float32, accumulated in
     float32 and rounded once to each input's dtype (a GQA group's heads and the global
-    and sink terms are summed first). The CUDA gradient kernels are not fused: they
-    hold about B*H*T*(W+64) float32 scores per stage in memory.
+    and sink terms are summed first).
 
     Inputs may be non-contiguous. Bad input raises TypeError or ValueError naming the
     argument. When a library is loaded (:func:`swa_tvm.load_library`) its kernels are

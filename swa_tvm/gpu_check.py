@@ -14,7 +14,7 @@ runtime only, then, in one process:
    with no window, at bf16 B=1 H=32 H_kv=8 D=128 T=32768 causal W=4096, plain, dilation 2
    and +64 global tokens; the bf16 matmul rate measured in the same run as the ceiling;
 3. scaling: our forward time at T = 8K ... 128K (as far as memory allows); training
-   (forward + backward) against FlexAttention and SDPA at bf16 T=8192 causal W=1024;
+   (forward + backward) against FlexAttention and SDPA at the timing shape (causal);
 4. variants: the fused kernel's tile configurations timed against each other at the
    timing shape (``lib/variants``), each checked against the default kernel;
 5. tuning: the batch of MetaSchedule candidates built there (``tune_batch``), measured
@@ -354,17 +354,16 @@ def bench(results: dict, dev: torch.device, quick: bool) -> None:
         print(f"  scaling {scaling[-1]}", flush=True)
     results["scaling"] = scaling
     if dev.type == "cuda":
-        time_training(results, dev, flex)
+        time_training(results, dev, flex, T, W)
 
 
-def time_training(results: dict, dev: torch.device, flex) -> None:
-    """Forward + backward (gradients of q, k, v) at a training shape, ours against
-    FlexAttention and SDPA with the banded mask, in bf16; dq/dk/dv compared with
-    FlexAttention's. The shape is smaller than the forward bars': our gradient kernels
-    keep an item's scores in global memory (O(H*T*(W+64)) floats per stage)."""
+def time_training(results: dict, dev: torch.device, flex, T: int, W: int) -> None:
+    """Forward + backward (gradients of q, k, v) at the timing shape (causal window W),
+    ours against FlexAttention and SDPA with the banded mask, in bf16; dq/dk/dv compared
+    with FlexAttention's."""
     import swa_tvm
 
-    B, H, Hkv, D, T, W = 1, 32, 8, 128, 8192, 1024
+    B, H, Hkv, D = 1, 32, 8, 128
     dtype = torch.bfloat16
     q = torch.randn(B, H, T, D, device=dev, dtype=dtype, requires_grad=True)
     k, v = (torch.randn(B, Hkv, T, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
