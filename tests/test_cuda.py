@@ -4,6 +4,7 @@ and check the CUDA schedule's loop structure numerically on the CPU.
 What needs a GPU (running the kernels, timing them) is swa_tvm.gpu_check, run by
 examples/gpu_check.sh on a machine that has one."""
 
+import dataclasses
 import json
 import os
 import re
@@ -426,6 +427,23 @@ def test_cuda_flash_config_checks():
         cuda_flash_tc.flash_tc(spec, cuda_flash_tc.TCConfig(4, 24))
     with pytest.raises(ValueError, match="float16/bfloat16 forward kernels"):
         cuda_flash_tc.flash_tc(KernelSpec("local", 128, "float32", 7, 0))
+    # Gradients: the window's on the fused backward where a tile fits, the rest on TE.
+    from swa_tvm.schedules import cuda_flash_bwd
+
+    for kind in ("local_dq", "local_dkv"):
+        grad = KernelSpec(kind, 128, "bfloat16", 4095, 0, extras=True)
+        assert build.default_schedule(grad, "cuda") == "cuda_flash_bwd"
+        assert cuda_flash_bwd.default_config(grad).shared_bytes(128, "bfloat16") <= cuda_flash.SHARED_BUDGET
+        assert build.default_schedule(dataclasses.replace(grad, dtype="float32", head_dim=256), "cuda") == "default"
+        assert build.default_schedule(grad, "llvm") == "default"
+    assert build.default_schedule(KernelSpec("local_dx", 64, "float16", 7, 0, extras=True), "cuda") == "default"
+    assert build.default_schedule(KernelSpec("global_bwd", 64, "float16", 0, 0), "cuda") == "default"
+    with pytest.raises(ValueError, match="block=64 exceeds threads=32"):
+        cuda_flash_bwd.flash_bwd(grad, cuda_flash_bwd.BwdConfig(64, 16, 32))
+    with pytest.raises(ValueError, match="no backward tile of float32 x head_dim 256"):
+        cuda_flash_bwd.flash_bwd(KernelSpec("local_dq", 256, "float32", 7, 0))
+    with pytest.raises(ValueError, match="serves"):
+        cuda_flash_bwd.flash_bwd(KernelSpec("local_dx", 64, "float32", 7, 0, extras=True))
 
 
 def test_gpu_check_harness_on_cpu(tmp_path, fresh_registry):
