@@ -7,7 +7,10 @@ string again; the loss counts only the copied half. The copy source lies L+1 pos
 back, outside the local window, so the model must learn to route through the global
 layer. The gradients come from swa_tvm's backward kernels via torch.autograd.
 
-    python examples/train_copy.py [--steps 300]
+    python examples/train_copy.py [--steps 300] [--device cuda [--attn-dtype bfloat16]]
+
+On CUDA the attention (forward and backward) runs in ``--attn-dtype`` (float16 and
+bfloat16 accumulate in float32), the rest of the model in float32.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ VOCAB, SEP = 16, 16  # tokens 0..15, separator 16
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, kv_heads: int, window: tuple[int, int], num_sinks: int):
+    def __init__(self, dim: int, heads: int, kv_heads: int, window: tuple[int, int], num_sinks: int,
+                 attn_dtype=torch.float32):
         super().__init__()
+        self.attn_dtype = attn_dtype
         self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
         self.window, self.num_sinks = window, num_sinks
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
@@ -41,20 +46,23 @@ class Block(nn.Module):
         q = q.view(B, T, self.heads, self.hd).transpose(1, 2)
         k = k.view(B, T, self.kv_heads, self.hd).transpose(1, 2)
         v = v.view(B, T, self.kv_heads, self.hd).transpose(1, 2)
-        a = swa_tvm.sliding_window_attention(q, k, v, window_size=self.window, num_sinks=self.num_sinks)
+        dt = self.attn_dtype
+        a = swa_tvm.sliding_window_attention(q.to(dt), k.to(dt), v.to(dt), window_size=self.window,
+                                             num_sinks=self.num_sinks).to(x.dtype)
         x = x + self.proj(a.transpose(1, 2).reshape(B, T, -1))
         return x + self.mlp(self.norm2(x))
 
 
 class CopyModel(nn.Module):
-    def __init__(self, T: int, dim: int = 64, heads: int = 4, kv_heads: int = 2, window: int = 8):
+    def __init__(self, T: int, dim: int = 64, heads: int = 4, kv_heads: int = 2, window: int = 8,
+                 attn_dtype=torch.float32):
         super().__init__()
         self.tok = nn.Embedding(VOCAB + 1, dim)
         self.pos = nn.Parameter(0.02 * torch.randn(T, dim))
         self.blocks = nn.ModuleList(
             [
-                Block(dim, heads, kv_heads, (window - 1, 0), num_sinks=1),  # local
-                Block(dim, heads, kv_heads, (-1, 0), num_sinks=0),  # global
+                Block(dim, heads, kv_heads, (window - 1, 0), num_sinks=1, attn_dtype=attn_dtype),  # local
+                Block(dim, heads, kv_heads, (-1, 0), num_sinks=0, attn_dtype=attn_dtype),  # global
             ]
         )
         self.norm = nn.LayerNorm(dim)
@@ -74,16 +82,18 @@ def batch(n: int, L: int, g: torch.Generator):
     return seq[:, :-1], seq[:, 1:], slice(L, 2 * L)
 
 
-def train(steps: int = 300, L: int = 12, batch_size: int = 32, lr: float = 3e-3, seed: int = 0, log_every: int = 50):
+def train(steps: int = 300, L: int = 12, batch_size: int = 32, lr: float = 3e-3, seed: int = 0, log_every: int = 50,
+          device: str = "cpu", attn_dtype=torch.float32):
     """Returns the list of per-step losses."""
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
-    model = CopyModel(T=2 * L)
+    model = CopyModel(T=2 * L, attn_dtype=attn_dtype).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []
     t0 = time.time()
     for step in range(1, steps + 1):
         x, y, scored = batch(batch_size, L, g)
+        x, y = x.to(device), y.to(device)
         logits = model(x)
         loss = nn.functional.cross_entropy(logits[:, scored].reshape(-1, VOCAB), y[:, scored].reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -100,8 +110,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (kernels compiled with nvcc on first use)")
+    p.add_argument("--attn-dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                   help="dtype of the attention on CUDA (the CPU kernels take float32)")
     args = p.parse_args(argv)
-    losses = train(args.steps, seed=args.seed)
+    if args.device == "cpu" and args.attn_dtype != "float32":
+        p.error("--attn-dtype float16/bfloat16 needs --device cuda")
+    losses = train(args.steps, seed=args.seed, device=args.device, attn_dtype=getattr(torch, args.attn_dtype))
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     print(f"mean loss of the first 10 steps {first:.3f} (chance: ln {VOCAB} = {math.log(VOCAB):.3f}), "
           f"of the last 10 {last:.3f}")

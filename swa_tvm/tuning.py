@@ -51,7 +51,13 @@ TUNE_SHAPES = {
 
 
 def tune_shapes(spec: KernelSpec, shapes: dict | None = None) -> dict:
+    """The tuning shape of ``spec``: TUNE_SHAPES, with T raised for windows that reach
+    past T/2 (a multiple of 2048 at least twice the reach), so that most rows see their
+    whole window, as at the lengths such windows serve (W=4096: T=8192)."""
     base = dict(TUNE_SHAPES["global" if spec.is_global else "local"])
+    if not spec.is_global and spec.left >= 0 and spec.right >= 0:
+        reach = (spec.left + spec.right) * spec.max_dilation + 1
+        base["T"] = max(base["T"], -(-2 * reach // 2048) * 2048)
     base.update(shapes or {})
     return base
 

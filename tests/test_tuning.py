@@ -327,3 +327,19 @@ def test_a_record_must_beat_the_default_by_the_margin(tmp_path, searched_secs, p
     assert str(best.trace) == str((default if picks_default else searched).trace)
     assert best.run_ms == pytest.approx(1.0 if picks_default else searched_secs * 1e3)
     assert best.records == 2
+
+
+def test_tuning_shape_covers_long_windows():
+    """Windows reaching past T/2 are tuned at a T where most rows see the whole window;
+    the shipped CPU spec sets keep T=2048, so their committed records still match."""
+    from swa_tvm import bench, bench_train
+
+    def T_of(text):
+        return {k.kind: tuning.tune_shapes(k)["T"] for k in AttentionSpec.parse(text).kernels()}
+
+    assert T_of("head_dim=128,window=4095:0,globals,dtype=bfloat16") == {"local": 8192, "global": 2048}
+    assert T_of("head_dim=64,window=1023:0,dilation=2")["local"] == 4096  # reach 2047 positions
+    assert T_of("head_dim=64,window=1024:1024")["local"] == 6144
+    assert T_of("head_dim=64,window=-1:0")["local"] == 2048  # unbounded: the default
+    shipped = bench.spec_strings() + bench_train.spec_strings()
+    assert {T for text in shipped for T in T_of(text).values()} == {2048}
