@@ -90,8 +90,8 @@ def check_patterns(results: dict, dev: torch.device) -> bool:
                 # Gradients of <out, d_out> + <lse, d_lse> with respect to every float
                 # input, ours on the device against autograd through the reference.
                 inputs = {"q": q, "k": k, "v": v, **{n: kw.pop(n) for n in GRAD_INPUTS if n in kw}}
-                ours_in = {n: x.to(dev).requires_grad_() for n, x in inputs.items()}
-                ref_in = {n: x.double().requires_grad_() for n, x in inputs.items()}
+                ours_in = {n: x.detach().to(dev).requires_grad_() for n, x in inputs.items()}  # own leaves, also
+                ref_in = {n: x.detach().double().requires_grad_() for n, x in inputs.items()}  # where .to is a no-op
                 to_dev = {n: (x.to(dev) if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
                 out, lse = swa_tvm.sliding_window_attention(**ours_in, **to_dev, return_lse=True)
                 ref_out, ref_lse = sliding_window_attention_ref(**ref_in, **kw)
