@@ -59,10 +59,23 @@ def _spatial_count(sch, block) -> int:
 
 
 def _one_thread_per_output(sch, block, threads) -> None:
-    """Fuse the spatial loops, one thread per output; reductions run serially inside."""
-    loops = sch.get_loops(block)
-    fused = sch.fuse(*loops[: _spatial_count(sch, block)])
-    bx, tx = sch.split(fused, [None, threads])
+    """Fuse the spatial loops, one thread per output; reductions run serially inside.
+
+    A stage over the band of a window unbounded on the right ([..., band, cols], band =
+    T + left) keeps its leading loops apart (blockIdx.x) from the band and column loops
+    (split over blockIdx.y and the threads): fused into one, TVM's region analysis
+    cannot lower the split of that symbolic extent. blockIdx.y then bounds the band:
+    band * cols < 65536 * threads (T up to about 131K at 128 columns)."""
+    from tvm import tirx
+
+    spatial = sch.get_loops(block)[: _spatial_count(sch, block)]
+    if len(spatial) >= 3 and not isinstance(sch.get(spatial[-2]).extent, (tirx.IntImm, tirx.Var)):
+        by, tx = sch.split(sch.fuse(*spatial[-2:]), [None, threads])
+        sch.bind(sch.fuse(*spatial[:-2]), "blockIdx.x")
+        sch.bind(by, "blockIdx.y")
+        sch.bind(tx, "threadIdx.x")
+        return
+    bx, tx = sch.split(sch.fuse(*spatial), [None, threads])
     sch.bind(bx, "blockIdx.x")
     sch.bind(tx, "threadIdx.x")
 

@@ -137,7 +137,13 @@ def _serial_on_cpu(func):
 
 @pytest.mark.parametrize(
     "dtype,window,pattern",
-    [("bfloat16", (21, 0), "globals+sinks+per-head dilation"), ("float32", (8, 9), "symmetric, dilation 2")],
+    [
+        ("bfloat16", (21, 0), "globals+sinks+per-head dilation"),
+        ("float32", (8, 9), "symmetric, dilation 2"),
+        # The band of a window unbounded on the right (T + 5 partners): a stage over it
+        # whose loops were all fused failed to lower before 2026-12-03.
+        ("float32", (5, -1), "unbounded right, dilation 2"),
+    ],
 )
 def test_cuda_schedule_computes_the_reference(dtype, window, pattern):
     import tvm
@@ -472,6 +478,7 @@ BACKWARD_CASES = {
     "fp32_both_sides_dilation_2": ("float32", (5, 7), [2, 2, 2, 2], False, 1e-5, (16, 8, 32)),
     "fp16_unbounded_left": ("float16", (-1, 0), [1, 1, 2, 1], False, 2e-3, None),
     "fp32_long_window": ("float32", (30, 3), [1, 2, 1, 1], True, 1e-5, (16, 16, 64)),
+    "bf16_unbounded_right": ("bfloat16", (4, -1), [2, 1, 1, 1], True, 1e-2, (16, 16, 64)),
 }
 
 
