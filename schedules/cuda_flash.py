@@ -131,7 +131,7 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
     # Flat tiles with padded rows (TVM would compact a 2-D tile's unused padding away).
     DP, SP = D + _pad(dt), KC + 1
     Q_STEPS, KV_STEPS = -(-BQ * D // NT), -(-KC * D // NT)
-    X_STEPS = -(-KC // NT)
+    load_extra_positions = extra_positions_loader(NT, KC)
     SH = "shared"
     NINF = tirx.const(float("-inf"), acc)
     ZERO, ONE = tirx.const(0.0, acc), tirx.const(1.0, acc)
@@ -297,15 +297,7 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
                     accumulate(S_s, Vt, a_s, oacc)
                 if extras:
                     for xc in T.serial((E + (KC - 1)) // KC):
-                        for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                            for x in T.serial(X_STEPS):
-                                kk = T.meta_var(x * NT + tx)
-                                if kk < KC:
-                                    xpos_s[kk] = T.Select(
-                                        xc * KC + kk < E, i64(xidx[b, T.min(xc * KC + kk, E - 1)]), T.int64(-1)
-                                    )
-                                    xres_s[kk] = T.floormod(xpos_s[kk], d)
-                                    xt_s[kk] = T.floordiv(xpos_s[kk], d)
+                        load_extra_positions(xpos_s, xres_s, xt_s, xidx, b, xc, d, E)
                         load_rows(Kt, Vt, k, v, b, kvh, lambda kk: xpos_s[kk], Tn)
                         scores(
                             Qs,
@@ -391,6 +383,27 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
     if spec.kind == "global":
         return global_kernel(global_body, D, dt, acc)
     return local_kernel(body, D, dt, acc, extras)
+
+
+def extra_positions_loader(threads: int, chunk: int):
+    """A T.macro filling chunk ``xc`` of the extra keys' shared tables: position (-1
+    past E), residue and residue-space index under dilation ``d``, for ``threads``
+    threads and ``chunk`` keys per chunk."""
+    steps = -(-chunk // threads)
+
+    @T.macro
+    def load_extra_positions(xpos_s, xres_s, xt_s, xidx, b, xc, d, E):
+        for tx in T.thread_binding(threads, thread="threadIdx.x"):
+            for x in T.serial(steps):
+                kk = T.meta_var(x * threads + tx)
+                if kk < chunk:
+                    xpos_s[kk] = T.Select(
+                        xc * chunk + kk < E, T.Cast("int64", xidx[b, T.min(xc * chunk + kk, E - 1)]), T.int64(-1)
+                    )
+                    xres_s[kk] = T.floormod(xpos_s[kk], d)
+                    xt_s[kk] = T.floordiv(xpos_s[kk], d)
+
+    return load_extra_positions
 
 
 def block_last_key(gidx, b, g0, G, Tn, rows: int, causal: bool):

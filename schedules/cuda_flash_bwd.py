@@ -32,7 +32,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from swa_tvm.compute import extra_visible, item_interior, item_key_span, row_key_range
-from swa_tvm.schedules.cuda_flash import SHARED_BUDGET, _pad, item_fields
+from swa_tvm.schedules.cuda_flash import SHARED_BUDGET, _pad, extra_positions_loader, item_fields
 from swa_tvm.spec import KernelSpec, accum_dtype
 
 KINDS = ("local_dq", "local_dkv")
@@ -98,6 +98,7 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - two kernels, phase
     RS, CS, CA = BR // TY, KC // TX, D // TX  # register tiles: rows x partners, rows x columns
     DP, SP = D + _pad(dt), KC + 1  # padded rows of the tiles
     R_STEPS, C_STEPS, X_STEPS = -(-BR * D // NT), -(-KC * D // NT), -(-KC // NT)
+    load_extra_positions = extra_positions_loader(NT, KC)
     SH = "shared"
     INF = tirx.const(float("inf"), acc)
     ZERO = tirx.const(0.0, acc)
@@ -224,15 +225,7 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - two kernels, phase
                     )
                 if extras:
                     for xc in T.serial((E + (KC - 1)) // KC):
-                        for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                            for x in T.serial(X_STEPS):
-                                kk = T.meta_var(x * NT + tx)
-                                if kk < KC:
-                                    xpos_s[kk] = T.Select(
-                                        xc * KC + kk < E, i64(xidx[b, T.min(xc * KC + kk, E - 1)]), T.int64(-1)
-                                    )
-                                    xres_s[kk] = T.floormod(xpos_s[kk], d)
-                                    xt_s[kk] = T.floordiv(xpos_s[kk], d)
+                        load_extra_positions(xpos_s, xres_s, xt_s, xidx, b, xc, d, E)
                         load_pair(Kt, Vt, k, v, b, kvh, lambda kk: xpos_s[kk], Tn, KC, C_STEPS)
                         dq_chunk(
                             Qs, dOs, Kt, Vt, S_s, sacc, pacc, lse_s, delta_s, dacc,

@@ -31,7 +31,15 @@ from tvm.script import tirx as T
 from swa_tvm.compute import extra_visible, item_interior, item_key_span, row_key_range
 from swa_tvm.spec import KernelSpec
 
-from .cuda_flash import SHARED_BUDGET, block_last_key, global_fields, global_kernel, item_fields, local_kernel
+from .cuda_flash import (
+    SHARED_BUDGET,
+    block_last_key,
+    extra_positions_loader,
+    global_fields,
+    global_kernel,
+    item_fields,
+    local_kernel,
+)
 
 # A macro, not a function: its C operands are the callers' register-array elements
 # (lvalues), so no address is taken and nvcc keeps the fragments in registers. Two 16-bit
@@ -137,7 +145,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
     # different banks.
     DP = D + 8
     VEC = 8  # 16-bit values per 16-byte global load (D % 16 == 0, rows of DP keep 16-byte alignment)
-    Q_STEPS, KV_STEPS, X_STEPS = -(-BQ * D // VEC // NT), -(-KC * D // VEC // NT), -(-KC // NT)
+    Q_STEPS, KV_STEPS = -(-BQ * D // VEC // NT), -(-KC * D // VEC // NT)
+    load_extra_positions = extra_positions_loader(NT, KC)
     NINF = tirx.const(float("-inf"), acc)
     ZERO, ONE = tirx.const(0.0, acc), tirx.const(1.0, acc)
     mma_name = f"swa_mma_{PTX_TYPE[dt]}"
@@ -368,16 +377,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                     )
                 if extras:
                     for xc in T.serial((E + (KC - 1)) // KC):
-                        for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                            for x in T.serial(X_STEPS):
-                                if x * NT + tx < KC:
-                                    xpos_s[x * NT + tx] = T.Select(
-                                        xc * KC + x * NT + tx < E,
-                                        i64(xidx[b, T.min(xc * KC + x * NT + tx, E - 1)]),
-                                        T.int64(-1),
-                                    )
-                                    xres_s[x * NT + tx] = T.floormod(xpos_s[x * NT + tx], d)
-                                    xt_s[x * NT + tx] = T.floordiv(xpos_s[x * NT + tx], d)
+                        load_extra_positions(xpos_s, xres_s, xt_s, xidx, b, xc, d, E)
                         load_rows(QK, Vt, k, v, b, kvh, lambda kk: xpos_s[kk], Tn)
                         step(
                             QK, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red,
