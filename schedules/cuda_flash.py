@@ -71,8 +71,7 @@ class FlashConfig:
                 raise ValueError(f"flash config: {name}={value} is not a multiple of {divisor} ({self})")
 
     def thread_cols(self, head_dim: int) -> int:
-        """Threads along a tile's columns: they read consecutive shared-memory words."""
-        return next(c for c in (16, 8, 4, 2, 1) if head_dim % c == 0 and self.chunk % c == 0 and self.threads % c == 0)
+        return thread_cols(head_dim, self.chunk, self.threads)
 
     def shared_bytes(self, head_dim: int, dtype: str) -> int:
         el = tvm.runtime.DataType(dtype).bits // 8
@@ -89,16 +88,25 @@ def _pad(dtype: str) -> int:
     return 4 // (tvm.runtime.DataType(dtype).bits // 8) if tvm.runtime.DataType(dtype).bits < 32 else 1
 
 
-def default_config(spec: KernelSpec) -> FlashConfig | None:
-    """The largest tiles within SHARED_BUDGET; None where none fits (very large head
-    dims) or the dtype is not one CUDA serves."""
+def thread_cols(head_dim: int, chunk: int, threads: int) -> int:
+    """Threads along a tile's columns: they read consecutive shared-memory words."""
+    return next(c for c in (16, 8, 4, 2, 1) if head_dim % c == 0 and chunk % c == 0 and threads % c == 0)
+
+
+def largest_fitting(make, spec: KernelSpec):
+    """``make(rows, chunk)``, the config with the largest tiles within SHARED_BUDGET; None
+    where none fits (very large head dims) or the dtype is not one CUDA serves."""
     if spec.dtype not in ("float32", "float16", "bfloat16"):
         return None
-    for bq, kc in ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16)):
-        cfg = FlashConfig(bq, kc)
+    for rows, chunk in ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16)):
+        cfg = make(rows, chunk)
         if cfg.shared_bytes(spec.head_dim, spec.dtype) <= SHARED_BUDGET:
             return cfg
     return None
+
+
+def default_config(spec: KernelSpec) -> FlashConfig | None:
+    return largest_fitting(FlashConfig, spec)
 
 
 def flash(spec: KernelSpec, config: FlashConfig | None = None) -> tvm.tirx.PrimFunc:

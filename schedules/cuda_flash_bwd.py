@@ -32,7 +32,14 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from swa_tvm.compute import extra_visible, item_interior, item_key_span, row_key_range
-from swa_tvm.schedules.cuda_flash import SHARED_BUDGET, _pad, extra_positions_loader, item_fields
+from swa_tvm.schedules.cuda_flash import (
+    SHARED_BUDGET,
+    _pad,
+    extra_positions_loader,
+    item_fields,
+    largest_fitting,
+    thread_cols,
+)
 from swa_tvm.spec import KernelSpec, accum_dtype
 
 KINDS = ("local_dq", "local_dkv")
@@ -45,8 +52,7 @@ class BwdConfig:
     threads: int = 128
 
     def thread_cols(self, head_dim: int) -> int:
-        """Threads along a tile's columns: they read consecutive shared-memory words."""
-        return next(c for c in (16, 8, 4, 2, 1) if head_dim % c == 0 and self.chunk % c == 0 and self.threads % c == 0)
+        return thread_cols(head_dim, self.chunk, self.threads)
 
     def check(self, head_dim: int) -> None:
         cols = self.thread_cols(head_dim)
@@ -65,13 +71,7 @@ class BwdConfig:
 
 def default_config(spec: KernelSpec) -> BwdConfig | None:
     """The largest tiles within SHARED_BUDGET (None: none fits, or not a CUDA dtype)."""
-    if spec.kind not in KINDS or spec.dtype not in ("float32", "float16", "bfloat16"):
-        return None
-    for block, chunk in ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16)):
-        cfg = BwdConfig(block, chunk)
-        if cfg.shared_bytes(spec.head_dim, spec.dtype) <= SHARED_BUDGET:
-            return cfg
-    return None
+    return largest_fitting(BwdConfig, spec) if spec.kind in KINDS else None
 
 
 def flash_bwd(spec: KernelSpec, config: BwdConfig | None = None) -> tvm.tirx.PrimFunc:
