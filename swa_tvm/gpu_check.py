@@ -357,19 +357,19 @@ def bench(results: dict, dev: torch.device, quick: bool) -> None:
         time_training(results, dev, flex, T, W)
 
 
-def time_training(results: dict, dev: torch.device, flex, T: int, W: int) -> None:
-    """Forward + backward (gradients of q, k, v) at the timing shape (causal window W),
-    ours against FlexAttention and SDPA with the banded mask, in bf16; dq/dk/dv compared
-    with FlexAttention's."""
+def time_training(results: dict, dev: torch.device, flex, T: int, W: int, shape=(1, 32, 8, 128),
+                  dtype=torch.bfloat16) -> None:
+    """Forward + backward (gradients of q, k, v) at the timing shape (causal window W;
+    ``shape`` = B, H, H_kv, D), ours against FlexAttention and SDPA with the banded
+    mask; dq/dk/dv compared with each peer's."""
     import swa_tvm
 
-    B, H, Hkv, D = 1, 32, 8, 128
-    dtype = torch.bfloat16
+    B, H, Hkv, D = shape
     q = torch.randn(B, H, T, D, device=dev, dtype=dtype, requires_grad=True)
     k, v = (torch.randn(B, Hkv, T, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
     dout = torch.randn(B, H, T, D, device=dev, dtype=dtype)
     mask = _visible_mask(T, W, 1, None, dev)
-    row = {"T": T, "W": W, "H": H, "H_kv": Hkv, "D": D, "dtype": "bfloat16",
+    row = {"T": T, "W": W, "H": H, "H_kv": Hkv, "D": D, "dtype": str(dtype).replace("torch.", ""),
            "useful_gflop_fwd_bwd": 4.0 * 3.5 * B * H * D * int(mask.sum()) / 1e9}  # bwd ~ 2.5x fwd FLOPs
 
     def grads(fn):
