@@ -407,19 +407,30 @@ def apply_record(spec: KernelSpec, trace, target_kind: str = "llvm"):
 # --------------------------------------------------------------------------- measuring
 
 
-def _fill(info) -> np.ndarray:
-    """Tuning inputs: random floats, ones for the int32 tables (dilation 1, extra key
-    position 1), so every index the kernel computes from them is in range."""
-    _, dtype, shape = info
-    if dtype.startswith("int"):
-        return np.ones(shape, dtype=dtype)
-    return np.random.default_rng(0).standard_normal(shape).astype(dtype)
+def tuning_inputs(args_info) -> list[np.ndarray]:
+    """A kernel's tuning inputs, made as the batch runner makes them
+    (``measure_batch``): random floats, dilation 1 (the [H] int32 table), extra and
+    global positions ([B, E] int32) distinct and sorted below T (the longest third dim of
+    the 4-D tensors: q_global's is G), so every index is in range and global rows see
+    the sequence."""
+    T = max(shape[2] for _, _, shape in args_info if len(shape) == 4)
+    rng = np.random.default_rng(0)
+    out = []
+    for _, dtype, shape in args_info:
+        if dtype.startswith("int") and len(shape) == 2:
+            rows = [np.sort(rng.permutation(T)[: shape[1]]) for _ in range(shape[0])]
+            out.append(np.stack(rows).astype(dtype))
+        elif dtype.startswith("int"):
+            out.append(np.ones(shape, dtype=dtype))
+        else:
+            out.append(rng.standard_normal(shape).astype(dtype))
+    return out
 
 
 def alloc_args_local(device, args_info, alloc_repeat):
     import tvm
 
-    return [[tvm.runtime.tensor(_fill(a), device=device) for a in args_info] for _ in range(alloc_repeat)]
+    return [[tvm.runtime.tensor(a, device=device) for a in tuning_inputs(args_info)] for _ in range(alloc_repeat)]
 
 
 def alloc_args_local_threads(threads, device, args_info, alloc_repeat):

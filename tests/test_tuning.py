@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -343,3 +344,20 @@ def test_tuning_shape_covers_long_windows():
     assert T_of("head_dim=64,window=-1:0")["local"] == 2048  # unbounded: the default
     shipped = bench.spec_strings() + bench_train.spec_strings()
     assert {T for text in shipped for T in T_of(text).values()} == {2048}
+
+
+def test_tuning_inputs_are_in_range_and_distinct():
+    """MetaSchedule's runner fills a kernel's tables as the GPU batch runner does:
+    dilation 1, global/extra positions distinct, sorted and below T (not q_global's G)."""
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+
+    for k in AttentionSpec.parse("head_dim=16,window=7:0,globals,backward").kernels():
+        info = [a.as_json() for a in ArgInfo.from_prim_func(tuning.tuning_workload(k)["main"])]
+        T = tuning.tune_shapes(k)["T"]
+        for (_, dtype, shape), x in zip(info, tuning.tuning_inputs(info)):
+            assert x.dtype == dtype and list(x.shape) == list(shape)
+            if dtype == "int32" and x.ndim == 1:
+                assert (x == 1).all()  # dilation
+            elif dtype == "int32":
+                assert (x >= 0).all() and (x < T).all() and (np.diff(x, axis=1) > 0).all(), k.kind
+                assert x.max() > T // 2, "positions spread over the sequence"
