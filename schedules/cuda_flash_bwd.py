@@ -1,5 +1,5 @@
-"""The fused CUDA kernels of the local gradients (``local_dq`` and ``local_dkv``): one
-thread block per work item, the item's band streamed through shared memory in chunks,
+"""The fused CUDA kernels of the gradients (``local_dq``, ``local_dkv``, ``global_bwd``):
+one thread block per work item, the item's band streamed through shared memory in chunks,
 every probability recomputed from the saved lse (p = exp(scale * q.k - lse)), so no
 score, probability or band copy reaches global memory. FlashAttention-2's backward,
 split as the TE's is (``compute_backward``): no kernel scatters, so no atomics.
@@ -14,6 +14,11 @@ queries that see a block of keys): per item, its keys and values; for each chunk
 band queries: Q and dO rows with their lse and delta; per thread S^T = K Q^T and dP^T =
 V dO^T; P^T and dS^T to shared memory; dv += P^T dO, dk += dS^T Q. The extra keys'
 gradients come from ``local_dx`` (rows along the sequence; TE kernel).
+
+``global_bwd`` runs the same two steps for the global rows: a block of global rows
+streams every key chunk up to its last row's position (d q_global), and a block of keys
+streams the global rows in chunks (d k_global, d v_global), each key masked past a
+causal row's position.
 
 Products run on CUDA cores in fp32, as in ``cuda_flash``; the masks are the TE's
 (``row_key_range``, ``item_key_span``, ``item_interior``, ``extra_visible``), the
@@ -35,14 +40,16 @@ from swa_tvm.compute import extra_visible, item_interior, item_key_span, row_key
 from swa_tvm.schedules.cuda_flash import (
     SHARED_BUDGET,
     _pad,
+    block_last_key,
     extra_positions_loader,
+    global_fields,
     item_fields,
     largest_fitting,
     thread_cols,
 )
 from swa_tvm.spec import KernelSpec, accum_dtype
 
-KINDS = ("local_dq", "local_dkv")
+KINDS = ("local_dq", "local_dkv", "global_bwd")
 
 
 @dataclass(frozen=True)
@@ -75,8 +82,8 @@ def default_config(spec: KernelSpec) -> BwdConfig | None:
 
 
 def flash_bwd(spec: KernelSpec, config: BwdConfig | None = None) -> tvm.tirx.PrimFunc:
-    """The fused CUDA PrimFunc of a ``local_dq`` or ``local_dkv`` spec, with the TE
-    kernel's arguments and name."""
+    """The fused CUDA PrimFunc of a ``local_dq``, ``local_dkv`` or ``global_bwd`` spec,
+    with the TE kernel's arguments and name."""
     if spec.kind not in KINDS:
         raise ValueError(f"kernel {spec.name}: the fused backward serves {KINDS}, not {spec.kind!r}")
     cfg = config or default_config(spec)
@@ -174,6 +181,22 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - two kernels, phase
                         ZERO,
                     )
         accumulate(S_s, Kt, dacc)
+
+    @T.macro
+    def dkv_chunk(Ks, Vs, Qt, dOt, P_s, S_s, sacc, pacc, lse_c, delta_c, kacc, vacc, visible, scale):
+        # Keys of the item (rows) against a chunk of the queries that see them (columns):
+        # P^T = exp(S^T - lse), dS^T = P^T (dP^T - delta) to shared memory; dv += P^T dO,
+        # dk += dS^T Q.
+        products(Ks, Vs, Qt, dOt, sacc, pacc)
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for ii in T.unroll(RS):
+                for jj in T.unroll(CS):
+                    row = T.meta_var((tx // TX) * RS + ii)
+                    col = T.meta_var(tx % TX + TX * jj)
+                    P_s[row * SP + col] = T.Select(visible(row, col), T.exp(sacc[tx, ii * CS + jj] * scale - lse_c[col]), ZERO)
+                    S_s[row * SP + col] = P_s[row * SP + col] * (pacc[tx, ii * CS + jj] - delta_c[col])
+        accumulate(P_s, dOt, vacc)
+        accumulate(S_s, Qt, kacc)
 
     @T.macro
     def dq_body(q, k, v, dil, xidx, dout, lse, delta, scale, dq, B, H, Hkv, Tn, E):
@@ -291,23 +314,14 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - two kernels, phase
                                 # Out-of-range queries are masked; clamped reads stay in bounds.
                                 lse_c[kk] = lse[b, h, T.max(T.min(key0 + d * (c * KC + kk), Tn - 1), T.int64(0))]
                                 delta_c[kk] = delta[b, h, T.max(T.min(key0 + d * (c * KC + kk), Tn - 1), T.int64(0))]
-                    products(Ks, Vs, Qt, dOt, sacc, pacc)
-                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                        for ii in T.unroll(RS):
-                            for jj in T.unroll(CS):
-                                row = T.meta_var((tx // TX) * RS + ii)
-                                col = T.meta_var(tx % TX + TX * jj)
-                                P_s[row * SP + col] = T.Select(
-                                    T.Or(
-                                        item_interior(tlo, thi, BR, Tn, d, m0, r, c * KC, c * KC + KC - 1),
-                                        T.And(c * KC + col >= first_s[row], c * KC + col <= last_s[row]),
-                                    ),
-                                    T.exp(sacc[tx, ii * CS + jj] * scale - lse_c[col]),
-                                    ZERO,
-                                )
-                                S_s[row * SP + col] = P_s[row * SP + col] * (pacc[tx, ii * CS + jj] - delta_c[col])
-                    accumulate(P_s, dOt, vacc)
-                    accumulate(S_s, Qt, kacc)
+                    dkv_chunk(
+                        Ks, Vs, Qt, dOt, P_s, S_s, sacc, pacc, lse_c, delta_c, kacc, vacc,
+                        lambda row, col: T.Or(
+                            item_interior(tlo, thi, BR, Tn, d, m0, r, c * KC, c * KC + KC - 1),
+                            T.And(c * KC + col >= first_s[row], c * KC + col <= last_s[row]),
+                        ),
+                        scale,
+                    )
                 # 3. dk = scale * dS^T Q and dv = P^T dO to the item's keys (per query head).
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     for ii in T.unroll(RS):
@@ -316,9 +330,138 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - two kernels, phase
                                 dk[b, h, row0 + d * ((tx // TX) * RS + ii), tx % TX + TX * jj] = kacc[tx, ii * CA + jj] * scale
                                 dv[b, h, row0 + d * ((tx // TX) * RS + ii), tx % TX + TX * jj] = vacc[tx, ii * CA + jj]
 
+    causal = spec.causal
+
+    @T.macro
+    def global_dq_body(qg, k, v, gidx, dout, lse, delta, scale, dqg, B, H, Hkv, Tn, G):
+        nblk = T.meta_var((G + (BR - 1)) // BR)
+        for item in T.thread_binding(B * H * nblk, thread="blockIdx.x"):
+            with T.sblock("flash_global_dq"):
+                T.reads()
+                T.writes()
+                Qs = T.alloc_buffer((BR * DP,), dt, scope=SH)
+                dOs = T.alloc_buffer((BR * DP,), dt, scope=SH)
+                Kt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                Vt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                S_s = T.alloc_buffer((BR * SP,), acc, scope=SH)
+                lse_s = T.alloc_buffer((BR,), acc, scope=SH)
+                delta_s = T.alloc_buffer((BR,), acc, scope=SH)
+                last_s = T.alloc_buffer((BR,), "int64", scope=SH)
+                sacc = T.alloc_buffer((NT, RS * CS), acc, scope="local")
+                pacc = T.alloc_buffer((NT, RS * CS), acc, scope="local")
+                dacc = T.alloc_buffer((NT, RS * CA), acc, scope="local")
+
+                b, h, g0, kvh = T.meta_var(global_fields(item, H, Hkv, nblk, BR))
+                # 1. Global rows: lse, delta and last visible key (padding rows past G: +inf,
+                # 0 and -1), their queries and output gradients.
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    if tx < BR:
+                        lse_s[tx] = T.Select(g0 + tx < G, lse[b, h, T.min(g0 + tx, G - 1)], INF)
+                        delta_s[tx] = T.Select(g0 + tx < G, delta[b, h, T.min(g0 + tx, G - 1)], ZERO)
+                        last_s[tx] = T.Select(
+                            g0 + tx < G, T.min(i64(gidx[b, T.min(g0 + tx, G - 1)]), Tn - 1) if causal else Tn - 1,
+                            T.int64(-1),
+                        )
+                load_pair(Qs, dOs, qg, dout, b, h, lambda i: g0 + i, G, BR, R_STEPS)
+                zero(dacc)
+                # 2. Every key chunk up to the block's last visible key.
+                for c in T.serial(T.floordiv(block_last_key(gidx, b, g0, G, Tn, BR, causal), KC) + 1):
+                    load_pair(Kt, Vt, k, v, b, kvh, lambda kk: c * KC + kk, Tn, KC, C_STEPS)
+                    dq_chunk(
+                        Qs, dOs, Kt, Vt, S_s, sacc, pacc, lse_s, delta_s, dacc,
+                        lambda row, col: c * KC + col <= last_s[row], scale,
+                    )
+                # 3. d q_global = scale * dS K.
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    for ii in T.unroll(RS):
+                        for jj in T.unroll(CA):
+                            if g0 + (tx // TX) * RS + ii < G:
+                                dqg[b, h, g0 + (tx // TX) * RS + ii, tx % TX + TX * jj] = T.Cast(
+                                    dt, dacc[tx, ii * CA + jj] * scale
+                                )
+
+    @T.macro
+    def global_dkv_body(qg, k, v, gidx, dout, lse, delta, scale, dkg, dvg, B, H, Hkv, Tn, G):
+        nblk = T.meta_var((Tn + (BR - 1)) // BR)
+        for item in T.thread_binding(B * H * nblk, thread="blockIdx.x"):
+            with T.sblock("flash_global_dkv"):
+                T.reads()
+                T.writes()
+                Ks = T.alloc_buffer((BR * DP,), dt, scope=SH)
+                Vs = T.alloc_buffer((BR * DP,), dt, scope=SH)
+                Qt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                dOt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                P_s = T.alloc_buffer((BR * SP,), acc, scope=SH)
+                S_s = T.alloc_buffer((BR * SP,), acc, scope=SH)
+                lse_c = T.alloc_buffer((KC,), acc, scope=SH)
+                delta_c = T.alloc_buffer((KC,), acc, scope=SH)
+                gpos_c = T.alloc_buffer((KC,), "int64", scope=SH)
+                sacc = T.alloc_buffer((NT, RS * CS), acc, scope="local")
+                pacc = T.alloc_buffer((NT, RS * CS), acc, scope="local")
+                kacc = T.alloc_buffer((NT, RS * CA), acc, scope="local")
+                vacc = T.alloc_buffer((NT, RS * CA), acc, scope="local")
+
+                # A block of BR keys from j0 against every global row, KC rows a chunk.
+                b, h, j0, kvh = T.meta_var(global_fields(item, H, Hkv, nblk, BR))
+                load_pair(Ks, Vs, k, v, b, kvh, lambda i: j0 + i, Tn, BR, R_STEPS)
+                zero(kacc)
+                zero(vacc)
+                for c in T.serial((G + (KC - 1)) // KC):
+                    load_pair(Qt, dOt, qg, dout, b, h, lambda kk: c * KC + kk, G, KC, C_STEPS)
+                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                        for x in T.serial(X_STEPS):
+                            kk = T.meta_var(x * NT + tx)
+                            if kk < KC:
+                                # A row's last visible key: its position (causal) or T - 1;
+                                # -1 for padding past G.
+                                lse_c[kk] = T.Select(c * KC + kk < G, lse[b, h, T.min(c * KC + kk, G - 1)], INF)
+                                delta_c[kk] = T.Select(c * KC + kk < G, delta[b, h, T.min(c * KC + kk, G - 1)], ZERO)
+                                gpos_c[kk] = T.Select(
+                                    c * KC + kk < G,
+                                    i64(gidx[b, T.min(c * KC + kk, G - 1)]) if causal else Tn - 1,
+                                    T.int64(-1),
+                                )
+                    dkv_chunk(
+                        Ks, Vs, Qt, dOt, P_s, S_s, sacc, pacc, lse_c, delta_c, kacc, vacc,
+                        lambda row, col: j0 + row <= gpos_c[col], scale,
+                    )
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    for ii in T.unroll(RS):
+                        for jj in T.unroll(CA):
+                            if j0 + (tx // TX) * RS + ii < Tn:
+                                dkg[b, h, j0 + (tx // TX) * RS + ii, tx % TX + TX * jj] = kacc[tx, ii * CA + jj] * scale
+                                dvg[b, h, j0 + (tx // TX) * RS + ii, tx % TX + TX * jj] = vacc[tx, ii * CA + jj]
+
+    if spec.kind == "global_bwd":
+        return _global_kernel(global_dq_body, global_dkv_body, D, dt, acc)
     if spec.kind == "local_dkv":
         return _dkv_kernel(dkv_body, D, dt, acc, extras)
     return _dq_kernel(dq_body, D, dt, acc, extras)
+
+
+def _global_kernel(dq_body, dkv_body, D: int, dt: str, acc: str):
+    """The PrimFunc with global_bwd's arguments: q_global, k_global, v_global,
+    global_idx, dout, lse, delta (of the global rows), scale, dq_global, dk_global,
+    dv_global; two kernels, one per output side."""
+
+    @T.prim_func(s_tir=True)
+    def kernel_g(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, do_h: T.handle, lse_h: T.handle,
+                 delta_h: T.handle, scale: T.float32, dq_h: T.handle, dk_h: T.handle, dv_h: T.handle):
+        B, H, Hkv, Tn, G = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        qg = T.match_buffer(q_h, (B, H, G, D), dt)
+        k = T.match_buffer(k_h, (B, Hkv, Tn, D), dt)
+        v = T.match_buffer(v_h, (B, Hkv, Tn, D), dt)
+        gidx = T.match_buffer(g_h, (B, G), "int32")
+        dout = T.match_buffer(do_h, (B, H, G, D), dt)
+        lse = T.match_buffer(lse_h, (B, H, G), acc)
+        delta = T.match_buffer(delta_h, (B, H, G), acc)
+        dqg = T.match_buffer(dq_h, (B, H, G, D), dt)
+        dkg = T.match_buffer(dk_h, (B, H, Tn, D), acc)
+        dvg = T.match_buffer(dv_h, (B, H, Tn, D), acc)
+        dq_body(qg, k, v, gidx, dout, lse, delta, scale, dqg, B, H, Hkv, Tn, G)
+        dkv_body(qg, k, v, gidx, dout, lse, delta, scale, dkg, dvg, B, H, Hkv, Tn, G)
+
+    return kernel_g
 
 
 def _dq_kernel(body, D: int, dt: str, acc: str, extras: bool):

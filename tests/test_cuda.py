@@ -433,7 +433,8 @@ def test_cuda_flash_config_checks():
         cuda_flash_tc.flash_tc(spec, cuda_flash_tc.TCConfig(4, 24))
     with pytest.raises(ValueError, match="float16/bfloat16 forward kernels"):
         cuda_flash_tc.flash_tc(KernelSpec("local", 128, "float32", 7, 0))
-    # Gradients: the window's on the fused backward where a tile fits, the rest on TE.
+    # Gradients: the window's and the global rows' on the fused backward where a tile
+    # fits, the extras' key gradients on TE.
     from swa_tvm.schedules import cuda_flash_bwd
 
     for kind in ("local_dq", "local_dkv"):
@@ -443,7 +444,7 @@ def test_cuda_flash_config_checks():
         assert build.default_schedule(dataclasses.replace(grad, dtype="float32", head_dim=256), "cuda") == "default"
         assert build.default_schedule(grad, "llvm") == "default"
     assert build.default_schedule(KernelSpec("local_dx", 64, "float16", 7, 0, extras=True), "cuda") == "default"
-    assert build.default_schedule(KernelSpec("global_bwd", 64, "float16", 0, 0), "cuda") == "default"
+    assert build.default_schedule(KernelSpec("global_bwd", 64, "float16", 0, 0), "cuda") == "cuda_flash_bwd"
     with pytest.raises(ValueError, match="block=64 exceeds threads=32"):
         cuda_flash_bwd.flash_bwd(grad, cuda_flash_bwd.BwdConfig(64, 16, 32))
     with pytest.raises(ValueError, match="no backward tile of float32 x head_dim 256"):
