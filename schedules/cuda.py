@@ -1,9 +1,9 @@
 """CUDA schedules for the TE computes in ``swa_tvm.compute`` and ``compute_backward``. Most
 kernels without a tuning record get a fused kernel instead (``cuda_flash_tc`` for
-float16/bfloat16, ``cuda_flash`` for float32, ``cuda_flash_bwd`` for the window's
-and global rows' gradients; see ``build.default_schedule``); this schedule serves the
-rest (the extra keys' gradients, tiles too large for the fused kernels, such as float32
-at head_dim 256) and is the TE whose MetaSchedule records apply.
+float16/bfloat16, ``cuda_flash`` for float32, ``cuda_flash_bwd`` for the gradients;
+see ``build.default_schedule``); this schedule serves the rest (tiles too large for the
+fused kernels, such as float32 at head_dim 256) and is the TE whose MetaSchedule records
+apply.
 
 The compute is the one the CPU runs (blocked query x key-band items), so a GPU kernel
 computes exactly what the CPU-tested TE says; only the loop structure differs. Plan:

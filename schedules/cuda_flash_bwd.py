@@ -1,5 +1,5 @@
-"""The fused CUDA kernels of the gradients (``local_dq``, ``local_dkv``, ``global_bwd``):
-one thread block per work item, the item's band streamed through shared memory in chunks,
+"""The fused CUDA kernels of the gradients (``local_dq``, ``local_dkv``, ``local_dx``,
+``global_bwd``): one thread block per work item, the item's band streamed through shared memory in chunks,
 every probability recomputed from the saved lse (p = exp(scale * q.k - lse)), so no
 score, probability or band copy reaches global memory. FlashAttention-2's backward,
 split as the TE's is (``compute_backward``): no kernel scatters, so no atomics.
@@ -12,8 +12,11 @@ S = Q K^T and of dP = dO V^T; dS = P * (dP - delta) to shared memory; dq += dS K
 ``local_dkv`` (key-major: the items of the transposed band, whose partners are the
 queries that see a block of keys): per item, its keys and values; for each chunk of
 band queries: Q and dO rows with their lse and delta; per thread S^T = K Q^T and dP^T =
-V dO^T; P^T and dS^T to shared memory; dv += P^T dO, dk += dS^T Q. The extra keys'
-gradients come from ``local_dx`` (rows along the sequence; TE kernel).
+V dO^T; P^T and dS^T to shared memory; dv += P^T dO, dk += dS^T Q.
+
+``local_dx`` (the extra keys' own gradients): a block of extra keys streams every row
+in chunks, each (row, extra key) pair masked as the forward's extras are
+(``extra_visible``).
 
 ``global_bwd`` runs the same two steps for the global rows: a block of global rows
 streams every key chunk up to its last row's position (d q_global), and a block of keys
@@ -49,7 +52,7 @@ from swa_tvm.schedules.cuda_flash import (
 )
 from swa_tvm.spec import KernelSpec, accum_dtype
 
-KINDS = ("local_dq", "local_dkv", "global_bwd")
+KINDS = ("local_dq", "local_dkv", "local_dx", "global_bwd")
 
 
 @dataclass(frozen=True)
@@ -82,8 +85,8 @@ def default_config(spec: KernelSpec) -> BwdConfig | None:
 
 
 def flash_bwd(spec: KernelSpec, config: BwdConfig | None = None) -> tvm.tirx.PrimFunc:
-    """The fused CUDA PrimFunc of a ``local_dq``, ``local_dkv`` or ``global_bwd`` spec,
-    with the TE kernel's arguments and name."""
+    """The fused CUDA PrimFunc of a gradient spec (``KINDS``), with the TE kernel's
+    arguments and name."""
     if spec.kind not in KINDS:
         raise ValueError(f"kernel {spec.name}: the fused backward serves {KINDS}, not {spec.kind!r}")
     cfg = config or default_config(spec)
@@ -432,11 +435,93 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - two kernels, phase
                                 dkg[b, h, j0 + (tx // TX) * RS + ii, tx % TX + TX * jj] = kacc[tx, ii * CA + jj] * scale
                                 dvg[b, h, j0 + (tx // TX) * RS + ii, tx % TX + TX * jj] = vacc[tx, ii * CA + jj]
 
+    load_key_positions = extra_positions_loader(NT, BR)
+
+    @T.macro
+    def dx_body(q, k, v, dil, xidx, dout, lse, delta, scale, dkx, dvx, B, H, Hkv, Tn, E):
+        nblk = T.meta_var((E + (BR - 1)) // BR)
+        for item in T.thread_binding(B * H * nblk, thread="blockIdx.x"):
+            with T.sblock("flash_dx"):
+                T.reads()
+                T.writes()
+                Ks = T.alloc_buffer((BR * DP,), dt, scope=SH)
+                Vs = T.alloc_buffer((BR * DP,), dt, scope=SH)
+                Qt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                dOt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                P_s = T.alloc_buffer((BR * SP,), acc, scope=SH)
+                S_s = T.alloc_buffer((BR * SP,), acc, scope=SH)
+                lse_c = T.alloc_buffer((KC,), acc, scope=SH)
+                delta_c = T.alloc_buffer((KC,), acc, scope=SH)
+                xpos_s = T.alloc_buffer((BR,), "int64", scope=SH)
+                xres_s = T.alloc_buffer((BR,), "int64", scope=SH)
+                xt_s = T.alloc_buffer((BR,), "int64", scope=SH)
+                sacc = T.alloc_buffer((NT, RS * CS), acc, scope="local")
+                pacc = T.alloc_buffer((NT, RS * CS), acc, scope="local")
+                kacc = T.alloc_buffer((NT, RS * CA), acc, scope="local")
+                vacc = T.alloc_buffer((NT, RS * CA), acc, scope="local")
+
+                # A block of BR extra keys (extra_idx[b, e0:e0+BR]) against every row.
+                b, h, e0, kvh = T.meta_var(global_fields(item, H, Hkv, nblk, BR))
+                d = T.meta_var(T.Cast("int64", dil[h]))
+                load_key_positions(xpos_s, xres_s, xt_s, xidx, b, T.truncdiv(e0, BR), d, E)
+                load_pair(Ks, Vs, k, v, b, kvh, lambda i: xpos_s[i], Tn, BR, R_STEPS)
+                zero(kacc)
+                zero(vacc)
+                for c in T.serial((Tn + (KC - 1)) // KC):
+                    load_pair(Qt, dOt, q, dout, b, h, lambda kk: c * KC + kk, Tn, KC, C_STEPS)
+                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                        for x in T.serial(X_STEPS):
+                            kk = T.meta_var(x * NT + tx)
+                            if kk < KC:
+                                lse_c[kk] = lse[b, h, T.min(c * KC + kk, Tn - 1)]
+                                delta_c[kk] = delta[b, h, T.min(c * KC + kk, Tn - 1)]
+                    dkv_chunk(
+                        Ks, Vs, Qt, dOt, P_s, S_s, sacc, pacc, lse_c, delta_c, kacc, vacc,
+                        # Row i = c*KC + col sees extra key `row` as an extra (not inside
+                        # its window, not in a causal row's future, not padding, i < T).
+                        lambda row, col: extra_visible(
+                            lo, hi, Tn, xpos_s[row], xres_s[row], xt_s[row], c * KC + col,
+                            T.floordiv(c * KC + col, d), T.floormod(c * KC + col, d),
+                        ),
+                        scale,
+                    )
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    for ii in T.unroll(RS):
+                        for jj in T.unroll(CA):
+                            if e0 + (tx // TX) * RS + ii < E:
+                                dkx[b, h, e0 + (tx // TX) * RS + ii, tx % TX + TX * jj] = kacc[tx, ii * CA + jj] * scale
+                                dvx[b, h, e0 + (tx // TX) * RS + ii, tx % TX + TX * jj] = vacc[tx, ii * CA + jj]
+
+    if spec.kind == "local_dx":
+        return _dx_kernel(dx_body, D, dt, acc)
     if spec.kind == "global_bwd":
         return _global_kernel(global_dq_body, global_dkv_body, D, dt, acc)
     if spec.kind == "local_dkv":
         return _dkv_kernel(dkv_body, D, dt, acc, extras)
     return _dq_kernel(dq_body, D, dt, acc, extras)
+
+
+def _dx_kernel(body, D: int, dt: str, acc: str):
+    """The PrimFunc with local_dx's arguments: q, k, v, dilation, extra_idx, dout, lse,
+    delta, scale, dk_extra, dv_extra."""
+
+    @T.prim_func(s_tir=True)
+    def kernel_dx(q_h: T.handle, k_h: T.handle, v_h: T.handle, dil_h: T.handle, x_h: T.handle, do_h: T.handle,
+                  lse_h: T.handle, delta_h: T.handle, scale: T.float32, dk_h: T.handle, dv_h: T.handle):
+        B, H, Hkv, Tn, E = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        q = T.match_buffer(q_h, (B, H, Tn, D), dt)
+        k = T.match_buffer(k_h, (B, Hkv, Tn, D), dt)
+        v = T.match_buffer(v_h, (B, Hkv, Tn, D), dt)
+        dil = T.match_buffer(dil_h, (H,), "int32")
+        xidx = T.match_buffer(x_h, (B, E), "int32")
+        dout = T.match_buffer(do_h, (B, H, Tn, D), dt)
+        lse = T.match_buffer(lse_h, (B, H, Tn), acc)
+        delta = T.match_buffer(delta_h, (B, H, Tn), acc)
+        dkx = T.match_buffer(dk_h, (B, H, E, D), acc)
+        dvx = T.match_buffer(dv_h, (B, H, E, D), acc)
+        body(q, k, v, dil, xidx, dout, lse, delta, scale, dkx, dvx, B, H, Hkv, Tn, E)
+
+    return kernel_dx
 
 
 def _global_kernel(dq_body, dkv_body, D: int, dt: str, acc: str):

@@ -161,8 +161,8 @@ def default_schedule(spec: KernelSpec, kind: str) -> str:
     fused kernel, on tensor cores for float16/bfloat16 ("cuda_flash_tc",
     schedules/cuda_flash_tc.py), else on CUDA cores ("cuda_flash",
     schedules/cuda_flash.py) where its tiles fit, local and global rows alike; for the
-    CUDA gradients of the window (dq, dk/dv) and of the global rows the fused backward
-    ("cuda_flash_bwd", schedules/cuda_flash_bwd.py); otherwise "default", the TE compute under
+    CUDA gradients the fused backward ("cuda_flash_bwd", schedules/cuda_flash_bwd.py);
+    otherwise "default", the TE compute under
     schedules/cpu.py or schedules/cuda.py."""
     if kind == "cuda" and spec.kind in ("local", "global"):
         from swa_tvm.schedules import cuda_flash, cuda_flash_tc

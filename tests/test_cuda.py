@@ -433,8 +433,7 @@ def test_cuda_flash_config_checks():
         cuda_flash_tc.flash_tc(spec, cuda_flash_tc.TCConfig(4, 24))
     with pytest.raises(ValueError, match="float16/bfloat16 forward kernels"):
         cuda_flash_tc.flash_tc(KernelSpec("local", 128, "float32", 7, 0))
-    # Gradients: the window's and the global rows' on the fused backward where a tile
-    # fits, the extras' key gradients on TE.
+    # Gradients: every kind on the fused backward where a tile fits, else on TE.
     from swa_tvm.schedules import cuda_flash_bwd
 
     for kind in ("local_dq", "local_dkv"):
@@ -443,14 +442,14 @@ def test_cuda_flash_config_checks():
         assert cuda_flash_bwd.default_config(grad).shared_bytes(128, "bfloat16") <= cuda_flash.SHARED_BUDGET
         assert build.default_schedule(dataclasses.replace(grad, dtype="float32", head_dim=256), "cuda") == "default"
         assert build.default_schedule(grad, "llvm") == "default"
-    assert build.default_schedule(KernelSpec("local_dx", 64, "float16", 7, 0, extras=True), "cuda") == "default"
+    assert build.default_schedule(KernelSpec("local_dx", 64, "float16", 7, 0, extras=True), "cuda") == "cuda_flash_bwd"
     assert build.default_schedule(KernelSpec("global_bwd", 64, "float16", 0, 0), "cuda") == "cuda_flash_bwd"
     with pytest.raises(ValueError, match="block=64 exceeds threads=32"):
         cuda_flash_bwd.flash_bwd(grad, cuda_flash_bwd.BwdConfig(64, 16, 32))
     with pytest.raises(ValueError, match="no backward tile of float32 x head_dim 256"):
         cuda_flash_bwd.flash_bwd(KernelSpec("local_dq", 256, "float32", 7, 0))
     with pytest.raises(ValueError, match="serves"):
-        cuda_flash_bwd.flash_bwd(KernelSpec("local_dx", 64, "float32", 7, 0, extras=True))
+        cuda_flash_bwd.flash_bwd(KernelSpec("local", 64, "float32", 7, 0, extras=True))
 
 
 def test_gpu_check_harness_on_cpu(tmp_path, fresh_registry):
@@ -488,8 +487,8 @@ BACKWARD_CASES = {
 def test_cuda_backward_kernels_compute_the_reference_gradients(case, fused, monkeypatch):
     """The whole backward (``functional.attention_backward``: delta, sink gradient, the
     global rows' split, GQA sums) with every gradient kernel as the CUDA build makes it
-    (``fused``: dq and dk/dv on the fused kernels of schedules/cuda_flash_bwd.py; else
-    all on the TE kernels' CUDA schedule), run serially on the CPU, against autograd
+    (``fused``: all on the fused kernels of schedules/cuda_flash_bwd.py; else all on the
+    TE kernels' CUDA schedule), run serially on the CPU, against autograd
     through the float64 dense reference."""
     import tvm
     from tvm import s_tir
