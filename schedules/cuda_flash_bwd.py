@@ -111,7 +111,7 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - two kernels, phase
     load_extra_positions = extra_positions_loader(NT, KC)
     SH = "shared"
     INF = tirx.const(float("inf"), acc)
-    ZERO = tirx.const(0.0, acc)
+    ZERO, ONE = tirx.const(0.0, acc), tirx.const(1.0, acc)
 
     def f32(x):
         return x if dt == acc else T.Cast(acc, x)
@@ -167,6 +167,18 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - two kernels, phase
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for x in T.unroll(RS * CA):
                 racc[tx, x] = ZERO
+
+    @T.macro
+    def write_rows(dst, racc, b, h, pos_of, n, scale):
+        # dst[b, h, pos_of(row)] = racc * scale for the rows with pos_of(row) < n, in
+        # dst's dtype (the input dtype for dq, the accumulation dtype for dk and dv).
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for ii in T.unroll(RS):
+                for jj in T.unroll(CA):
+                    if pos_of((tx // TX) * RS + ii) < n:
+                        dst[b, h, pos_of((tx // TX) * RS + ii), tx % TX + TX * jj] = T.Cast(
+                            dst.dtype, racc[tx, ii * CA + jj] * scale
+                        )
 
     @T.macro
     def dq_chunk(Qs, dOs, Kt, Vt, S_s, sacc, pacc, lse_s, delta_s, dacc, visible, scale):
@@ -261,13 +273,7 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - two kernels, phase
                             scale,
                         )
                 # 3. dq = scale * dS K to the item's rows.
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    for ii in T.unroll(RS):
-                        for jj in T.unroll(CA):
-                            if row0 + d * ((tx // TX) * RS + ii) < Tn:
-                                dq[b, h, row0 + d * ((tx // TX) * RS + ii), tx % TX + TX * jj] = T.Cast(
-                                    dt, dacc[tx, ii * CA + jj] * scale
-                                )
+                write_rows(dq, dacc, b, h, lambda i: row0 + d * i, Tn, scale)
 
     # The transposed band: key j is seen by the queries j + u*d, -right <= u <= left.
     tlo, thi = hi, lo
@@ -326,12 +332,8 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - two kernels, phase
                         scale,
                     )
                 # 3. dk = scale * dS^T Q and dv = P^T dO to the item's keys (per query head).
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    for ii in T.unroll(RS):
-                        for jj in T.unroll(CA):
-                            if row0 + d * ((tx // TX) * RS + ii) < Tn:
-                                dk[b, h, row0 + d * ((tx // TX) * RS + ii), tx % TX + TX * jj] = kacc[tx, ii * CA + jj] * scale
-                                dv[b, h, row0 + d * ((tx // TX) * RS + ii), tx % TX + TX * jj] = vacc[tx, ii * CA + jj]
+                write_rows(dk, kacc, b, h, lambda i: row0 + d * i, Tn, scale)
+                write_rows(dv, vacc, b, h, lambda i: row0 + d * i, Tn, ONE)
 
     causal = spec.causal
 
@@ -375,13 +377,7 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - two kernels, phase
                         lambda row, col: c * KC + col <= last_s[row], scale,
                     )
                 # 3. d q_global = scale * dS K.
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    for ii in T.unroll(RS):
-                        for jj in T.unroll(CA):
-                            if g0 + (tx // TX) * RS + ii < G:
-                                dqg[b, h, g0 + (tx // TX) * RS + ii, tx % TX + TX * jj] = T.Cast(
-                                    dt, dacc[tx, ii * CA + jj] * scale
-                                )
+                write_rows(dqg, dacc, b, h, lambda i: g0 + i, G, scale)
 
     @T.macro
     def global_dkv_body(qg, k, v, gidx, dout, lse, delta, scale, dkg, dvg, B, H, Hkv, Tn, G):
@@ -428,12 +424,8 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - two kernels, phase
                         Ks, Vs, Qt, dOt, P_s, S_s, sacc, pacc, lse_c, delta_c, kacc, vacc,
                         lambda row, col: j0 + row <= gpos_c[col], scale,
                     )
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    for ii in T.unroll(RS):
-                        for jj in T.unroll(CA):
-                            if j0 + (tx // TX) * RS + ii < Tn:
-                                dkg[b, h, j0 + (tx // TX) * RS + ii, tx % TX + TX * jj] = kacc[tx, ii * CA + jj] * scale
-                                dvg[b, h, j0 + (tx // TX) * RS + ii, tx % TX + TX * jj] = vacc[tx, ii * CA + jj]
+                write_rows(dkg, kacc, b, h, lambda i: j0 + i, Tn, scale)
+                write_rows(dvg, vacc, b, h, lambda i: j0 + i, Tn, ONE)
 
     load_key_positions = extra_positions_loader(NT, BR)
 
@@ -485,12 +477,8 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - two kernels, phase
                         ),
                         scale,
                     )
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    for ii in T.unroll(RS):
-                        for jj in T.unroll(CA):
-                            if e0 + (tx // TX) * RS + ii < E:
-                                dkx[b, h, e0 + (tx // TX) * RS + ii, tx % TX + TX * jj] = kacc[tx, ii * CA + jj] * scale
-                                dvx[b, h, e0 + (tx // TX) * RS + ii, tx % TX + TX * jj] = vacc[tx, ii * CA + jj]
+                write_rows(dkx, kacc, b, h, lambda i: e0 + i, E, scale)
+                write_rows(dvx, vacc, b, h, lambda i: e0 + i, E, ONE)
 
     if spec.kind == "local_dx":
         return _dx_kernel(dx_body, D, dt, acc)
