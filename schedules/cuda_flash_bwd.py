@@ -99,7 +99,7 @@ def flash_bwd(spec: KernelSpec, config: BwdConfig | None = None) -> tvm.tirx.Pri
     return _build(spec, cfg).with_attr("global_symbol", spec.name)
 
 
-def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - two kernels, phase by phase
+def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phase by phase
     D, dt, acc = spec.head_dim, spec.dtype, accum_dtype(spec.dtype)
     lo, hi, maxd, extras = spec.left, spec.right, spec.max_dilation, spec.extras
     BR, KC, NT = cfg.block, cfg.chunk, cfg.threads
