@@ -83,7 +83,7 @@ def _cmd_tune(args) -> int:
     if target.get("kind") == "cuda" and args.kernels == "all":
         from .spec import BACKWARD_KINDS
 
-        specs = [k for k in specs if k.kind not in BACKWARD_KINDS]  # CUDA serves the forward kernels
+        specs = [k for k in specs if k.kind not in BACKWARD_KINDS]  # CUDA tuning covers the forward kernels
     logs = args.logs or "tuning_logs"
     if args.batch_out:
         from .tuning_batch import build_batch

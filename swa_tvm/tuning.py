@@ -637,11 +637,14 @@ def make_builder(target: dict, cores: int, shared_library: bool = False):
 
 
 def check_cuda_specs(specs) -> None:
-    """CUDA serves the forward kernels only."""
+    """CUDA tuning covers the forward kernels only: the gradient kernels are fused TIR
+    kernels (schedules/cuda_flash_bwd.py) with no search space, and the batch runner
+    compares forward outputs."""
     from .spec import BACKWARD_KINDS
 
     if any(s.kind in BACKWARD_KINDS for s in specs):
-        raise ValueError("CUDA serves the forward kernels only; tune with --kernels forward")
+        raise ValueError("CUDA tuning covers the forward kernels only (the gradient kernels are fused, "
+                         "with no search space); tune with --kernels forward")
 
 
 def check_cuda_tuning(specs, rpc_tracker: str | None) -> None:
