@@ -247,9 +247,7 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, knobs=None, tensor_cor
 
     knobs = knobs or Defaults()
     bounded = spec.left >= 0 and spec.right >= 0
-    for name in ("masked", "xmasked", "blk_out", "blk_lse"):
-        if _has(sch, name):
-            sch.compute_inline(sch.get_sblock(name))
+    _inline(sch, "masked", "xmasked", "blk_out", "blk_lse")
     if bounded:
         kw = band_width(spec.block_q, spec.left, spec.right)
         if tensor_cores:

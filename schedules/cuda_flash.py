@@ -147,9 +147,6 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
     def f32(x):
         return x if dt == acc else T.Cast(acc, x)
 
-    def i64(x):
-        return T.Cast("int64", x)
-
     @T.macro
     def load_rows(Kt, Vt, src_k, src_v, b, kvh, pos_of, Tn):
         # Chunk rows kk of the key and value tiles, from sequence positions pos_of(kk)
@@ -359,10 +356,7 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
                     if tx < BQ:
                         m_s[tx] = sink[h]
                         l_s[tx] = T.Select(sink[h] == NINF, ZERO, ONE)
-                        last_s[tx] = T.Select(
-                            g0 + tx < G, T.min(i64(gidx[b, T.min(g0 + tx, G - 1)]), Tn - 1) if causal else Tn - 1,
-                            T.int64(-1),
-                        )
+                        last_s[tx] = global_row_last_key(gidx, b, g0 + tx, G, Tn, causal)
                     for x in T.serial(Q_STEPS):
                         e = T.meta_var(x * NT + tx)
                         if e < BQ * D:
@@ -414,18 +408,22 @@ def extra_positions_loader(threads: int, chunk: int):
     return load_extra_positions
 
 
+def global_row_last_key(gidx, b, g, G, Tn, causal: bool):
+    """The last key global row ``g`` sees: its position (causal) or T - 1; -1 for a
+    padding row past G, which sees none."""
+    return T.Select(
+        g < G, T.min(T.Cast("int64", gidx[b, T.min(g, G - 1)]), Tn - 1) if causal else Tn - 1, T.int64(-1)
+    )
+
+
 def block_last_key(gidx, b, g0, G, Tn, rows: int, causal: bool):
-    """The last key a block of ``rows`` global rows from ``g0`` sees: the largest of their
-    positions (causal; padding rows past G count -1) or T - 1. One expression over the
+    """The last key a block of ``rows`` global rows from ``g0`` sees: the largest of
+    their ``global_row_last_key`` (T - 1 when not causal). One expression over the
     block's positions, not a loop: TVM allows no shared-memory read in a loop bound and
     no barrier under a thread test."""
     if not causal:
         return Tn - 1
-    pos = [
-        T.Select(g0 + row < G, T.min(T.Cast("int64", gidx[b, T.min(g0 + row, G - 1)]), Tn - 1), T.int64(-1))
-        for row in range(rows)
-    ]
-    return functools.reduce(T.max, pos)
+    return functools.reduce(T.max, [global_row_last_key(gidx, b, g0 + row, G, Tn, True) for row in range(rows)])
 
 
 def global_fields(item, H, Hkv, nblk, block: int):

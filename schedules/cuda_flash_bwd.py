@@ -46,6 +46,7 @@ from swa_tvm.schedules.cuda_flash import (
     block_last_key,
     extra_positions_loader,
     global_fields,
+    global_row_last_key,
     item_fields,
     largest_fitting,
     thread_cols,
@@ -107,7 +108,8 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
     TY = NT // TX
     RS, CS, CA = BR // TY, KC // TX, D // TX  # register tiles: rows x partners, rows x columns
     DP, SP = D + _pad(dt), KC + 1  # padded rows of the tiles
-    R_STEPS, C_STEPS, X_STEPS = -(-BR * D // NT), -(-KC * D // NT), -(-KC // NT)
+    R_STEPS, C_STEPS = -(-BR * D // NT), -(-KC * D // NT)  # tile copies
+    R_ROWS, X_STEPS = -(-BR // NT), -(-KC // NT)  # one value per row / partner
     load_extra_positions = extra_positions_loader(NT, KC)
     SH = "shared"
     INF = tirx.const(float("inf"), acc)
@@ -115,9 +117,6 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
 
     def f32(x):
         return x if dt == acc else T.Cast(acc, x)
-
-    def i64(x):
-        return T.Cast("int64", x)
 
     @T.macro
     def load_pair(A, Bt, src_a, src_b, b, hh, pos_of, Tn, rows, steps):
@@ -132,6 +131,19 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                     j = T.meta_var(T.max(T.min(pos_of(i), Tn - 1), T.int64(0)))
                     A[i * DP + col] = src_a[b, hh, j, col]
                     Bt[i * DP + col] = src_b[b, hh, j, col]
+
+    @T.macro
+    def load_stats(lse_t, delta_t, lse, delta, b, h, pos_of, n, count, steps):
+        # lse and delta of rows i < ``count`` from positions pos_of(i); a position outside
+        # [0, n) gets lse = +inf and delta = 0, so all its probabilities are 0.
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for x in T.serial(steps):
+                i = T.meta_var(x * NT + tx)
+                if i < count:
+                    ok = T.meta_var(T.And(pos_of(i) >= 0, pos_of(i) < n))
+                    j = T.meta_var(T.max(T.min(pos_of(i), n - 1), T.int64(0)))
+                    lse_t[i] = T.Select(ok, lse[b, h, j], INF)
+                    delta_t[i] = T.Select(ok, delta[b, h, j], ZERO)
 
     @T.macro
     def products(A, A2, Bt, B2, sacc, pacc):
@@ -239,10 +251,9 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                 b, h, beta, d, kvh, m0, r, row0, key0 = T.meta_var(item_fields(item, H, Hkv, nitems, dil, BR, lo))
                 # 1. Rows: lse and delta (a row past the end: +inf and 0), band intervals,
                 # queries and output gradients.
+                load_stats(lse_s, delta_s, lse, delta, b, h, lambda i: row0 + d * i, Tn, BR, R_ROWS)
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     if tx < BR:
-                        lse_s[tx] = T.Select(row0 + d * tx < Tn, lse[b, h, T.min(row0 + d * tx, Tn - 1)], INF)
-                        delta_s[tx] = T.Select(row0 + d * tx < Tn, delta[b, h, T.min(row0 + d * tx, Tn - 1)], ZERO)
                         first_s[tx] = row_key_range(lo, hi, Tn, d, m0, r, tx)[0]
                         last_s[tx] = row_key_range(lo, hi, Tn, d, m0, r, tx)[1]
                 load_pair(Qs, dOs, q, dout, b, h, lambda i: row0 + d * i, Tn, BR, R_STEPS)
@@ -316,13 +327,7 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                     item_key_span(tlo, thi, BR, Tn, d, beta)[1] // KC + 1,
                 ):
                     load_pair(Qt, dOt, q, dout, b, h, lambda kk: key0 + d * (c * KC + kk), Tn, KC, C_STEPS)
-                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                        for x in T.serial(X_STEPS):
-                            kk = T.meta_var(x * NT + tx)
-                            if kk < KC:
-                                # Out-of-range queries are masked; clamped reads stay in bounds.
-                                lse_c[kk] = lse[b, h, T.max(T.min(key0 + d * (c * KC + kk), Tn - 1), T.int64(0))]
-                                delta_c[kk] = delta[b, h, T.max(T.min(key0 + d * (c * KC + kk), Tn - 1), T.int64(0))]
+                    load_stats(lse_c, delta_c, lse, delta, b, h, lambda kk: key0 + d * (c * KC + kk), Tn, KC, X_STEPS)
                     dkv_chunk(
                         Ks, Vs, Qt, dOt, P_s, S_s, sacc, pacc, lse_c, delta_c, kacc, vacc,
                         lambda row, col: T.Or(
@@ -359,14 +364,10 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                 b, h, g0, kvh = T.meta_var(global_fields(item, H, Hkv, nblk, BR))
                 # 1. Global rows: lse, delta and last visible key (padding rows past G: +inf,
                 # 0 and -1), their queries and output gradients.
+                load_stats(lse_s, delta_s, lse, delta, b, h, lambda i: g0 + i, G, BR, R_ROWS)
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     if tx < BR:
-                        lse_s[tx] = T.Select(g0 + tx < G, lse[b, h, T.min(g0 + tx, G - 1)], INF)
-                        delta_s[tx] = T.Select(g0 + tx < G, delta[b, h, T.min(g0 + tx, G - 1)], ZERO)
-                        last_s[tx] = T.Select(
-                            g0 + tx < G, T.min(i64(gidx[b, T.min(g0 + tx, G - 1)]), Tn - 1) if causal else Tn - 1,
-                            T.int64(-1),
-                        )
+                        last_s[tx] = global_row_last_key(gidx, b, g0 + tx, G, Tn, causal)
                 load_pair(Qs, dOs, qg, dout, b, h, lambda i: g0 + i, G, BR, R_STEPS)
                 zero(dacc)
                 # 2. Every key chunk up to the block's last visible key.
@@ -407,19 +408,12 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                 zero(vacc)
                 for c in T.serial((G + (KC - 1)) // KC):
                     load_pair(Qt, dOt, qg, dout, b, h, lambda kk: c * KC + kk, G, KC, C_STEPS)
+                    load_stats(lse_c, delta_c, lse, delta, b, h, lambda kk: c * KC + kk, G, KC, X_STEPS)
                     for tx in T.thread_binding(NT, thread="threadIdx.x"):
                         for x in T.serial(X_STEPS):
                             kk = T.meta_var(x * NT + tx)
                             if kk < KC:
-                                # A row's last visible key: its position (causal) or T - 1;
-                                # -1 for padding past G.
-                                lse_c[kk] = T.Select(c * KC + kk < G, lse[b, h, T.min(c * KC + kk, G - 1)], INF)
-                                delta_c[kk] = T.Select(c * KC + kk < G, delta[b, h, T.min(c * KC + kk, G - 1)], ZERO)
-                                gpos_c[kk] = T.Select(
-                                    c * KC + kk < G,
-                                    i64(gidx[b, T.min(c * KC + kk, G - 1)]) if causal else Tn - 1,
-                                    T.int64(-1),
-                                )
+                                gpos_c[kk] = global_row_last_key(gidx, b, c * KC + kk, G, Tn, causal)
                     dkv_chunk(
                         Ks, Vs, Qt, dOt, P_s, S_s, sacc, pacc, lse_c, delta_c, kacc, vacc,
                         lambda row, col: j0 + row <= gpos_c[col], scale,
@@ -461,12 +455,7 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                 zero(vacc)
                 for c in T.serial((Tn + (KC - 1)) // KC):
                     load_pair(Qt, dOt, q, dout, b, h, lambda kk: c * KC + kk, Tn, KC, C_STEPS)
-                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                        for x in T.serial(X_STEPS):
-                            kk = T.meta_var(x * NT + tx)
-                            if kk < KC:
-                                lse_c[kk] = lse[b, h, T.min(c * KC + kk, Tn - 1)]
-                                delta_c[kk] = delta[b, h, T.min(c * KC + kk, Tn - 1)]
+                    load_stats(lse_c, delta_c, lse, delta, b, h, lambda kk: c * KC + kk, Tn, KC, X_STEPS)
                     dkv_chunk(
                         Ks, Vs, Qt, dOt, P_s, S_s, sacc, pacc, lse_c, delta_c, kacc, vacc,
                         # Row i = c*KC + col sees extra key `row` as an extra (not inside

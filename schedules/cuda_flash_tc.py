@@ -37,6 +37,7 @@ from .cuda_flash import (
     extra_positions_loader,
     global_fields,
     global_kernel,
+    global_row_last_key,
     item_fields,
     local_kernel,
 )
@@ -154,9 +155,6 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
 
     def f32(x):
         return T.Cast(acc, x)
-
-    def i64(x):
-        return T.Cast("int64", x)
 
     # Warp w = tx // 32 owns the item's rows 16*w .. 16*w + 15.
     def c_row(tx, l):
@@ -417,11 +415,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                 # Row rr's last visible key (-1: a padding row past G sees none).
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     for rr in T.unroll(2):
-                        last_r[tx, rr] = T.Select(
-                            g0 + c_row(tx, 2 * rr) < G,
-                            T.min(i64(gidx[b, T.min(g0 + c_row(tx, 2 * rr), G - 1)]), Tn - 1) if causal else Tn - 1,
-                            T.int64(-1),
-                        )
+                        last_r[tx, rr] = global_row_last_key(gidx, b, g0 + c_row(tx, 2 * rr), G, Tn, causal)
                 # The block's key span: up to its last row's position (causal) or T.
                 for c in T.serial(T.floordiv(block_last_key(gidx, b, g0, G, Tn, BQ, causal), KC) + 1):
                     load_rows(QK, Vt, k, v, b, kvh, lambda kk: c * KC + kk, Tn)
