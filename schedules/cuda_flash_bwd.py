@@ -85,6 +85,27 @@ def default_config(spec: KernelSpec) -> BwdConfig | None:
     return largest_fitting(BwdConfig, spec) if spec.kind in KINDS else None
 
 
+
+def stats_loader(threads: int, count: int, acc: str):
+    """A T.macro ``load(lse_t, delta_t, lse, delta, b, h, pos_of, n)``: lse and delta of
+    rows i < ``count`` from positions pos_of(i) into shared tables; a position outside
+    [0, n) gets lse = +inf and delta = 0, so all its probabilities are 0."""
+    steps = -(-count // threads)
+    INF, ZERO = tirx.const(float("inf"), acc), tirx.const(0.0, acc)
+
+    @T.macro
+    def load(lse_t, delta_t, lse, delta, b, h, pos_of, n):
+        for tx in T.thread_binding(threads, thread="threadIdx.x"):
+            for x in T.serial(steps):
+                i = T.meta_var(x * threads + tx)
+                if i < count:
+                    ok = T.meta_var(T.And(pos_of(i) >= 0, pos_of(i) < n))
+                    j = T.meta_var(T.max(T.min(pos_of(i), n - 1), T.int64(0)))
+                    lse_t[i] = T.Select(ok, lse[b, h, j], INF)
+                    delta_t[i] = T.Select(ok, delta[b, h, j], ZERO)
+
+    return load
+
 def flash_bwd(spec: KernelSpec, config: BwdConfig | None = None) -> tvm.tirx.PrimFunc:
     """The fused CUDA PrimFunc of a gradient spec (``KINDS``), with the TE kernel's
     arguments and name."""
@@ -109,10 +130,9 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
     RS, CS, CA = BR // TY, KC // TX, D // TX  # register tiles: rows x partners, rows x columns
     DP, SP = D + _pad(dt), KC + 1  # padded rows of the tiles
     R_STEPS, C_STEPS = -(-BR * D // NT), -(-KC * D // NT)  # tile copies
-    R_ROWS, X_STEPS = -(-BR // NT), -(-KC // NT)  # one value per row / partner
+    X_STEPS = -(-KC // NT)  # one value per partner
     load_extra_positions = extra_positions_loader(NT, KC)
     SH = "shared"
-    INF = tirx.const(float("inf"), acc)
     ZERO, ONE = tirx.const(0.0, acc), tirx.const(1.0, acc)
 
     def f32(x):
@@ -132,18 +152,7 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                     A[i * DP + col] = src_a[b, hh, j, col]
                     Bt[i * DP + col] = src_b[b, hh, j, col]
 
-    @T.macro
-    def load_stats(lse_t, delta_t, lse, delta, b, h, pos_of, n, count, steps):
-        # lse and delta of rows i < ``count`` from positions pos_of(i); a position outside
-        # [0, n) gets lse = +inf and delta = 0, so all its probabilities are 0.
-        for tx in T.thread_binding(NT, thread="threadIdx.x"):
-            for x in T.serial(steps):
-                i = T.meta_var(x * NT + tx)
-                if i < count:
-                    ok = T.meta_var(T.And(pos_of(i) >= 0, pos_of(i) < n))
-                    j = T.meta_var(T.max(T.min(pos_of(i), n - 1), T.int64(0)))
-                    lse_t[i] = T.Select(ok, lse[b, h, j], INF)
-                    delta_t[i] = T.Select(ok, delta[b, h, j], ZERO)
+    load_row_stats, load_chunk_stats = stats_loader(NT, BR, acc), stats_loader(NT, KC, acc)
 
     @T.macro
     def products(A, A2, Bt, B2, sacc, pacc):
@@ -251,7 +260,7 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                 b, h, beta, d, kvh, m0, r, row0, key0 = T.meta_var(item_fields(item, H, Hkv, nitems, dil, BR, lo))
                 # 1. Rows: lse and delta (a row past the end: +inf and 0), band intervals,
                 # queries and output gradients.
-                load_stats(lse_s, delta_s, lse, delta, b, h, lambda i: row0 + d * i, Tn, BR, R_ROWS)
+                load_row_stats(lse_s, delta_s, lse, delta, b, h, lambda i: row0 + d * i, Tn)
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     if tx < BR:
                         first_s[tx] = row_key_range(lo, hi, Tn, d, m0, r, tx)[0]
@@ -327,7 +336,7 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                     item_key_span(tlo, thi, BR, Tn, d, beta)[1] // KC + 1,
                 ):
                     load_pair(Qt, dOt, q, dout, b, h, lambda kk: key0 + d * (c * KC + kk), Tn, KC, C_STEPS)
-                    load_stats(lse_c, delta_c, lse, delta, b, h, lambda kk: key0 + d * (c * KC + kk), Tn, KC, X_STEPS)
+                    load_chunk_stats(lse_c, delta_c, lse, delta, b, h, lambda kk: key0 + d * (c * KC + kk), Tn)
                     dkv_chunk(
                         Ks, Vs, Qt, dOt, P_s, S_s, sacc, pacc, lse_c, delta_c, kacc, vacc,
                         lambda row, col: T.Or(
@@ -364,7 +373,7 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                 b, h, g0, kvh = T.meta_var(global_fields(item, H, Hkv, nblk, BR))
                 # 1. Global rows: lse, delta and last visible key (padding rows past G: +inf,
                 # 0 and -1), their queries and output gradients.
-                load_stats(lse_s, delta_s, lse, delta, b, h, lambda i: g0 + i, G, BR, R_ROWS)
+                load_row_stats(lse_s, delta_s, lse, delta, b, h, lambda i: g0 + i, G)
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     if tx < BR:
                         last_s[tx] = global_row_last_key(gidx, b, g0 + tx, G, Tn, causal)
@@ -408,7 +417,7 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                 zero(vacc)
                 for c in T.serial((G + (KC - 1)) // KC):
                     load_pair(Qt, dOt, qg, dout, b, h, lambda kk: c * KC + kk, G, KC, C_STEPS)
-                    load_stats(lse_c, delta_c, lse, delta, b, h, lambda kk: c * KC + kk, G, KC, X_STEPS)
+                    load_chunk_stats(lse_c, delta_c, lse, delta, b, h, lambda kk: c * KC + kk, G)
                     for tx in T.thread_binding(NT, thread="threadIdx.x"):
                         for x in T.serial(X_STEPS):
                             kk = T.meta_var(x * NT + tx)
@@ -455,7 +464,7 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                 zero(vacc)
                 for c in T.serial((Tn + (KC - 1)) // KC):
                     load_pair(Qt, dOt, q, dout, b, h, lambda kk: c * KC + kk, Tn, KC, C_STEPS)
-                    load_stats(lse_c, delta_c, lse, delta, b, h, lambda kk: c * KC + kk, Tn, KC, X_STEPS)
+                    load_chunk_stats(lse_c, delta_c, lse, delta, b, h, lambda kk: c * KC + kk, Tn)
                     dkv_chunk(
                         Ks, Vs, Qt, dOt, P_s, S_s, sacc, pacc, lse_c, delta_c, kacc, vacc,
                         # Row i = c*KC + col sees extra key `row` as an extra (not inside

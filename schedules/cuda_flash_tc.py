@@ -88,6 +88,87 @@ PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
 C_TYPE = {"float16": "half", "bfloat16": "bfloat16"}  # as in __half_as_ushort, __bfloat16_as_ushort
 
 
+# Index of a fragment value in a shared tile of rows padded to ``DP`` values, for lane
+# tx % 32 of warp tx // 32 and value l:
+def a_index(tx, l, ks, DP):
+    """A operand (16 x 16): the warp's 16 rows (16*warp + row) of a row-major tile,
+    head-dim k-step ks."""
+    return ((tx // 32) * 16 + a_pos(tx % 32, l)[0]) * DP + ks * 16 + a_pos(tx % 32, l)[1]
+
+
+def b_index_nk(tx, l, nt, ks, DP):
+    """B operand (16 x 8) B[k][n] = tile[row 8*nt + n][column 16*ks + k]: a tile of rows
+    as the right factor of a product over the head dim (the K of Q K^T)."""
+    return (nt * 8 + b_pos(tx % 32, l)[1]) * DP + ks * 16 + b_pos(tx % 32, l)[0]
+
+
+def b_index_kn(tx, l, ks, nd, DP):
+    """B operand B[k][n] = tile[row 16*ks + k][column 8*nd + n]: a tile of rows as the
+    right factor of a product over its rows (the V of P V)."""
+    return (ks * 16 + b_pos(tx % 32, l)[0]) * DP + nd * 8 + b_pos(tx % 32, l)[1]
+
+
+def mma_macro(warps: int, dtype: str, emulate: bool):
+    """A T.macro ``mma(afrag, a0, bfrag, b0, cfrag, c0)``: C[16x8] += A[16x16] B[16x8] in
+    every one of ``warps`` warps, fragments at offsets a0/b0/c0 of each thread's
+    registers (arrays [32 * warps, n]); with ``emulate``, the same product lane by lane
+    (see the module doc)."""
+    nt = 32 * warps
+    name = f"swa_mma_{PTX_TYPE[dtype]}"
+    source = MMA_SOURCE.format(name=name, t=C_TYPE[dtype], ptx=PTX_TYPE[dtype])
+
+    def f32(x):
+        return T.Cast("float32", x)
+
+    @T.macro
+    def mma(afrag, a0, bfrag, b0, cfrag, c0):
+        if emulate:
+            for w, row, col in T.grid(warps, 16, 8):
+                for kk in T.serial(16):
+                    cfrag[w * 32 + c_lane(row, col)[0], c0 + c_lane(row, col)[1]] = cfrag[
+                        w * 32 + c_lane(row, col)[0], c0 + c_lane(row, col)[1]
+                    ] + f32(afrag[w * 32 + a_lane(row, kk)[0], a0 + a_lane(row, kk)[1]]) * f32(
+                        bfrag[w * 32 + b_lane(kk, col)[0], b0 + b_lane(kk, col)[1]]
+                    )
+        else:
+            for tx in T.thread_binding(nt, thread="threadIdx.x"):
+                T.evaluate(
+                    T.cuda.func_call(
+                        name,
+                        afrag[tx, a0], afrag[tx, a0 + 1], afrag[tx, a0 + 2], afrag[tx, a0 + 3],
+                        afrag[tx, a0 + 4], afrag[tx, a0 + 5], afrag[tx, a0 + 6], afrag[tx, a0 + 7],
+                        bfrag[tx, b0], bfrag[tx, b0 + 1], bfrag[tx, b0 + 2], bfrag[tx, b0 + 3],
+                        cfrag[tx, c0], cfrag[tx, c0 + 1], cfrag[tx, c0 + 2], cfrag[tx, c0 + 3],
+                        source_code=source,
+                    )
+                )
+
+    return mma
+
+
+def pair_loader(threads: int, head_dim: int, rows: int):
+    """A T.macro ``load(A, B, src_a, src_b, b, hh, pos_of, n)``: rows i < ``rows`` of two
+    shared tiles (rows padded by 8 values) from src_a/src_b[b, hh, pos_of(i)], the
+    position clamped to [0, n) (a row out of range is masked by its scores), in 16-byte
+    vectors: slot e is row e // (D/8), columns 8*(e % (D/8))."""
+    D, DP, VEC = head_dim, head_dim + 8, 8
+    steps = -(-rows * D // VEC // threads)
+
+    @T.macro
+    def load(A, Bt, src_a, src_b, b, hh, pos_of, n):
+        for tx in T.thread_binding(threads, thread="threadIdx.x"):
+            for x in T.serial(steps):
+                e = T.meta_var(x * threads + tx)
+                if e < rows * D // VEC:
+                    j = T.meta_var(T.max(T.min(pos_of(e // (D // VEC)), n - 1), T.int64(0)))
+                    for u in T.vectorized(VEC):
+                        A[(e // (D // VEC)) * DP + e % (D // VEC) * VEC + u] = src_a[b, hh, j, e % (D // VEC) * VEC + u]
+                    for u in T.vectorized(VEC):
+                        Bt[(e // (D // VEC)) * DP + e % (D // VEC) * VEC + u] = src_b[b, hh, j, e % (D // VEC) * VEC + u]
+
+    return load
+
+
 @dataclass(frozen=True)
 class TCConfig:
     warps: int = 4  # 16 query rows each: block_q = 16 * warps
@@ -146,16 +227,10 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
     # different banks.
     DP = D + 8
     VEC = 8  # 16-bit values per 16-byte global load (D % 16 == 0, rows of DP keep 16-byte alignment)
-    Q_STEPS, KV_STEPS = -(-BQ * D // VEC // NT), -(-KC * D // VEC // NT)
+    Q_STEPS = -(-BQ * D // VEC // NT)
     load_extra_positions = extra_positions_loader(NT, KC)
     NINF = tirx.const(float("-inf"), acc)
     ZERO, ONE = tirx.const(0.0, acc), tirx.const(1.0, acc)
-    mma_name = f"swa_mma_{PTX_TYPE[dt]}"
-    mma_src = MMA_SOURCE.format(name=mma_name, t=C_TYPE[dt], ptx=PTX_TYPE[dt])
-
-    def f32(x):
-        return T.Cast(acc, x)
-
     # Warp w = tx // 32 owns the item's rows 16*w .. 16*w + 15.
     def c_row(tx, l):
         """Row (in the item) of value l of a C fragment of thread tx."""
@@ -164,30 +239,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
     def c_col(tx, l):
         return c_pos(tx % 32, l)[1]
 
-    @T.macro
-    def mma(afrag, a0, bfrag, b0, cfrag, c0):
-        # C[16x8] += A[16x16] B[16x8] for every warp, fragments at offsets a0/b0/c0 of
-        # each thread's registers.
-        if emulate:
-            for w, row, col in T.grid(NW, 16, 8):
-                for kk in T.serial(16):
-                    cfrag[w * 32 + c_lane(row, col)[0], c0 + c_lane(row, col)[1]] = cfrag[
-                        w * 32 + c_lane(row, col)[0], c0 + c_lane(row, col)[1]
-                    ] + f32(afrag[w * 32 + a_lane(row, kk)[0], a0 + a_lane(row, kk)[1]]) * f32(
-                        bfrag[w * 32 + b_lane(kk, col)[0], b0 + b_lane(kk, col)[1]]
-                    )
-        else:
-            for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                T.evaluate(
-                    T.cuda.func_call(
-                        mma_name,
-                        afrag[tx, a0], afrag[tx, a0 + 1], afrag[tx, a0 + 2], afrag[tx, a0 + 3],
-                        afrag[tx, a0 + 4], afrag[tx, a0 + 5], afrag[tx, a0 + 6], afrag[tx, a0 + 7],
-                        bfrag[tx, b0], bfrag[tx, b0 + 1], bfrag[tx, b0 + 2], bfrag[tx, b0 + 3],
-                        cfrag[tx, c0], cfrag[tx, c0 + 1], cfrag[tx, c0 + 2], cfrag[tx, c0 + 3],
-                        source_code=mma_src,
-                    )
-                )
+    mma = mma_macro(NW, dt, emulate)
 
     @T.macro
     def quad_reduce(part, red, op_max):
@@ -213,18 +265,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                     else:
                         red[tx, rr] = T.cuda.warp_reduce(part[tx, rr], "sum", 4)
 
-    @T.macro
-    def load_rows(Kt, Vt, src_k, src_v, b, kvh, pos_of, Tn):
-        # 16-byte vectors (VEC values): slot e is row e // (D/VEC), columns VEC*(e % (D/VEC)).
-        for tx in T.thread_binding(NT, thread="threadIdx.x"):
-            for x in T.serial(KV_STEPS):
-                e = T.meta_var(x * NT + tx)
-                if e < KC * D // VEC:
-                    j = T.meta_var(T.max(T.min(pos_of(e // (D // VEC)), Tn - 1), T.int64(0)))
-                    for u in T.vectorized(VEC):
-                        Kt[(e // (D // VEC)) * DP + e % (D // VEC) * VEC + u] = src_k[b, kvh, j, e % (D // VEC) * VEC + u]
-                    for u in T.vectorized(VEC):
-                        Vt[(e // (D // VEC)) * DP + e % (D // VEC) * VEC + u] = src_v[b, kvh, j, e % (D // VEC) * VEC + u]
+    load_rows = pair_loader(NT, D, KC)
 
     @T.macro
     def step(Kt, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, visible, scale):
@@ -236,8 +277,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
             for ks in T.unroll(KD):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     for l in T.unroll(4):
-                        # B[k][n] = K[key n][column k].
-                        kfrag[tx, l] = Kt[(nt * 8 + b_pos(tx % 32, l)[1]) * DP + ks * 16 + b_pos(tx % 32, l)[0]]
+                        kfrag[tx, l] = Kt[b_index_nk(tx, l, nt, ks, DP)]
                 mma(qfrag, ks * 8, kfrag, 0, sfrag, nt * 4)
         # 2. Scale, mask, and the rows' new running max (per thread, then over its group).
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
@@ -277,8 +317,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
             for nd in T.unroll(NO):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     for l in T.unroll(4):
-                        # B[k][n] = V[key k][column n].
-                        vfrag[tx, l] = Vt[(ks * 16 + b_pos(tx % 32, l)[0]) * DP + nd * 8 + b_pos(tx % 32, l)[1]]
+                        vfrag[tx, l] = Vt[b_index_kn(tx, l, ks, nd, DP)]
                 mma(pfrag, ks * 8, vfrag, 0, ofrag, nd * 4)
 
     @T.macro
@@ -302,7 +341,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for ks in T.unroll(KD):
                 for l in T.unroll(8):
-                    qfrag[tx, ks * 8 + l] = QK[((tx // 32) * 16 + a_pos(tx % 32, l)[0]) * DP + ks * 16 + a_pos(tx % 32, l)[1]]
+                    qfrag[tx, ks * 8 + l] = QK[a_index(tx, l, ks, DP)]
 
     @T.macro
     def finish_rows(out, lse, ofrag, m_r, l_r, b, h, dst_row, valid):
