@@ -142,6 +142,10 @@ def schedule_spec(spec: KernelSpec, tvm_target, record=None):
         from swa_tvm.schedules import cuda_flash
 
         return cuda_flash.flash(spec)
+    if fused == "cuda_flash_bwd_tc":
+        from swa_tvm.schedules import cuda_flash_bwd_tc
+
+        return cuda_flash_bwd_tc.flash_bwd_tc(spec)
     if fused == "cuda_flash_bwd":
         from swa_tvm.schedules import cuda_flash_bwd
 
@@ -161,7 +165,9 @@ def default_schedule(spec: KernelSpec, kind: str) -> str:
     fused kernel, on tensor cores for float16/bfloat16 ("cuda_flash_tc",
     schedules/cuda_flash_tc.py), else on CUDA cores ("cuda_flash",
     schedules/cuda_flash.py) where its tiles fit, local and global rows alike; for the
-    CUDA gradients the fused backward ("cuda_flash_bwd", schedules/cuda_flash_bwd.py);
+    CUDA gradients the fused backward, on tensor cores for float16/bfloat16
+    ("cuda_flash_bwd_tc", schedules/cuda_flash_bwd_tc.py), else on CUDA cores
+    ("cuda_flash_bwd", schedules/cuda_flash_bwd.py);
     otherwise "default", the TE compute under
     schedules/cpu.py or schedules/cuda.py."""
     if kind == "cuda" and spec.kind in ("local", "global"):
@@ -172,8 +178,10 @@ def default_schedule(spec: KernelSpec, kind: str) -> str:
         if cuda_flash.default_config(spec) is not None:
             return "cuda_flash"
     if kind == "cuda":
-        from swa_tvm.schedules import cuda_flash_bwd
+        from swa_tvm.schedules import cuda_flash_bwd, cuda_flash_bwd_tc
 
+        if cuda_flash_bwd_tc.default_config(spec) is not None:
+            return "cuda_flash_bwd_tc"
         if cuda_flash_bwd.default_config(spec) is not None:
             return "cuda_flash_bwd"
     return "default"
@@ -371,10 +379,10 @@ def _kernel_code_digest() -> str:
     import hashlib
 
     from swa_tvm import compute, compute_backward
-    from swa_tvm.schedules import cpu, cuda, cuda_flash, cuda_flash_bwd, cuda_flash_tc
+    from swa_tvm.schedules import cpu, cuda, cuda_flash, cuda_flash_bwd, cuda_flash_bwd_tc, cuda_flash_tc
 
     h = hashlib.sha256()
-    for mod in (compute, compute_backward, cpu, cuda, cuda_flash, cuda_flash_tc, cuda_flash_bwd):
+    for mod in (compute, compute_backward, cpu, cuda, cuda_flash, cuda_flash_tc, cuda_flash_bwd, cuda_flash_bwd_tc):
         with open(mod.__file__, "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]

@@ -49,6 +49,7 @@ def _cmd_export(args) -> int:
 FUSED_TEXT = {
     "cuda_flash_tc": "fused kernel on tensor cores (schedules/cuda_flash_tc.py)",
     "cuda_flash": "fused kernel on CUDA cores (schedules/cuda_flash.py)",
+    "cuda_flash_bwd_tc": "fused gradient kernel on tensor cores (schedules/cuda_flash_bwd_tc.py)",
     "cuda_flash_bwd": "fused gradient kernel on CUDA cores (schedules/cuda_flash_bwd.py)",
 }
 

@@ -65,37 +65,51 @@ def build_libraries(out: str, arch: str) -> list[str]:
 
 # Tile configurations of the fused kernels to time against each other on the GPU (the
 # default is picked without one): tensor-core (warps, keys per chunk), and the CUDA-core
-# kernel. At the issue's bf16 D=128 causal W=4096 shape.
-VARIANT_SPEC = "head_dim=128,window=4095:0,dtype=bfloat16"
+# kernel; for the forward and for the two band gradient kernels. At the issue's bf16
+# D=128 causal W=4096 shape.
+VARIANT_SPEC = "head_dim=128,window=4095:0,dtype=bfloat16,backward"
 TC_VARIANTS = ((4, 64), (4, 32), (2, 64), (2, 32), (8, 32), (8, 16))
+TC_BWD_VARIANTS = ((2, 32), (4, 16), (2, 16), (1, 32))
 
 
 def build_variants(out: str, arch: str) -> str:
-    """One CUDA module holding the local kernel of VARIANT_SPEC under several tile
-    configurations, each its own function (``<kernel>__tc_w4_c64``, ``<kernel>__cores``),
-    and ``variants.json`` naming them. It lives in ``lib/variants/``, away from the
-    libraries the check registers: same kernel, so the registry could hold only one."""
+    """One CUDA module holding the local kernel of VARIANT_SPEC and its dq and dk/dv
+    kernels under several tile configurations, each its own function
+    (``<kernel>__tc_w4_c64``, ``<kernel>__cores``), and ``variants.json`` naming them
+    (with the kernel kind each computes). It lives in ``lib/variants/``, away from the
+    libraries the check registers: same kernels, so the registry could hold only one."""
     import json
 
     import tvm
 
     from .build import _nvcc_fatbin, normalize_target
-    from .schedules import cuda_flash, cuda_flash_tc
+    from .schedules import cuda_flash, cuda_flash_bwd, cuda_flash_bwd_tc, cuda_flash_tc
     from .spec import AttentionSpec
 
-    spec = next(k for k in AttentionSpec.parse(VARIANT_SPEC).kernels() if k.kind == "local")
+    kernels = {k.kind: k for k in AttentionSpec.parse(VARIANT_SPEC).kernels()}
     funcs, entries = {}, []
-    for warps, chunk in TC_VARIANTS:
-        cfg = cuda_flash_tc.TCConfig(warps, chunk)
-        if cfg.shared_bytes(spec.head_dim, spec.dtype) > cuda_flash.SHARED_BUDGET:
-            continue
-        name = f"{spec.name}__tc_w{warps}_c{chunk}"
-        funcs[name] = cuda_flash_tc.flash_tc(spec, cfg).with_attr("global_symbol", name)
-        entries.append({"function": name, "kernel": "cuda_flash_tc", "warps": warps, "chunk": chunk,
-                        "default": cfg == cuda_flash_tc.default_config(spec)})
-    name = f"{spec.name}__cores"
-    funcs[name] = cuda_flash.flash(spec).with_attr("global_symbol", name)
-    entries.append({"function": name, "kernel": "cuda_flash", "config": str(cuda_flash.default_config(spec))})
+
+    def add(spec, suffix, func, **entry):
+        name = f"{spec.name}__{suffix}"
+        funcs[name] = func.with_attr("global_symbol", name)
+        entries.append({"function": name, "kind": spec.kind, **entry})
+
+    for kind, tc, cores, tc_configs in (
+        ("local", cuda_flash_tc, cuda_flash, TC_VARIANTS),
+        ("local_dq", cuda_flash_bwd_tc, cuda_flash_bwd, TC_BWD_VARIANTS),
+        ("local_dkv", cuda_flash_bwd_tc, cuda_flash_bwd, TC_BWD_VARIANTS),
+    ):
+        spec = kernels[kind]
+        for warps, chunk in tc_configs:
+            cfg = tc.TCConfig(warps, chunk) if kind == "local" else tc.TCBwdConfig(warps, chunk)
+            if cfg.shared_bytes(spec.head_dim, spec.dtype) > cuda_flash.SHARED_BUDGET:
+                continue
+            make = tc.flash_tc if kind == "local" else tc.flash_bwd_tc
+            add(spec, f"tc_w{warps}_c{chunk}", make(spec, cfg), kernel=tc.__name__.rsplit(".", 1)[1], warps=warps,
+                chunk=chunk, default=cfg == tc.default_config(spec))
+        make = cores.flash if kind == "local" else cores.flash_bwd
+        add(spec, "cores", make(spec), kernel=cores.__name__.rsplit(".", 1)[1], config=str(cores.default_config(spec)))
+    spec = kernels["local"]
     folder = os.path.join(out, "lib", "variants")
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"variants_{arch}.so")

@@ -15,8 +15,9 @@ runtime only, then, in one process:
    and +64 global tokens; the bf16 matmul rate measured in the same run as the ceiling;
 3. scaling: our forward time at T = 8K ... 128K (as far as memory allows); training
    (forward + backward) against FlexAttention and SDPA at the timing shape (causal);
-4. variants: the fused kernel's tile configurations timed against each other at the
-   timing shape (``lib/variants``), each checked against the default kernel;
+4. variants: the fused forward, dq and dk/dv kernels' tile configurations (tensor cores
+   and CUDA cores) timed against each other at the timing shape (``lib/variants``),
+   each checked against the default kernels;
 5. tuning: the batch of MetaSchedule candidates built there (``tune_batch``), measured
    by :mod:`swa_tvm.measure_batch` into ``<out>/measured.json`` (import it there with
    ``swa-tvm import-measurements``).
@@ -152,15 +153,15 @@ def matmul_rate(dev: torch.device, dtype) -> float:
 
 
 def time_variants(results: dict, dev: torch.device, libs: str) -> None:
-    """Time the fused kernel's tile configurations (``lib/variants``, built by
-    gpu_bundle.build_variants) against each other at the issue's shape, each checked
-    against the library's default kernel first: which configuration the default should
-    be is a GPU measurement."""
+    """Time the fused kernels' tile configurations (``lib/variants``, built by
+    gpu_bundle.build_variants: the forward, dq and dk/dv kernels, each on tensor cores
+    under several tiles and on CUDA cores) against each other at the issue's shape,
+    each checked first against the registered library's default (the forward's output;
+    autograd's dq, dk, dv): which configuration the default should be is a GPU
+    measurement."""
     import tvm_ffi
 
-    import swa_tvm
     from swa_tvm import library
-    from swa_tvm.spec import KernelSpec
 
     meta_path = os.path.join(libs, "variants", "variants.json")
     if not os.path.exists(meta_path):
@@ -171,40 +172,73 @@ def time_variants(results: dict, dev: torch.device, libs: str) -> None:
         return
     with open(meta_path) as f:
         meta = json.load(f)
-    spec = KernelSpec.from_dict(meta["spec"])
     library._load_tvm_runtime()
     module = tvm_ffi.load_module(os.path.join(libs, "variants", meta["library"]))
-    B, H, Hkv, D, T = 1, 32, 8, spec.head_dim, 32768
-    W = spec.left + 1
+    results["variants"] = variant_rows(module, meta, dev)
+
+
+def variant_rows(module, meta: dict, dev: torch.device, shape=(1, 32, 8, 32768)) -> list[dict]:
+    """One row per entry of ``meta["variants"]`` (function ``module[entry["function"]]``
+    computing the kernel kind ``entry["kind"]`` of ``meta["spec"]``'s window): its
+    largest relative error against the registered library (forward output, or
+    autograd's dq, or dk and dv summed over the GQA groups), median ms and useful
+    TFLOP/s at ``shape`` = B, H, H_kv, T."""
+    import tvm_ffi
+
+    import swa_tvm
+    from swa_tvm.spec import KernelSpec
+
+    spec = KernelSpec.from_dict(meta["spec"])
+    (B, H, Hkv, T), D, W = shape, spec.head_dim, spec.left + 1
     dtype = getattr(torch, spec.dtype)
-    q = torch.randn(B, H, T, D, device=dev, dtype=dtype)
-    k, v = (torch.randn(B, Hkv, T, D, device=dev, dtype=dtype) for _ in range(2))
+    q = torch.randn(B, H, T, D, device=dev, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, T, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
+    dout = torch.randn(B, H, T, D, device=dev, dtype=dtype)
     dil = torch.ones(H, dtype=torch.int32, device=dev)
     sink = torch.full((H,), float("-inf"), device=dev)
-    ref = swa_tvm.sliding_window_attention(q, k, v, window_size=(spec.left, spec.right))
-    flops = 4.0 * B * H * D * (W * T - W * (W - 1) // 2)  # causal: row i sees min(i + 1, W) keys
-    stream = torch.cuda.current_stream(dev).cuda_stream
+    out, lse = swa_tvm.sliding_window_attention(q, k, v, window_size=(spec.left, spec.right), return_lse=True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    ref = {"local": (out.detach(),), "local_dq": (dq,), "local_dkv": (dk, dv)}
+    q, k, v, lse = q.detach(), k.detach(), v.detach(), lse.detach().float()
+    delta = (dout.float() * out.detach().float()).sum(-1)  # dout . out (no lse gradient)
+    # Useful FLOPs: 2 per multiply-add of each product over the band (causal: row i sees
+    # min(i + 1, W) keys): forward S and P V; dq S, dP, dS K; dk/dv S, dP, P^T dO, dS^T Q.
+    band = B * H * D * (W * T - W * (W - 1) // 2)
+    products = {"local": 2, "local_dq": 3, "local_dkv": 4}
+    per_head = lambda x: x.view(B, Hkv, H // Hkv, T, D).sum(2)  # noqa: E731 - dk/dv per query head -> GQA sum
     rows = []
     for entry in meta["variants"]:
         row = dict(entry)
+        kind = entry.get("kind", "local")
         try:
             fn = module[entry["function"]]
-            out = torch.empty_like(q)
-            lse = torch.empty(B, H, T, device=dev)
+            if kind == "local":
+                outs = (torch.empty_like(q), torch.empty(B, H, T, device=dev))
+                args = (q, k, v, dil, sink, D**-0.5) + outs
+            else:
+                n = 1 if kind == "local_dq" else 2
+                outs = (torch.empty_like(q),) if n == 1 else tuple(torch.empty(B, H, T, D, device=dev) for _ in range(2))
+                args = (q, k, v, dil, dout, lse, delta, D**-0.5) + outs
 
-            def call(fn=fn, out=out, lse=lse):
-                with tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", dev.index or 0), stream):
-                    fn(q, k, v, dil, sink, D**-0.5, out, lse)
+            def call(fn=fn, args=args):
+                if dev.type == "cuda":
+                    stream = torch.cuda.current_stream(dev).cuda_stream
+                    with tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", dev.index or 0), stream):
+                        fn(*args)
+                else:
+                    fn(*args)
 
             call()
-            row["rel_err_vs_default"] = rel_err(out.float(), ref.float())
+            got = tuple(per_head(x) for x in outs) if kind == "local_dkv" else outs[:1]
+            row["rel_err_vs_default"] = max(rel_err(a.float(), b.float()) for a, b in zip(got, ref[kind]))
             row["ms"] = _time_ms(call)
-            row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
+            row["tflops"] = 2.0 * products[kind] * band / (row["ms"] * 1e-3) / 1e12
         except Exception as e:  # noqa: BLE001 - one failing variant must not hide the others
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(row)
         print(f"  variant {json.dumps(row)}", flush=True)
-    results["variants"] = rows
+        _empty_cache()
+    return rows
 
 
 def measure_tune_batch(results: dict, dev: torch.device, batch: str, out: str) -> None:

@@ -74,16 +74,16 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
     assert [k["spec"]["dtype"] for k in manifest["kernels"]] == [spec.dtype] * len(kernels)
     assert json.load(open(f"{path}.json")) == manifest
     # Local and global rows both on the tensor-core kernel, the window's gradients on the
-    # fused backward; `swa-tvm info` says so.
+    # tensor-core backward; `swa-tvm info` says so.
     forward = [k for k in kernels if k.kind in ("local", "global")]
     schedules = {k["spec"]["kind"]: k["schedule"] for k in manifest["kernels"]}
-    assert schedules == {k.kind: "cuda_flash_tc" if k in forward else "cuda_flash_bwd" for k in kernels}
+    assert schedules == {k.kind: "cuda_flash_tc" if k in forward else "cuda_flash_bwd_tc" for k in kernels}
     from swa_tvm import cli
 
     info = subprocess.run([sys.executable, "-m", "swa_tvm.cli", "info", str(path)], capture_output=True, text=True)
     assert info.returncode == 0, info.stderr
     assert info.stdout.count(cli.FUSED_TEXT["cuda_flash_tc"]) == len(forward), info.stdout
-    assert info.stdout.count(cli.FUSED_TEXT["cuda_flash_bwd"]) == len(kernels) - len(forward), info.stdout
+    assert info.stdout.count(cli.FUSED_TEXT["cuda_flash_bwd_tc"]) == len(kernels) - len(forward), info.stdout
 
     # The generated CUDA source (written beside the library): half inputs, fp32
     # accumulation, shared-memory tiles.
@@ -99,14 +99,16 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
         "Q K^T and P V should both issue mma (P from the score registers)"
     )
     if spec.backward:
-        # The fused gradient kernels: four 16-bit tiles each (dq: Q, dO, K, V; dk/dv: K,
-        # V, Q, dO) and fp32 dS (and P) tiles, in shared memory.
+        # The fused gradient kernels: four 16-bit tiles each in shared memory (dq: Q, dO,
+        # K, V; dk/dv: K, V, Q, dO); S and dP, then dq (from dS), or dv (from P) and dk
+        # (from dS), as mma products whose A operands are the score registers.
         kinds = re.findall(r'extern "C" __global__ void[^\n]*? swa_local_(dq|dkv)_d32\w*\(', src)
         assert set(kinds) == {"dkv", "dq"}, "kernels for dq and dk/dv, in the library's CUDA source"
-        for kind in ("dq", "dkv"):
+        for kind, operands in (("dq", ("afrag", "a2frag", "dsfrag")), ("dkv", ("afrag", "a2frag", "pfrag", "dsfrag"))):
             body = src.rsplit(f"swa_local_{kind}_d32", 1)[1].split('extern "C"')[0]  # the definition
             assert len(re.findall(rf"__shared__ (?:alignas\(\d+\) )?{half} \w+\[\d+\]", body)) == 4, kind
-            assert re.search(r"__shared__ (?:alignas\(\d+\) )?float \w+\[\d+\]", body), kind
+            for a in operands:
+                assert re.search(rf"swa_mma_{ptx}\({a}(_ptr)?\[", body), f"{kind}: no mma with A operand {a}"
 
     specs = swa_tvm.load_library(path)
     assert {s.name for s in specs} == {k.name for k in kernels}
@@ -433,17 +435,29 @@ def test_cuda_flash_config_checks():
         cuda_flash_tc.flash_tc(spec, cuda_flash_tc.TCConfig(4, 24))
     with pytest.raises(ValueError, match="float16/bfloat16 forward kernels"):
         cuda_flash_tc.flash_tc(KernelSpec("local", 128, "float32", 7, 0))
-    # Gradients: every kind on the fused backward where a tile fits, else on TE.
-    from swa_tvm.schedules import cuda_flash_bwd
+    # Gradients: every kind on the tensor-core backward for float16/bfloat16 (head_dim %
+    # 16 == 0), else on the CUDA-core one where a tile fits, else on TE.
+    from swa_tvm.schedules import cuda_flash_bwd, cuda_flash_bwd_tc
 
     for kind in ("local_dq", "local_dkv"):
         grad = KernelSpec(kind, 128, "bfloat16", 4095, 0, extras=True)
-        assert build.default_schedule(grad, "cuda") == "cuda_flash_bwd"
+        assert build.default_schedule(grad, "cuda") == "cuda_flash_bwd_tc"
+        assert cuda_flash_bwd_tc.default_config(grad) == cuda_flash_bwd_tc.TCBwdConfig(2, 32)
+        assert cuda_flash_bwd_tc.default_config(grad).shared_bytes(128, "bfloat16") <= cuda_flash.SHARED_BUDGET
+        assert build.default_schedule(dataclasses.replace(grad, dtype="float32"), "cuda") == "cuda_flash_bwd"
+        assert build.default_schedule(dataclasses.replace(grad, head_dim=40), "cuda") == "cuda_flash_bwd"
         assert cuda_flash_bwd.default_config(grad).shared_bytes(128, "bfloat16") <= cuda_flash.SHARED_BUDGET
         assert build.default_schedule(dataclasses.replace(grad, dtype="float32", head_dim=256), "cuda") == "default"
         assert build.default_schedule(grad, "llvm") == "default"
-    assert build.default_schedule(KernelSpec("local_dx", 64, "float16", 7, 0, extras=True), "cuda") == "cuda_flash_bwd"
-    assert build.default_schedule(KernelSpec("global_bwd", 64, "float16", 0, 0), "cuda") == "cuda_flash_bwd"
+    assert build.default_schedule(KernelSpec("local_dx", 64, "float16", 7, 0, extras=True), "cuda") == "cuda_flash_bwd_tc"
+    assert build.default_schedule(KernelSpec("global_bwd", 64, "float16", 0, 0), "cuda") == "cuda_flash_bwd_tc"
+    assert cuda_flash_bwd_tc.default_config(KernelSpec("local_dq", 64, "float16", 7, 0)) == cuda_flash_bwd_tc.TCBwdConfig(4, 32)
+    with pytest.raises(ValueError, match="chunk a positive multiple of 16"):
+        cuda_flash_bwd_tc.flash_bwd_tc(grad, cuda_flash_bwd_tc.TCBwdConfig(2, 24))
+    with pytest.raises(ValueError, match="float16/bfloat16 gradient kernels"):
+        cuda_flash_bwd_tc.flash_bwd_tc(KernelSpec("local_dq", 128, "float32", 7, 0))
+    with pytest.raises(ValueError, match="float16/bfloat16 gradient kernels"):
+        cuda_flash_bwd_tc.flash_bwd_tc(KernelSpec("local", 128, "float16", 7, 0))
     with pytest.raises(ValueError, match="block=64 exceeds threads=32"):
         cuda_flash_bwd.flash_bwd(grad, cuda_flash_bwd.BwdConfig(64, 16, 32))
     with pytest.raises(ValueError, match="no backward tile of float32 x head_dim 256"):
@@ -482,13 +496,19 @@ BACKWARD_CASES = {
 }
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "te"])
+# The tensor-core backward's tiles (warps, chunk) for the half-precision cases: one warp
+# (16 rows) makes several items of T=45; two warps with 32-key chunks, two A k-steps.
+TC_BACKWARD_CONFIGS = {"bf16_causal_everything": (1, 16), "fp16_unbounded_left": (2, 32), "bf16_unbounded_right": (1, 32)}
+
+
+@pytest.mark.parametrize("fused", ["cores", "tc", "te"])
 @pytest.mark.parametrize("case", list(BACKWARD_CASES))
 def test_cuda_backward_kernels_compute_the_reference_gradients(case, fused, monkeypatch):
     """The whole backward (``functional.attention_backward``: delta, sink gradient, the
     global rows' split, GQA sums) with every gradient kernel as the CUDA build makes it
-    (``fused``: all on the fused kernels of schedules/cuda_flash_bwd.py; else all on the
-    TE kernels' CUDA schedule), run serially on the CPU, against autograd
+    ("cores": all on the fused kernels of schedules/cuda_flash_bwd.py; "tc": on the
+    tensor-core ones of schedules/cuda_flash_bwd_tc.py, mma emulated lane by lane;
+    "te": on the TE kernels' CUDA schedule), run serially on the CPU, against autograd
     through the float64 dense reference."""
     import tvm
     from tvm import s_tir
@@ -497,16 +517,22 @@ def test_cuda_backward_kernels_compute_the_reference_gradients(case, fused, monk
     from swa_tvm.compute import prim_func
     from swa_tvm.library import Kernel
     from swa_tvm.reference import sliding_window_attention_ref
-    from swa_tvm.schedules import cuda, cuda_flash_bwd
+    from swa_tvm.schedules import cuda, cuda_flash_bwd, cuda_flash_bwd_tc
     from swa_tvm.spec import BACKWARD_KINDS
 
-    config = BACKWARD_CASES[case][5] if fused else None
+    if fused == "tc" and case not in TC_BACKWARD_CONFIGS:
+        pytest.skip("the tensor-core backward takes float16/bfloat16")
+    config = BACKWARD_CASES[case][5]
     built = []
 
     def serial_cuda_kernel(want, device):
         assert want.kind in BACKWARD_KINDS, "the forward comes from the reference here"
         built.append(want.kind)
-        if fused and want.kind in cuda_flash_bwd.KINDS:
+        if fused == "tc":
+            cfg = cuda_flash_bwd_tc.TCBwdConfig(*TC_BACKWARD_CONFIGS[case])
+            func = cuda_flash_bwd_tc.flash_bwd_tc(want, cfg, emulate=True)
+            return Kernel(want, _serial_on_cpu(func)[want.name], device, "serial, mma emulated")
+        if fused == "cores":
             cfg = cuda_flash_bwd.BwdConfig(*config) if config else None
             return Kernel(want, _serial_on_cpu(cuda_flash_bwd.flash_bwd(want, cfg))[want.name], device, "serial")
         sch = s_tir.Schedule(tvm.IRModule({want.name: prim_func(want, target_kind="cuda")}))
@@ -559,6 +585,33 @@ def test_gpu_check_training_timing_on_cpu():
     assert row["sdpa_banded_mask_grads_vs_ours_rel_err"] < 1e-4
 
 
+def test_gpu_check_variant_rows_on_cpu():
+    """The GPU check's variant stage (GPU-only there) on CPU kernels: each variant's
+    arguments (forward; dq; dk/dv per query head) and its comparison with the default
+    kernels' output and autograd's gradients; a failing variant gets an error row and
+    the rest are still measured."""
+    import tvm
+
+    from swa_tvm import gpu_check
+    from swa_tvm.build import host_target, schedule_spec
+
+    kernels = {k.kind: k for k in AttentionSpec.parse("head_dim=16,window=7:0,backward").kernels()}
+    target = tvm.target.Target(host_target())
+    funcs, entries = {}, []
+    for kind in ("local", "local_dq", "local_dkv"):
+        name = f"{kernels[kind].name}__te"
+        funcs[name] = schedule_spec(kernels[kind], target).with_attr("global_symbol", name)
+        entries.append({"function": name, "kind": kind})
+    entries.insert(1, {"function": "absent__x", "kind": "local_dq"})
+    module = tvm.compile(tvm.IRModule(funcs), target=target).mod
+    meta = {"spec": kernels["local"].to_dict(), "variants": entries}
+    rows = gpu_check.variant_rows(module, meta, torch.device("cpu"), shape=(1, 4, 2, 50))
+    assert [r["kind"] for r in rows] == ["local", "local_dq", "local_dq", "local_dkv"]
+    assert "error" in rows[1] and "ms" not in rows[1]
+    for r in rows[:1] + rows[2:]:
+        assert r["rel_err_vs_default"] < 1e-5 and r["ms"] > 0 and r["tflops"] > 0, r
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_cuda_global_schedule_computes_the_reference(causal):
     """The global rows' kernel under its CUDA schedule (serial on the CPU): two key
@@ -594,13 +647,25 @@ def test_cuda_global_schedule_computes_the_reference(causal):
 @needs_nvcc
 def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
     """The GPU check's tile-configuration sweep: one module, one function per variant
-    (tensor-core configurations and the CUDA-core kernel), listed in variants.json."""
+    (tensor-core configurations and the CUDA-core kernel of the forward, dq and dk/dv
+    kernels), listed in variants.json with the kind each computes."""
     from swa_tvm import gpu_bundle
 
     monkeypatch.setattr(gpu_bundle, "TC_VARIANTS", ((4, 64), (2, 16)))
+    monkeypatch.setattr(gpu_bundle, "TC_BWD_VARIANTS", ((2, 32), (1, 16)))
     path = gpu_bundle.build_variants(str(tmp_path), "sm_90")
     meta = json.load(open(tmp_path / "lib" / "variants" / "variants.json"))
     assert os.path.exists(path) and meta["library"] == os.path.basename(path) and meta["arch"] == "sm_90"
-    funcs = [v["function"] for v in meta["variants"]]
-    assert [f.rsplit("__", 1)[1] for f in funcs] == ["tc_w4_c64", "tc_w2_c16", "cores"]
-    assert [v.get("default") for v in meta["variants"][:2]] == [True, False]  # bf16 D=128's default is (4, 64)
+    assert meta["spec"]["kind"] == "local"
+    got = [(v["kind"], v["function"].rsplit("__", 1)[1], v["kernel"], v.get("default")) for v in meta["variants"]]
+    assert got == [
+        ("local", "tc_w4_c64", "cuda_flash_tc", True),  # bf16 D=128's default
+        ("local", "tc_w2_c16", "cuda_flash_tc", False),
+        ("local", "cores", "cuda_flash", None),
+        ("local_dq", "tc_w2_c32", "cuda_flash_bwd_tc", True),
+        ("local_dq", "tc_w1_c16", "cuda_flash_bwd_tc", False),
+        ("local_dq", "cores", "cuda_flash_bwd", None),
+        ("local_dkv", "tc_w2_c32", "cuda_flash_bwd_tc", True),
+        ("local_dkv", "tc_w1_c16", "cuda_flash_bwd_tc", False),
+        ("local_dkv", "cores", "cuda_flash_bwd", None),
+    ]

@@ -1,0 +1,503 @@
+"""The fused gradient kernels of ``cuda_flash_bwd`` on tensor cores (float16/bfloat16
+inputs, fp32 accumulation): the same four kinds, work items, masks and arguments, with
+every product an ``mma.sync.m16n8k16`` (``cuda_flash_tc``'s instruction, fragment maps
+and emulation).
+
+Each warp owns 16 rows of the item: query rows for ``local_dq`` and the global rows'
+dq, keys for ``local_dkv``, ``local_dx`` and the global rows' dk/dv. The item's two
+tiles (Q and dO, or K and V) stay in shared memory for the whole item, the chunk's two
+(K and V, or Q and dO) pass through it; per chunk each warp computes, as C fragments in
+registers,
+
+- S = A B^T and dP = A2 B2^T over the head dim (A/A2 the item's tiles, B/B2 the chunk's);
+- P = exp(scale * S - lse) where visible, and dS = P (dP - delta), with lse and delta
+  of the query side (per row for dq, per chunk column for dk/dv);
+- dq += dS K, or dv += P^T dO and dk += dS^T Q: the C fragments of P and dS, rounded to
+  the input dtype, are the A operands of these products (as P is in the forward's P V),
+  the chunk's tile the B operand read along its rows.
+
+Like FlashAttention-2's backward, P and dS enter their products in the input dtype;
+the accumulators stay fp32. No scatter and no atomics: as in ``cuda_flash_bwd``, the
+dq and dk/dv sides are separate kernels.
+
+With ``emulate=True`` the mma runs lane by lane, so the tests run these kernels serially
+on the CPU (see ``cuda_flash_tc``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+from tvm import tirx
+from tvm.script import tirx as T
+
+from swa_tvm.compute import extra_visible, item_interior, item_key_span, row_key_range
+from swa_tvm.spec import KernelSpec
+
+from .cuda_flash import (
+    SHARED_BUDGET,
+    block_last_key,
+    extra_positions_loader,
+    global_fields,
+    global_row_last_key,
+    item_fields,
+)
+from .cuda_flash_bwd import KINDS, _dkv_kernel, _dq_kernel, _dx_kernel, _global_kernel, stats_loader
+from .cuda_flash_tc import PTX_TYPE, a_index, b_index_kn, b_index_nk, c_pos, mma_macro, pair_loader
+
+
+@dataclass(frozen=True)
+class TCBwdConfig:
+    warps: int = 2  # 16 item rows each: block = 16 * warps
+    chunk: int = 32  # partners per step (a multiple of 16)
+
+    @property
+    def block(self) -> int:
+        return 16 * self.warps
+
+    def shared_bytes(self, head_dim: int, dtype: str) -> int:
+        el = tvm.runtime.DataType(dtype).bits // 8
+        # The item's two tiles, the chunk's two; per chunk column lse, delta and the
+        # extra keys' three int64 tables (or the global rows' last keys); alignment.
+        return 2 * (self.block + self.chunk) * (head_dim + 8) * el + self.chunk * (2 * 4 + 3 * 8) + 9 * 64
+
+
+# Largest first. Chunks stop at 32: a dk/dv warp holds two head-dim accumulators (64 fp32
+# registers each at head_dim 128) next to the S and dP fragments (chunk / 2 each).
+CONFIGS = ((4, 32), (2, 32), (4, 16), (2, 16), (1, 16))
+
+
+def supports(spec: KernelSpec) -> bool:
+    """Gradient kernels (``cuda_flash_bwd.KINDS``) in float16/bfloat16 with head_dim % 16 == 0."""
+    return spec.kind in KINDS and spec.dtype in PTX_TYPE and spec.head_dim % 16 == 0
+
+
+def default_config(spec: KernelSpec) -> TCBwdConfig | None:
+    if not supports(spec):
+        return None
+    for warps, chunk in CONFIGS:
+        cfg = TCBwdConfig(warps, chunk)
+        if cfg.shared_bytes(spec.head_dim, spec.dtype) <= SHARED_BUDGET:
+            return cfg
+    return None
+
+
+def flash_bwd_tc(spec: KernelSpec, config: TCBwdConfig | None = None, emulate: bool = False) -> tvm.tirx.PrimFunc:
+    """The tensor-core PrimFunc of a gradient spec, with the TE kernel's arguments and
+    name (those of ``cuda_flash_bwd.flash_bwd``)."""
+    if not supports(spec):
+        raise ValueError(
+            f"kernel {spec.name}: the tensor-core backward takes float16/bfloat16 gradient kernels {KINDS} "
+            "with head_dim % 16 == 0"
+        )
+    cfg = config or default_config(spec)
+    if cfg is None:
+        raise ValueError(f"kernel {spec.name}: no tensor-core backward tile fits {SHARED_BUDGET // 1024} KiB of shared memory")
+    if cfg.warps < 1 or cfg.chunk < 16 or cfg.chunk % 16:
+        raise ValueError(f"kernel {spec.name}: {cfg}: warps must be >= 1 and chunk a positive multiple of 16")
+    return _build(spec, cfg, emulate).with_attr("global_symbol", spec.name)
+
+
+def _build(spec: KernelSpec, cfg: TCBwdConfig, emulate: bool):  # noqa: C901 - four kernels, phase by phase
+    D, dt, acc = spec.head_dim, spec.dtype, "float32"
+    lo, hi, maxd, extras, causal = spec.left, spec.right, spec.max_dilation, spec.extras, spec.causal
+    NW, KC = cfg.warps, cfg.chunk
+    BR, NT = 16 * NW, 32 * NW
+    NS, NO, KD, KK = KC // 8, D // 8, D // 16, KC // 16  # score tiles, output tiles, k-steps (head dim, chunk)
+    DP = D + 8  # padded rows, as in cuda_flash_tc
+    SH = "shared"
+    INF = tirx.const(float("inf"), acc)
+    ZERO, ONE = tirx.const(0.0, acc), tirx.const(1.0, acc)
+    mma = mma_macro(NW, dt, emulate)
+    load_item, load_chunk = pair_loader(NT, D, BR), pair_loader(NT, D, KC)
+    load_chunk_stats = stats_loader(NT, KC, acc)
+    load_extra_positions = extra_positions_loader(NT, KC)
+
+    def c_row(tx, l):
+        """Row (in the item) of value l of a C fragment of thread tx."""
+        return (tx // 32) * 16 + c_pos(tx % 32, l)[0]
+
+    def c_col(tx, l):
+        return c_pos(tx % 32, l)[1]
+
+    def a_slot(nt, l):
+        """The A-operand index (chunk k-step nt // 2) of C value l of score tile nt."""
+        return (nt // 2) * 8 + 4 * (nt % 2) + l
+
+    @T.macro
+    def products(A, A2, Bt, B2, fr):
+        # S = A Bt^T and dP = A2 B2^T: each warp's 16 item rows against the chunk's KC
+        # partners, over the head dim (one A fragment per k-step, reused by every tile).
+        afrag, a2frag, bfrag, b2frag, sfrag, dpfrag = T.meta_var(fr[:6])
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for x in T.unroll(NS * 4):
+                sfrag[tx, x] = ZERO
+                dpfrag[tx, x] = ZERO
+        for ks in T.unroll(KD):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                for l in T.unroll(8):
+                    afrag[tx, l] = A[a_index(tx, l, ks, DP)]
+                    a2frag[tx, l] = A2[a_index(tx, l, ks, DP)]
+            for nt in T.unroll(NS):
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    for l in T.unroll(4):
+                        bfrag[tx, l] = Bt[b_index_nk(tx, l, nt, ks, DP)]
+                        b2frag[tx, l] = B2[b_index_nk(tx, l, nt, ks, DP)]
+                mma(afrag, 0, bfrag, 0, sfrag, nt * 4)
+                mma(a2frag, 0, b2frag, 0, dpfrag, nt * 4)
+
+    @T.macro
+    def accumulate(wfrag, Ct, bfrag, cacc):
+        # cacc += W C: W the warp's rows x the chunk's KC partners (A fragments), C the
+        # chunk's tile [partners, D] read along its rows.
+        for ks in T.unroll(KK):
+            for nd in T.unroll(NO):
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    for l in T.unroll(4):
+                        bfrag[tx, l] = Ct[b_index_kn(tx, l, ks, nd, DP)]
+                mma(wfrag, ks * 8, bfrag, 0, cacc, nd * 4)
+
+    @T.macro
+    def zero(cacc):
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for x in T.unroll(NO * 4):
+                cacc[tx, x] = ZERO
+
+    @T.macro
+    def write_rows(dst, cacc, b, h, pos_of, n, scale):
+        # dst[b, h, pos_of(row)] = cacc * scale for the rows with pos_of(row) < n, in dst's
+        # dtype (the input dtype for dq, fp32 for dk and dv).
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for nd in T.unroll(NO):
+                for l in T.unroll(4):
+                    if pos_of(c_row(tx, l)) < n:
+                        dst[b, h, pos_of(c_row(tx, l)), nd * 8 + c_col(tx, l)] = T.Cast(dst.dtype, cacc[tx, nd * 4 + l] * scale)
+
+    @T.macro
+    def row_stats(lse_r, delta_r, lse, delta, b, h, pos_of, n):
+        # Each thread's two rows' lse and delta (a row past n: +inf and 0, so P = 0).
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for rr in T.unroll(2):
+                lse_r[tx, rr] = T.Select(pos_of(c_row(tx, 2 * rr)) < n, lse[b, h, T.min(pos_of(c_row(tx, 2 * rr)), n - 1)], INF)
+                delta_r[tx, rr] = T.Select(
+                    pos_of(c_row(tx, 2 * rr)) < n, delta[b, h, T.min(pos_of(c_row(tx, 2 * rr)), n - 1)], ZERO
+                )
+
+    @T.macro
+    def dq_step(Qs, dOs, Kt, Vt, fr, lse_r, delta_r, dqacc, visible, scale):
+        products(Qs, dOs, Kt, Vt, fr)
+        bfrag, sfrag, dpfrag, dsfrag = T.meta_var((fr[2], fr[4], fr[5], fr[7]))
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for nt in T.unroll(NS):
+                for l in T.unroll(4):
+                    # dS = P (dP - delta), 0 where masked (a row with lse = +inf, padding
+                    # or past the end, gets P = 0).
+                    dsfrag[tx, a_slot(nt, l)] = T.Cast(
+                        dt,
+                        T.Select(
+                            visible(tx, l, nt),
+                            T.exp(sfrag[tx, nt * 4 + l] * scale - lse_r[tx, l // 2])
+                            * (dpfrag[tx, nt * 4 + l] - delta_r[tx, l // 2]),
+                            ZERO,
+                        ),
+                    )
+        accumulate(dsfrag, Kt, bfrag, dqacc)
+
+    @T.macro
+    def dkv_step(Ks, Vs, Qt, dOt, fr, lse_c, delta_c, kacc, vacc, visible, scale):
+        # Rows are keys, columns the chunk's queries: P^T and dS^T, then dv += P^T dO and
+        # dk += dS^T Q.
+        products(Ks, Vs, Qt, dOt, fr)
+        bfrag, sfrag, dpfrag, pfrag, dsfrag = T.meta_var((fr[2], fr[4], fr[5], fr[6], fr[7]))
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for nt in T.unroll(NS):
+                for l in T.unroll(4):
+                    sfrag[tx, nt * 4 + l] = T.Select(
+                        visible(tx, l, nt), T.exp(sfrag[tx, nt * 4 + l] * scale - lse_c[nt * 8 + c_col(tx, l)]), ZERO
+                    )
+                    pfrag[tx, a_slot(nt, l)] = T.Cast(dt, sfrag[tx, nt * 4 + l])
+                    dsfrag[tx, a_slot(nt, l)] = T.Cast(
+                        dt, sfrag[tx, nt * 4 + l] * (dpfrag[tx, nt * 4 + l] - delta_c[nt * 8 + c_col(tx, l)])
+                    )
+        accumulate(pfrag, dOt, bfrag, vacc)
+        accumulate(dsfrag, Qt, bfrag, kacc)
+
+    def chunk_col(c, tx, l, nt):
+        """Band index (in the item's partner space) of C value l of score tile nt in chunk c."""
+        return c * KC + nt * 8 + c_col(tx, l)
+
+    @T.macro
+    def dq_body(q, k, v, dil, xidx, dout, lse, delta, scale, dq, B, H, Hkv, Tn, E):
+        nitems = T.meta_var((Tn + (BR - 1)) // BR + (maxd - 1))
+        for item in T.thread_binding(B * H * nitems, thread="blockIdx.x"):
+            with T.sblock("flash_tc_dq"):
+                T.reads()
+                T.writes()
+                Qs = T.alloc_buffer((BR * DP,), dt, scope=SH)
+                dOs = T.alloc_buffer((BR * DP,), dt, scope=SH)
+                Kt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                Vt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                xpos_s = T.alloc_buffer((KC,), "int64", scope=SH)
+                xres_s = T.alloc_buffer((KC,), "int64", scope=SH)
+                xt_s = T.alloc_buffer((KC,), "int64", scope=SH)
+                afrag = T.alloc_buffer((NT, 8), dt, scope="local")
+                a2frag = T.alloc_buffer((NT, 8), dt, scope="local")
+                bfrag = T.alloc_buffer((NT, 4), dt, scope="local")
+                b2frag = T.alloc_buffer((NT, 4), dt, scope="local")
+                sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
+                dpfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
+                dsfrag = T.alloc_buffer((NT, NS * 4), dt, scope="local")
+                dqacc = T.alloc_buffer((NT, NO * 4), acc, scope="local")
+                lse_r = T.alloc_buffer((NT, 2), acc, scope="local")
+                delta_r = T.alloc_buffer((NT, 2), acc, scope="local")
+                first_r = T.alloc_buffer((NT, 2), "int64", scope="local")
+                last_r = T.alloc_buffer((NT, 2), "int64", scope="local")
+                fr = T.meta_var((afrag, a2frag, bfrag, b2frag, sfrag, dpfrag, None, dsfrag))
+
+                b, h, beta, d, kvh, m0, r, row0, key0 = T.meta_var(item_fields(item, H, Hkv, nitems, dil, BR, lo))
+                # 1. Rows: queries and output gradients, lse and delta, band intervals.
+                load_item(Qs, dOs, q, dout, b, h, lambda i: row0 + d * i, Tn)
+                row_stats(lse_r, delta_r, lse, delta, b, h, lambda i: row0 + d * i, Tn)
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    for rr in T.unroll(2):
+                        first_r[tx, rr] = row_key_range(lo, hi, Tn, d, m0, r, c_row(tx, 2 * rr))[0]
+                        last_r[tx, rr] = row_key_range(lo, hi, Tn, d, m0, r, c_row(tx, 2 * rr))[1]
+                zero(dqacc)
+                # 2. The band chunks that meet the item's span, then the extra keys.
+                for c in T.serial(
+                    item_key_span(lo, hi, BR, Tn, d, beta)[0] // KC,
+                    item_key_span(lo, hi, BR, Tn, d, beta)[1] // KC + 1,
+                ):
+                    load_chunk(Kt, Vt, k, v, b, kvh, lambda kk: key0 + d * (c * KC + kk), Tn)
+                    dq_step(
+                        Qs, dOs, Kt, Vt, fr, lse_r, delta_r, dqacc,
+                        lambda tx, l, nt: T.Or(
+                            item_interior(lo, hi, BR, Tn, d, m0, r, c * KC, c * KC + KC - 1),
+                            T.And(chunk_col(c, tx, l, nt) >= first_r[tx, l // 2], chunk_col(c, tx, l, nt) <= last_r[tx, l // 2]),
+                        ),
+                        scale,
+                    )
+                if extras:
+                    for xc in T.serial((E + (KC - 1)) // KC):
+                        load_extra_positions(xpos_s, xres_s, xt_s, xidx, b, xc, d, E)
+                        load_chunk(Kt, Vt, k, v, b, kvh, lambda kk: xpos_s[kk], Tn)
+                        dq_step(
+                            Qs, dOs, Kt, Vt, fr, lse_r, delta_r, dqacc,
+                            lambda tx, l, nt: extra_visible(
+                                lo, hi, Tn,
+                                xpos_s[nt * 8 + c_col(tx, l)], xres_s[nt * 8 + c_col(tx, l)], xt_s[nt * 8 + c_col(tx, l)],
+                                row0 + d * c_row(tx, l), m0 + c_row(tx, l), r,
+                            ),
+                            scale,
+                        )
+                # 3. dq = scale * dS K.
+                write_rows(dq, dqacc, b, h, lambda i: row0 + d * i, Tn, scale)
+
+    # The transposed band: key j is seen by the queries j + u*d, -right <= u <= left.
+    tlo, thi = hi, lo
+
+    @T.macro
+    def dkv_body(q, k, v, dil, dout, lse, delta, scale, dk, dv, B, H, Hkv, Tn):
+        nitems = T.meta_var((Tn + (BR - 1)) // BR + (maxd - 1))
+        for item in T.thread_binding(B * H * nitems, thread="blockIdx.x"):
+            with T.sblock("flash_tc_dkv"):
+                T.reads()
+                T.writes()
+                Ks = T.alloc_buffer((BR * DP,), dt, scope=SH)
+                Vs = T.alloc_buffer((BR * DP,), dt, scope=SH)
+                Qt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                dOt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                lse_c = T.alloc_buffer((KC,), acc, scope=SH)
+                delta_c = T.alloc_buffer((KC,), acc, scope=SH)
+                afrag = T.alloc_buffer((NT, 8), dt, scope="local")
+                a2frag = T.alloc_buffer((NT, 8), dt, scope="local")
+                bfrag = T.alloc_buffer((NT, 4), dt, scope="local")
+                b2frag = T.alloc_buffer((NT, 4), dt, scope="local")
+                sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
+                dpfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
+                pfrag = T.alloc_buffer((NT, NS * 4), dt, scope="local")
+                dsfrag = T.alloc_buffer((NT, NS * 4), dt, scope="local")
+                kacc = T.alloc_buffer((NT, NO * 4), acc, scope="local")
+                vacc = T.alloc_buffer((NT, NO * 4), acc, scope="local")
+                first_r = T.alloc_buffer((NT, 2), "int64", scope="local")
+                last_r = T.alloc_buffer((NT, 2), "int64", scope="local")
+                fr = T.meta_var((afrag, a2frag, bfrag, b2frag, sfrag, dpfrag, pfrag, dsfrag))
+
+                # row0: the item's first key; key0: the position of band (query) index 0.
+                b, h, beta, d, kvh, m0, r, row0, key0 = T.meta_var(item_fields(item, H, Hkv, nitems, dil, BR, tlo))
+                # 1. Keys and values; the query interval that sees each key.
+                load_item(Ks, Vs, k, v, b, kvh, lambda i: row0 + d * i, Tn)
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    for rr in T.unroll(2):
+                        first_r[tx, rr] = row_key_range(tlo, thi, Tn, d, m0, r, c_row(tx, 2 * rr))[0]
+                        last_r[tx, rr] = row_key_range(tlo, thi, Tn, d, m0, r, c_row(tx, 2 * rr))[1]
+                zero(kacc)
+                zero(vacc)
+                # 2. The queries that see the item, chunk by chunk.
+                for c in T.serial(
+                    item_key_span(tlo, thi, BR, Tn, d, beta)[0] // KC,
+                    item_key_span(tlo, thi, BR, Tn, d, beta)[1] // KC + 1,
+                ):
+                    load_chunk(Qt, dOt, q, dout, b, h, lambda kk: key0 + d * (c * KC + kk), Tn)
+                    load_chunk_stats(lse_c, delta_c, lse, delta, b, h, lambda kk: key0 + d * (c * KC + kk), Tn)
+                    dkv_step(
+                        Ks, Vs, Qt, dOt, fr, lse_c, delta_c, kacc, vacc,
+                        lambda tx, l, nt: T.Or(
+                            item_interior(tlo, thi, BR, Tn, d, m0, r, c * KC, c * KC + KC - 1),
+                            T.And(chunk_col(c, tx, l, nt) >= first_r[tx, l // 2], chunk_col(c, tx, l, nt) <= last_r[tx, l // 2]),
+                        ),
+                        scale,
+                    )
+                # 3. dk = scale * dS^T Q and dv = P^T dO (per query head).
+                write_rows(dk, kacc, b, h, lambda i: row0 + d * i, Tn, scale)
+                write_rows(dv, vacc, b, h, lambda i: row0 + d * i, Tn, ONE)
+
+    @T.macro
+    def global_dq_body(qg, k, v, gidx, dout, lse, delta, scale, dqg, B, H, Hkv, Tn, G):
+        nblk = T.meta_var((G + (BR - 1)) // BR)
+        for item in T.thread_binding(B * H * nblk, thread="blockIdx.x"):
+            with T.sblock("flash_tc_global_dq"):
+                T.reads()
+                T.writes()
+                Qs = T.alloc_buffer((BR * DP,), dt, scope=SH)
+                dOs = T.alloc_buffer((BR * DP,), dt, scope=SH)
+                Kt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                Vt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                afrag = T.alloc_buffer((NT, 8), dt, scope="local")
+                a2frag = T.alloc_buffer((NT, 8), dt, scope="local")
+                bfrag = T.alloc_buffer((NT, 4), dt, scope="local")
+                b2frag = T.alloc_buffer((NT, 4), dt, scope="local")
+                sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
+                dpfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
+                dsfrag = T.alloc_buffer((NT, NS * 4), dt, scope="local")
+                dqacc = T.alloc_buffer((NT, NO * 4), acc, scope="local")
+                lse_r = T.alloc_buffer((NT, 2), acc, scope="local")
+                delta_r = T.alloc_buffer((NT, 2), acc, scope="local")
+                last_r = T.alloc_buffer((NT, 2), "int64", scope="local")
+                fr = T.meta_var((afrag, a2frag, bfrag, b2frag, sfrag, dpfrag, None, dsfrag))
+
+                b, h, g0, kvh = T.meta_var(global_fields(item, H, Hkv, nblk, BR))
+                # 1. Global rows (padding rows past G: lse +inf, last key -1).
+                load_item(Qs, dOs, qg, dout, b, h, lambda i: g0 + i, G)
+                row_stats(lse_r, delta_r, lse, delta, b, h, lambda i: g0 + i, G)
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    for rr in T.unroll(2):
+                        last_r[tx, rr] = global_row_last_key(gidx, b, g0 + c_row(tx, 2 * rr), G, Tn, causal)
+                zero(dqacc)
+                # 2. Every key chunk up to the block's last visible key.
+                for c in T.serial(T.floordiv(block_last_key(gidx, b, g0, G, Tn, BR, causal), KC) + 1):
+                    load_chunk(Kt, Vt, k, v, b, kvh, lambda kk: c * KC + kk, Tn)
+                    dq_step(
+                        Qs, dOs, Kt, Vt, fr, lse_r, delta_r, dqacc,
+                        lambda tx, l, nt: chunk_col(c, tx, l, nt) <= last_r[tx, l // 2],
+                        scale,
+                    )
+                write_rows(dqg, dqacc, b, h, lambda i: g0 + i, G, scale)
+
+    @T.macro
+    def global_dkv_body(qg, k, v, gidx, dout, lse, delta, scale, dkg, dvg, B, H, Hkv, Tn, G):
+        nblk = T.meta_var((Tn + (BR - 1)) // BR)
+        for item in T.thread_binding(B * H * nblk, thread="blockIdx.x"):
+            with T.sblock("flash_tc_global_dkv"):
+                T.reads()
+                T.writes()
+                Ks = T.alloc_buffer((BR * DP,), dt, scope=SH)
+                Vs = T.alloc_buffer((BR * DP,), dt, scope=SH)
+                Qt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                dOt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                lse_c = T.alloc_buffer((KC,), acc, scope=SH)
+                delta_c = T.alloc_buffer((KC,), acc, scope=SH)
+                gpos_c = T.alloc_buffer((KC,), "int64", scope=SH)
+                afrag = T.alloc_buffer((NT, 8), dt, scope="local")
+                a2frag = T.alloc_buffer((NT, 8), dt, scope="local")
+                bfrag = T.alloc_buffer((NT, 4), dt, scope="local")
+                b2frag = T.alloc_buffer((NT, 4), dt, scope="local")
+                sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
+                dpfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
+                pfrag = T.alloc_buffer((NT, NS * 4), dt, scope="local")
+                dsfrag = T.alloc_buffer((NT, NS * 4), dt, scope="local")
+                kacc = T.alloc_buffer((NT, NO * 4), acc, scope="local")
+                vacc = T.alloc_buffer((NT, NO * 4), acc, scope="local")
+                fr = T.meta_var((afrag, a2frag, bfrag, b2frag, sfrag, dpfrag, pfrag, dsfrag))
+
+                # A block of BR keys from j0 against every global row, KC rows a chunk.
+                b, h, j0, kvh = T.meta_var(global_fields(item, H, Hkv, nblk, BR))
+                load_item(Ks, Vs, k, v, b, kvh, lambda i: j0 + i, Tn)
+                zero(kacc)
+                zero(vacc)
+                for c in T.serial((G + (KC - 1)) // KC):
+                    load_chunk(Qt, dOt, qg, dout, b, h, lambda kk: c * KC + kk, G)
+                    load_chunk_stats(lse_c, delta_c, lse, delta, b, h, lambda kk: c * KC + kk, G)
+                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                        for x in T.serial(-(-KC // NT)):
+                            if x * NT + tx < KC:
+                                gpos_c[x * NT + tx] = global_row_last_key(gidx, b, c * KC + x * NT + tx, G, Tn, causal)
+                    dkv_step(
+                        Ks, Vs, Qt, dOt, fr, lse_c, delta_c, kacc, vacc,
+                        lambda tx, l, nt: j0 + c_row(tx, l) <= gpos_c[nt * 8 + c_col(tx, l)],
+                        scale,
+                    )
+                write_rows(dkg, kacc, b, h, lambda i: j0 + i, Tn, scale)
+                write_rows(dvg, vacc, b, h, lambda i: j0 + i, Tn, ONE)
+
+    load_key_positions = extra_positions_loader(NT, BR)
+
+    @T.macro
+    def dx_body(q, k, v, dil, xidx, dout, lse, delta, scale, dkx, dvx, B, H, Hkv, Tn, E):
+        nblk = T.meta_var((E + (BR - 1)) // BR)
+        for item in T.thread_binding(B * H * nblk, thread="blockIdx.x"):
+            with T.sblock("flash_tc_dx"):
+                T.reads()
+                T.writes()
+                Ks = T.alloc_buffer((BR * DP,), dt, scope=SH)
+                Vs = T.alloc_buffer((BR * DP,), dt, scope=SH)
+                Qt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                dOt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                lse_c = T.alloc_buffer((KC,), acc, scope=SH)
+                delta_c = T.alloc_buffer((KC,), acc, scope=SH)
+                xpos_s = T.alloc_buffer((BR,), "int64", scope=SH)
+                xres_s = T.alloc_buffer((BR,), "int64", scope=SH)
+                xt_s = T.alloc_buffer((BR,), "int64", scope=SH)
+                afrag = T.alloc_buffer((NT, 8), dt, scope="local")
+                a2frag = T.alloc_buffer((NT, 8), dt, scope="local")
+                bfrag = T.alloc_buffer((NT, 4), dt, scope="local")
+                b2frag = T.alloc_buffer((NT, 4), dt, scope="local")
+                sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
+                dpfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
+                pfrag = T.alloc_buffer((NT, NS * 4), dt, scope="local")
+                dsfrag = T.alloc_buffer((NT, NS * 4), dt, scope="local")
+                kacc = T.alloc_buffer((NT, NO * 4), acc, scope="local")
+                vacc = T.alloc_buffer((NT, NO * 4), acc, scope="local")
+                fr = T.meta_var((afrag, a2frag, bfrag, b2frag, sfrag, dpfrag, pfrag, dsfrag))
+
+                # A block of BR extra keys (extra_idx[b, e0:e0+BR]) against every row.
+                b, h, e0, kvh = T.meta_var(global_fields(item, H, Hkv, nblk, BR))
+                d = T.meta_var(T.Cast("int64", dil[h]))
+                load_key_positions(xpos_s, xres_s, xt_s, xidx, b, T.truncdiv(e0, BR), d, E)
+                load_item(Ks, Vs, k, v, b, kvh, lambda i: xpos_s[i], Tn)
+                zero(kacc)
+                zero(vacc)
+                for c in T.serial((Tn + (KC - 1)) // KC):
+                    load_chunk(Qt, dOt, q, dout, b, h, lambda kk: c * KC + kk, Tn)
+                    load_chunk_stats(lse_c, delta_c, lse, delta, b, h, lambda kk: c * KC + kk, Tn)
+                    dkv_step(
+                        Ks, Vs, Qt, dOt, fr, lse_c, delta_c, kacc, vacc,
+                        # Row i = chunk_col sees extra key c_row as an extra (as in cuda_flash_bwd).
+                        lambda tx, l, nt: extra_visible(
+                            lo, hi, Tn, xpos_s[c_row(tx, l)], xres_s[c_row(tx, l)], xt_s[c_row(tx, l)],
+                            chunk_col(c, tx, l, nt), T.floordiv(chunk_col(c, tx, l, nt), d),
+                            T.floormod(chunk_col(c, tx, l, nt), d),
+                        ),
+                        scale,
+                    )
+                write_rows(dkx, kacc, b, h, lambda i: e0 + i, E, scale)
+                write_rows(dvx, vacc, b, h, lambda i: e0 + i, E, ONE)
+
+    if spec.kind == "local_dx":
+        return _dx_kernel(dx_body, D, dt, acc)
+    if spec.kind == "global_bwd":
+        return _global_kernel(global_dq_body, global_dkv_body, D, dt, acc)
+    if spec.kind == "local_dkv":
+        return _dkv_kernel(dkv_body, D, dt, acc, extras)
+    return _dq_kernel(dq_body, D, dt, acc, extras)
