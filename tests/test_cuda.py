@@ -496,9 +496,14 @@ BACKWARD_CASES = {
 }
 
 
-# The tensor-core backward's tiles (warps, chunk) for the half-precision cases: one warp
-# (16 rows) makes several items of T=45; two warps with 32-key chunks, two A k-steps.
-TC_BACKWARD_CONFIGS = {"bf16_causal_everything": (1, 16), "fp16_unbounded_left": (2, 32), "bf16_unbounded_right": (1, 32)}
+# The tensor-core backward's tiles (warps, chunk) and head dim for the half-precision
+# cases: one warp (16 rows) makes several items of T=45; 32-key chunks make two k-steps
+# of the dS/P products, head dim 32 two of S and dP.
+TC_BACKWARD_CONFIGS = {
+    "bf16_causal_everything": (1, 16, 32),
+    "fp16_unbounded_left": (2, 32, 16),
+    "bf16_unbounded_right": (1, 32, 32),
+}
 
 
 @pytest.mark.parametrize("fused", ["cores", "tc", "te"])
@@ -529,7 +534,7 @@ def test_cuda_backward_kernels_compute_the_reference_gradients(case, fused, monk
         assert want.kind in BACKWARD_KINDS, "the forward comes from the reference here"
         built.append(want.kind)
         if fused == "tc":
-            cfg = cuda_flash_bwd_tc.TCBwdConfig(*TC_BACKWARD_CONFIGS[case])
+            cfg = cuda_flash_bwd_tc.TCBwdConfig(*TC_BACKWARD_CONFIGS[case][:2])
             func = cuda_flash_bwd_tc.flash_bwd_tc(want, cfg, emulate=True)
             return Kernel(want, _serial_on_cpu(func)[want.name], device, "serial, mma emulated")
         if fused == "cores":
@@ -542,7 +547,8 @@ def test_cuda_backward_kernels_compute_the_reference_gradients(case, fused, monk
 
     monkeypatch.setattr(functional, "_kernel", serial_cuda_kernel)
     dtype, window, dilation, extras, tol, _ = BACKWARD_CASES[case]
-    B, H, Hkv, T, D, G = 2, 4, 2, 45, 16, 2
+    B, H, Hkv, T, G = 2, 4, 2, 45, 2
+    D = TC_BACKWARD_CONFIGS[case][2] if fused == "tc" else 16
     tdt = getattr(torch, dtype)
     leaf = lambda *shape: rand(*shape).to(tdt).double().requires_grad_()  # noqa: E731 - values exact in dtype
     q, k, v = leaf(B, H, T, D), leaf(B, Hkv, T, D), leaf(B, Hkv, T, D)
