@@ -407,20 +407,35 @@ def apply_record(spec: KernelSpec, trace, target_kind: str = "llvm"):
 # --------------------------------------------------------------------------- measuring
 
 
-def tuning_inputs(args_info) -> list[np.ndarray]:
-    """A kernel's tuning inputs, made as the batch runner makes them
-    (``measure_batch``): random floats, dilation 1 (the [H] int32 table), extra and
-    global positions ([B, E] int32) distinct and sorted below T (the longest third dim of
-    the 4-D tensors: q_global's is G), so every index is in range and global rows see
-    the sequence."""
+def input_fills(args_info) -> list[dict]:
+    """How each tensor argument ``("TENSOR", dtype, shape)`` of a kernel is filled to
+    measure it, the one rule for MetaSchedule's runner here (``tuning_inputs``) and the
+    GPU batch runner (``measure_batch``, from ``tuning_batch``'s annotations): floats
+    random normal; the [H] int table (dilation) ones; the [B, E] int tables (extra and
+    global positions) distinct and sorted below T, the longest third dim of the 4-D
+    tensors (q_global's is G), so every index is in range and global rows see the
+    sequence."""
     T = max(shape[2] for _, _, shape in args_info if len(shape) == 4)
+    fills = []
+    for _, dtype, shape in args_info:
+        if not dtype.startswith("int"):
+            fills.append({"fill": "normal"})
+        elif len(shape) == 2:
+            fills.append({"fill": "positions", "high": T})
+        else:
+            fills.append({"fill": "ones"})
+    return fills
+
+
+def tuning_inputs(args_info) -> list[np.ndarray]:
+    """A kernel's tuning inputs, filled by ``input_fills``."""
     rng = np.random.default_rng(0)
     out = []
-    for _, dtype, shape in args_info:
-        if dtype.startswith("int") and len(shape) == 2:
-            rows = [np.sort(rng.permutation(T)[: shape[1]]) for _ in range(shape[0])]
+    for (_, dtype, shape), fill in zip(args_info, input_fills(args_info)):
+        if fill["fill"] == "positions":
+            rows = [np.sort(rng.permutation(fill["high"])[: shape[1]]) for _ in range(shape[0])]
             out.append(np.stack(rows).astype(dtype))
-        elif dtype.startswith("int"):
+        elif fill["fill"] == "ones":
             out.append(np.ones(shape, dtype=dtype))
         else:
             out.append(rng.standard_normal(shape).astype(dtype))

@@ -39,24 +39,22 @@ IMPORTED_FILE = "imported_batches.json"
 
 
 def _fills(spec: KernelSpec, target_kind: str, args: list) -> list:
-    """Annotate call arguments with how the measuring side fills them: dilation 1,
-    extra/global positions distinct and sorted (so global rows see the sequence, not
-    position 1 over and over), outputs marked (compared against the baseline)."""
+    """Annotate call arguments with how the measuring side fills them
+    (``tuning.input_fills``: the rule MetaSchedule's runner here follows too), their
+    names, and which are outputs (compared against the baseline)."""
     from .compute import prim_func
-    from .tuning import tune_shapes
+    from .tuning import input_fills
 
     names = [p.name for p in prim_func(spec, target_kind=target_kind).params if p.name != "scale"]
-    T = tune_shapes(spec)["T"]
+    tensors = [arg for arg in args if arg[0] == "TENSOR"]
+    fills = iter(input_fills(tensors))
     outputs = {"out", "lse"}
     annotated = []
     for name, arg in zip(names, args):
         if arg[0] != "TENSOR":
             annotated.append(arg)
             continue
-        if arg[1].startswith("int"):
-            fill = {"fill": "ones"} if name == "dilation" else {"fill": "positions", "high": T}
-        else:
-            fill = {"fill": "normal"}
+        fill = next(fills)
         if name in outputs:
             fill["output"] = True
         annotated.append([*arg[:3], dict(fill, name=name)])
