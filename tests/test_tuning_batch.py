@@ -190,6 +190,12 @@ def test_cuda_batch_builds_the_search_space_and_the_fused_baseline(cuda_batch):
     assert len(task["candidates"]) == 1
     names = [a[3]["name"] for a in task["args"]]
     assert names == ["q", "k", "v", "dilation", "sink_logit", "out", "lse"]
+    # The GPU fills the arguments by the rule MetaSchedule's runner follows here.
+    from swa_tvm.tuning import input_fills
+
+    fills = [{k: v for k, v in a[3].items() if k not in ("name", "output")} for a in task["args"]]
+    assert fills == input_fills([a[:3] for a in task["args"]]) and fills[3] == {"fill": "ones"}
+    assert [bool(a[3].get("output")) for a in task["args"]] == [False] * 5 + [True] * 2
     for entry in [task["baseline"]] + task["candidates"]:
         assert os.path.getsize(folder / entry["artifact"]) > 0
     # The candidate is a point of schedules/cuda.py's space (its samples in the trace).
