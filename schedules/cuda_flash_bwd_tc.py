@@ -14,7 +14,8 @@ registers,
   of the query side (per row for dq, per chunk column for dk/dv);
 - dq += dS K, or dv += P^T dO and dk += dS^T Q: the C fragments of P and dS, rounded to
   the input dtype, are the A operands of these products (as P is in the forward's P V),
-  the chunk's tile the B operand read along its rows.
+  the chunk's tile the B operand read along its rows (``ldmatrix.trans``, as the
+  forward's V).
 
 Like FlashAttention-2's backward, P and dS enter their products in the input dtype;
 the accumulators stay fp32. No scatter and no atomics: as in ``cuda_flash_bwd``, the
@@ -44,13 +45,14 @@ from .cuda_flash import (
     item_fields,
 )
 from .cuda_flash_bwd import KINDS, _dkv_kernel, _dq_kernel, _dx_kernel, _global_kernel, stats_loader
-from .cuda_flash_tc import PTX_TYPE, a_index, b_index_kn, b_index_nk, c_pos, mma_macro, pair_loader
+from .cuda_flash_tc import PTX_TYPE, a_index, b_index_nk, c_pos, kn_loader, mma_macro, pair_loader
 
 
 @dataclass(frozen=True)
 class TCBwdConfig:
     warps: int = 2  # 16 item rows each: block = 16 * warps
     chunk: int = 32  # partners per step (a multiple of 16)
+    ldmatrix: bool = True  # the chunk tiles' B operands of dq/dk/dv by ldmatrix.trans
 
     @property
     def block(self) -> int:
@@ -110,6 +112,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, emulate: bool):  # noqa: C901 - f
     INF = tirx.const(float("inf"), acc)
     ZERO, ONE = tirx.const(0.0, acc), tirx.const(1.0, acc)
     mma = mma_macro(NW, dt, emulate)
+    load_kn = kn_loader(NW, D, dt, cfg.ldmatrix, emulate)
     load_item, load_chunk = pair_loader(NT, D, BR), pair_loader(NT, D, KC)
     load_chunk_stats = stats_loader(NT, KC, acc)
     load_extra_positions = extra_positions_loader(NT, KC)
@@ -150,13 +153,12 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, emulate: bool):  # noqa: C901 - f
     @T.macro
     def accumulate(wfrag, Ct, bfrag, cacc):
         # cacc += W C: W the warp's rows x the chunk's KC partners (A fragments), C the
-        # chunk's tile [partners, D] read along its rows.
+        # chunk's tile [partners, D] read along its rows, two output tiles per load.
         for ks in T.unroll(KK):
-            for nd in T.unroll(NO):
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    for l in T.unroll(4):
-                        bfrag[tx, l] = Ct[b_index_kn(tx, l, ks, nd, DP)]
-                mma(wfrag, ks * 8, bfrag, 0, cacc, nd * 4)
+            for ndp in T.unroll(NO // 2):
+                load_kn(Ct, bfrag, ks, ndp)
+                mma(wfrag, ks * 8, bfrag, 0, cacc, ndp * 8)
+                mma(wfrag, ks * 8, bfrag, 4, cacc, ndp * 8 + 4)
 
     @T.macro
     def zero(cacc):
@@ -243,7 +245,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, emulate: bool):  # noqa: C901 - f
                 xt_s = T.alloc_buffer((KC,), "int64", scope=SH)
                 afrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 a2frag = T.alloc_buffer((NT, 8), dt, scope="local")
-                bfrag = T.alloc_buffer((NT, 4), dt, scope="local")
+                bfrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 b2frag = T.alloc_buffer((NT, 4), dt, scope="local")
                 sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
                 dpfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
@@ -312,7 +314,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, emulate: bool):  # noqa: C901 - f
                 delta_c = T.alloc_buffer((KC,), acc, scope=SH)
                 afrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 a2frag = T.alloc_buffer((NT, 8), dt, scope="local")
-                bfrag = T.alloc_buffer((NT, 4), dt, scope="local")
+                bfrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 b2frag = T.alloc_buffer((NT, 4), dt, scope="local")
                 sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
                 dpfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
@@ -366,7 +368,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, emulate: bool):  # noqa: C901 - f
                 Vt = T.alloc_buffer((KC * DP,), dt, scope=SH)
                 afrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 a2frag = T.alloc_buffer((NT, 8), dt, scope="local")
-                bfrag = T.alloc_buffer((NT, 4), dt, scope="local")
+                bfrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 b2frag = T.alloc_buffer((NT, 4), dt, scope="local")
                 sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
                 dpfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
@@ -411,7 +413,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, emulate: bool):  # noqa: C901 - f
                 gpos_c = T.alloc_buffer((KC,), "int64", scope=SH)
                 afrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 a2frag = T.alloc_buffer((NT, 8), dt, scope="local")
-                bfrag = T.alloc_buffer((NT, 4), dt, scope="local")
+                bfrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 b2frag = T.alloc_buffer((NT, 4), dt, scope="local")
                 sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
                 dpfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
@@ -461,7 +463,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, emulate: bool):  # noqa: C901 - f
                 xt_s = T.alloc_buffer((BR,), "int64", scope=SH)
                 afrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 a2frag = T.alloc_buffer((NT, 8), dt, scope="local")
-                bfrag = T.alloc_buffer((NT, 4), dt, scope="local")
+                bfrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 b2frag = T.alloc_buffer((NT, 4), dt, scope="local")
                 sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
                 dpfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")

@@ -169,10 +169,83 @@ def pair_loader(threads: int, head_dim: int, rows: int):
     return load
 
 
+# ldmatrix.x4.trans: four 8x8 16-bit matrices from shared memory, each transposed, in one
+# instruction per warp; lane 8m + j gives the address of row j of matrix m, and lane t
+# receives from matrix m the two values (row 2*(t % 4) + i, column t // 4), i = 0, 1, in
+# its register m (the first in the low half). Unpacked into the operand's 16-bit values.
+LDSM_SOURCE = r"""
+#define {name}_HALF(r, hi) __ushort_as_{t}((unsigned short)((hi) ? (r) >> 16 : (r) & 0xffff))
+#define {name}(ptr, b0, b1, b2, b3, b4, b5, b6, b7) {{ \
+  unsigned r0_, r1_, r2_, r3_; \
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{%0,%1,%2,%3}}, [%4];\n" \
+               : "=r"(r0_), "=r"(r1_), "=r"(r2_), "=r"(r3_) \
+               : "r"((unsigned)__cvta_generic_to_shared(ptr))); \
+  b0 = {name}_HALF(r0_, 0); b1 = {name}_HALF(r0_, 1); b2 = {name}_HALF(r1_, 0); b3 = {name}_HALF(r1_, 1); \
+  b4 = {name}_HALF(r2_, 0); b5 = {name}_HALF(r2_, 1); b6 = {name}_HALF(r3_, 0); b7 = {name}_HALF(r3_, 1); }}
+"""
+
+
+def ldsm_row(lane, ks, ndp):
+    """(row, column) of the tile whose address lane gives to ``ldsm_kn``: matrix m =
+    lane // 8 is rows 16*ks + 8*(m % 2) .. + 8 at columns 8*(2*ndp + m // 2) .. + 8, so
+    registers 0, 1 are the B operand of output tile 2*ndp and 2, 3 of tile 2*ndp + 1."""
+    m = lane // 8
+    return ks * 16 + 8 * (m % 2) + lane % 8, 8 * (2 * ndp + m // 2)
+
+
+def ldsm_value(lane, slot):
+    """(lane that gave the row, column within its 8) of value ``slot`` (0..7) of lane's
+    result: the PTX ISA's ldmatrix .trans map."""
+    m, i = slot // 2, slot % 2
+    return 8 * m + 2 * (lane % 4) + i, lane // 4
+
+
+def kn_loader(warps: int, head_dim: int, dtype: str, ldmatrix: bool, emulate: bool):
+    """A T.macro ``load(Ct, bfrag, ks, ndp)``: the B operands B[k][n] = Ct[row 16*ks + k]
+    [column 8*nd + n] of output tiles nd = 2*ndp and 2*ndp + 1 (values 0..3 and 4..7 of
+    each thread's bfrag), from a shared tile of rows padded to head_dim + 8: one
+    ``ldmatrix.x4.trans`` per warp (``ldmatrix``), else eight 16-bit loads per thread
+    (a pair of values is never adjacent in the tile: they are k, k + 1). ``emulate``
+    runs ldmatrix's map (``ldsm_row``, ``ldsm_value``) lane by lane."""
+    nt, DP = 32 * warps, head_dim + 8
+    name = f"swa_ldsm_t_{PTX_TYPE[dtype]}"
+    source = LDSM_SOURCE.format(name=name, t=C_TYPE[dtype])
+
+    def row_index(lane, ks, ndp):
+        row, col = ldsm_row(lane, ks, ndp)
+        return row * DP + col
+
+    @T.macro
+    def load(Ct, bfrag, ks, ndp):
+        if not ldmatrix:
+            for tx in T.thread_binding(nt, thread="threadIdx.x"):
+                for x in T.unroll(8):
+                    bfrag[tx, x] = Ct[b_index_kn(tx, x % 4, ks, 2 * ndp + x // 4, DP)]
+        elif emulate:
+            for w, lane, x in T.grid(warps, 32, 8):
+                bfrag[w * 32 + lane, x] = Ct[
+                    row_index(ldsm_value(lane, x)[0], ks, ndp) + ldsm_value(lane, x)[1]
+                ]
+        else:
+            for tx in T.thread_binding(nt, thread="threadIdx.x"):
+                T.evaluate(
+                    T.cuda.func_call(
+                        name,
+                        Ct.access_ptr("r", offset=row_index(tx % 32, ks, ndp), extent=8),
+                        bfrag[tx, 0], bfrag[tx, 1], bfrag[tx, 2], bfrag[tx, 3],
+                        bfrag[tx, 4], bfrag[tx, 5], bfrag[tx, 6], bfrag[tx, 7],
+                        source_code=source,
+                    )
+                )
+
+    return load
+
+
 @dataclass(frozen=True)
 class TCConfig:
     warps: int = 4  # 16 query rows each: block_q = 16 * warps
     chunk: int = 64  # keys per online-softmax step (a multiple of 16)
+    ldmatrix: bool = True  # V's B operands by ldmatrix.trans (else 16-bit loads)
 
     @property
     def block_q(self) -> int:
@@ -240,6 +313,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
         return c_pos(tx % 32, l)[1]
 
     mma = mma_macro(NW, dt, emulate)
+    load_kn = kn_loader(NW, D, dt, cfg.ldmatrix, emulate)
 
     @T.macro
     def quad_reduce(part, red, op_max):
@@ -312,13 +386,13 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for rr in T.unroll(2):
                 l_r[tx, rr] = l_r[tx, rr] * part[tx, 2 + rr] + red[tx, rr]
-        # 4. O += P V: k-step ks covers keys ks*16..+16, output tile nd columns nd*8..+8.
+        # 4. O += P V: k-step ks covers keys ks*16..+16, output tiles nd columns nd*8..+8,
+        # two per load.
         for ks in T.unroll(KC // 16):
-            for nd in T.unroll(NO):
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    for l in T.unroll(4):
-                        vfrag[tx, l] = Vt[b_index_kn(tx, l, ks, nd, DP)]
-                mma(pfrag, ks * 8, vfrag, 0, ofrag, nd * 4)
+            for ndp in T.unroll(NO // 2):
+                load_kn(Vt, vfrag, ks, ndp)
+                mma(pfrag, ks * 8, vfrag, 0, ofrag, ndp * 8)
+                mma(pfrag, ks * 8, vfrag, 4, ofrag, ndp * 8 + 4)
 
     @T.macro
     def start_rows(QK, qfrag, ofrag, m_r, l_r, src, b, h, src_row, sink):
@@ -373,7 +447,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                 xt_s = T.alloc_buffer((KC,), "int64", scope="shared")
                 qfrag = T.alloc_buffer((NT, KD * 8), dt, scope="local")
                 kfrag = T.alloc_buffer((NT, 4), dt, scope="local")
-                vfrag = T.alloc_buffer((NT, 4), dt, scope="local")
+                vfrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
                 pfrag = T.alloc_buffer((NT, NS * 4), dt, scope="local")
                 ofrag = T.alloc_buffer((NT, NO * 4), acc, scope="local")
@@ -439,7 +513,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                 Vt = T.alloc_buffer((KC * DP,), dt, scope="shared")
                 qfrag = T.alloc_buffer((NT, KD * 8), dt, scope="local")
                 kfrag = T.alloc_buffer((NT, 4), dt, scope="local")
-                vfrag = T.alloc_buffer((NT, 4), dt, scope="local")
+                vfrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
                 pfrag = T.alloc_buffer((NT, NS * 4), dt, scope="local")
                 ofrag = T.alloc_buffer((NT, NO * 4), acc, scope="local")

@@ -64,12 +64,13 @@ def build_libraries(out: str, arch: str) -> list[str]:
 
 
 # Tile configurations of the fused kernels to time against each other on the GPU (the
-# default is picked without one): tensor-core (warps, keys per chunk), and the CUDA-core
-# kernel; for the forward and for the two band gradient kernels. At the bf16
-# D=128 causal W=4096 shape.
+# default is picked without one): tensor-core (warps, partners per chunk[, ldmatrix:
+# False loads the B operands read along a tile's rows with 16-bit loads instead]), and
+# the CUDA-core kernel; for the forward and for the two band gradient kernels. At the
+# issue's bf16 D=128 causal W=4096 shape.
 VARIANT_SPEC = "head_dim=128,window=4095:0,dtype=bfloat16,backward"
-TC_VARIANTS = ((4, 64), (4, 32), (2, 64), (2, 32), (8, 32), (8, 16))
-TC_BWD_VARIANTS = ((2, 32), (4, 16), (2, 16), (1, 32))
+TC_VARIANTS = ((4, 64), (4, 64, False), (4, 32), (2, 64), (2, 32), (8, 32), (8, 16))
+TC_BWD_VARIANTS = ((2, 32), (2, 32, False), (4, 16), (2, 16), (1, 32))
 
 
 def build_variants(out: str, arch: str) -> str:
@@ -100,13 +101,14 @@ def build_variants(out: str, arch: str) -> str:
         ("local_dkv", cuda_flash_bwd_tc, cuda_flash_bwd, TC_BWD_VARIANTS),
     ):
         spec = kernels[kind]
-        for warps, chunk in tc_configs:
-            cfg = tc.TCConfig(warps, chunk) if kind == "local" else tc.TCBwdConfig(warps, chunk)
+        for variant in tc_configs:
+            cfg = tc.TCConfig(*variant) if kind == "local" else tc.TCBwdConfig(*variant)
             if cfg.shared_bytes(spec.head_dim, spec.dtype) > cuda_flash.SHARED_BUDGET:
                 continue
             make = tc.flash_tc if kind == "local" else tc.flash_bwd_tc
-            add(spec, f"tc_w{warps}_c{chunk}", make(spec, cfg), kernel=tc.__name__.rsplit(".", 1)[1], warps=warps,
-                chunk=chunk, default=cfg == tc.default_config(spec))
+            suffix = f"tc_w{cfg.warps}_c{cfg.chunk}" + ("" if cfg.ldmatrix else "_lds16")
+            add(spec, suffix, make(spec, cfg), kernel=tc.__name__.rsplit(".", 1)[1], warps=cfg.warps, chunk=cfg.chunk,
+                ldmatrix=cfg.ldmatrix, default=cfg == tc.default_config(spec))
         make = cores.flash if kind == "local" else cores.flash_bwd
         add(spec, "cores", make(spec), kernel=cores.__name__.rsplit(".", 1)[1], config=str(cores.default_config(spec)))
     spec = kernels["local"]

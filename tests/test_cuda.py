@@ -98,6 +98,9 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
     assert re.search(rf"swa_mma_{ptx}\(qfrag", src) and re.search(rf"swa_mma_{ptx}\(pfrag", src), (
         "Q K^T and P V should both issue mma (P from the score registers)"
     )
+    # V's B operands by ldmatrix.trans from the shared tile, two output tiles per load.
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in src
+    assert re.search(rf"swa_ldsm_t_{ptx}\(\(&\(Vt(_ptr)?\[", src), "P V's operands should come by ldmatrix"
     if spec.backward:
         # The fused gradient kernels: four 16-bit tiles each in shared memory (dq: Q, dO,
         # K, V; dk/dv: K, V, Q, dO); S and dP, then dq (from dS), or dv (from P) and dk
@@ -109,6 +112,7 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
             assert len(re.findall(rf"__shared__ (?:alignas\(\d+\) )?{half} \w+\[\d+\]", body)) == 4, kind
             for a in operands:
                 assert re.search(rf"swa_mma_{ptx}\({a}(_ptr)?\[", body), f"{kind}: no mma with A operand {a}"
+            assert f"swa_ldsm_t_{ptx}(" in body, f"{kind}: the chunk tile's B operands should come by ldmatrix"
 
     specs = swa_tvm.load_library(path)
     assert {s.name for s in specs} == {k.name for k in kernels}
@@ -323,8 +327,9 @@ def test_cuda_flash_kernel_computes_the_reference(dtype, window, dilation, extra
     [
         # Globals, sinks, per-head dilation up to 3; two warps, one 16-key score tile pair.
         ("bfloat16", (21, 0), [1, 3, 2, 1], True, (2, 16)),
-        # Both sides, 32-key chunks (two k-steps of P V per chunk).
-        ("float16", (8, 9), [2, 2, 2, 2], False, (2, 32)),
+        # Both sides, 32-key chunks (two k-steps of P V per chunk); V's operands by
+        # 16-bit loads instead of ldmatrix.
+        ("float16", (8, 9), [2, 2, 2, 2], False, (2, 32, False)),
         # A window long against the block: chunks every row sees whole skip the mask.
         ("float16", (100, 20), [1, 2, 1, 1], False, (2, 16)),
     ],
@@ -406,6 +411,21 @@ def test_mma_fragment_maps_are_the_hardware_layout():
             assert shared_16x16_to_ldmatrix_32x8_layout(n, k)[0] == lane and b_lane(k, n) == (lane, l)
             for half in (0, 1):
                 assert a_pos(lane, 4 * half + l) == (row, 8 * half + col)
+    # ldmatrix.x4.trans of a row-major [k][n] tile (V; the chunk tiles of the gradients'
+    # dq/dk/dv products): lane t gives the address of row t % 16, column 8 * (t // 16)
+    # (TVM's own offset for its B-operand ldmatrix.trans, get_ldmatrix_intrin), and,
+    # under the PTX ISA's .trans map, every value it gets back is where the B fragment of
+    # the output tile (first or second 8 columns) wants it.
+    from swa_tvm.schedules.cuda_flash_tc import ldsm_row, ldsm_value
+
+    for ks, ndp in ((0, 0), (1, 2)):
+        for lane in range(32):
+            assert ldsm_row(lane, ks, ndp) == (16 * ks + lane % 16, 16 * ndp + 8 * (lane // 16))
+            for slot in range(8):
+                src, col = ldsm_value(lane, slot)
+                row, col0 = ldsm_row(src, ks, ndp)
+                k, n = b_pos(lane, slot % 4)
+                assert (row, col0 + col) == (16 * ks + k, 8 * (2 * ndp + slot // 4) + n), (lane, slot)
     # Every position of each operand is held exactly once.
     assert len({a_pos(t, l) for t in range(32) for l in range(8)}) == 256
     assert len({b_pos(t, l) for t in range(32) for l in range(4)}) == 128
@@ -496,13 +516,13 @@ BACKWARD_CASES = {
 }
 
 
-# The tensor-core backward's tiles (warps, chunk) and head dim for the half-precision
-# cases: one warp (16 rows) makes several items of T=45; 32-key chunks make two k-steps
+# The tensor-core backward's tiles (warps, chunk[, ldmatrix]) and head dim for the
+# half-precision cases: one warp (16 rows) makes several items of T=45; 32-key chunks make two k-steps
 # of the dS/P products, head dim 32 two of S and dP.
 TC_BACKWARD_CONFIGS = {
-    "bf16_causal_everything": (1, 16, 32),
-    "fp16_unbounded_left": (2, 32, 16),
-    "bf16_unbounded_right": (1, 32, 32),
+    "bf16_causal_everything": ((1, 16), 32),
+    "fp16_unbounded_left": ((2, 32, False), 16),  # 16-bit loads instead of ldmatrix
+    "bf16_unbounded_right": ((1, 32), 32),
 }
 
 
@@ -534,7 +554,7 @@ def test_cuda_backward_kernels_compute_the_reference_gradients(case, fused, monk
         assert want.kind in BACKWARD_KINDS, "the forward comes from the reference here"
         built.append(want.kind)
         if fused == "tc":
-            cfg = cuda_flash_bwd_tc.TCBwdConfig(*TC_BACKWARD_CONFIGS[case][:2])
+            cfg = cuda_flash_bwd_tc.TCBwdConfig(*TC_BACKWARD_CONFIGS[case][0])
             func = cuda_flash_bwd_tc.flash_bwd_tc(want, cfg, emulate=True)
             return Kernel(want, _serial_on_cpu(func)[want.name], device, "serial, mma emulated")
         if fused == "cores":
@@ -548,7 +568,7 @@ def test_cuda_backward_kernels_compute_the_reference_gradients(case, fused, monk
     monkeypatch.setattr(functional, "_kernel", serial_cuda_kernel)
     dtype, window, dilation, extras, tol, _ = BACKWARD_CASES[case]
     B, H, Hkv, T, G = 2, 4, 2, 45, 2
-    D = TC_BACKWARD_CONFIGS[case][2] if fused == "tc" else 16
+    D = TC_BACKWARD_CONFIGS[case][1] if fused == "tc" else 16
     tdt = getattr(torch, dtype)
     leaf = lambda *shape: rand(*shape).to(tdt).double().requires_grad_()  # noqa: E731 - values exact in dtype
     q, k, v = leaf(B, H, T, D), leaf(B, Hkv, T, D), leaf(B, Hkv, T, D)
@@ -657,7 +677,7 @@ def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
     kernels), listed in variants.json with the kind each computes."""
     from swa_tvm import gpu_bundle
 
-    monkeypatch.setattr(gpu_bundle, "TC_VARIANTS", ((4, 64), (2, 16)))
+    monkeypatch.setattr(gpu_bundle, "TC_VARIANTS", ((4, 64), (2, 16, False)))
     monkeypatch.setattr(gpu_bundle, "TC_BWD_VARIANTS", ((2, 32), (1, 16)))
     path = gpu_bundle.build_variants(str(tmp_path), "sm_90")
     meta = json.load(open(tmp_path / "lib" / "variants" / "variants.json"))
@@ -666,7 +686,7 @@ def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
     got = [(v["kind"], v["function"].rsplit("__", 1)[1], v["kernel"], v.get("default")) for v in meta["variants"]]
     assert got == [
         ("local", "tc_w4_c64", "cuda_flash_tc", True),  # bf16 D=128's default
-        ("local", "tc_w2_c16", "cuda_flash_tc", False),
+        ("local", "tc_w2_c16_lds16", "cuda_flash_tc", False),
         ("local", "cores", "cuda_flash", None),
         ("local_dq", "tc_w2_c32", "cuda_flash_bwd_tc", True),
         ("local_dq", "tc_w1_c16", "cuda_flash_bwd_tc", False),
