@@ -152,10 +152,29 @@ def _kernel(want: KernelSpec, device: str) -> library.Kernel:
     return get_or_build_kernel(KernelSpec(**{**want.to_dict(), "max_dilation": md}), "cuda" if device == "cuda" else None)
 
 
+# TVM compiles every kernel assuming each tensor's data is aligned to 64 bytes (its
+# default buffer alignment; the CUDA kernels' 16-byte vector loads rely on it), which a
+# contiguous view into a larger tensor need not be (x[1:] of a flat buffer): such a view
+# is copied, and _launch refuses any argument that is still misaligned.
+ALIGNMENT = 64
+
+
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """x contiguous and ALIGNMENT-byte aligned (a copy only where it is not)."""
+    x = x.contiguous()
+    return x if x.data_ptr() % ALIGNMENT == 0 else x.clone()
+
+
 def _launch(kern: library.Kernel, device: torch.device, *args) -> None:
     """Call a kernel. CUDA kernels run under ``device`` (a device guard: TVM launches on
     the current device) and on torch's current stream there, so they order with the
     surrounding torch work and CUDA graphs capture them."""
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.numel() and a.data_ptr() % ALIGNMENT:
+            raise ValueError(
+                f"kernel {kern.spec.name}: a {tuple(a.shape)} argument's data is not {ALIGNMENT}-byte aligned "
+                "(the kernels assume it; pass it through functional._dense)"
+            )
     if kern.device != "cuda" or device.type != "cuda":
         kern.func(*args)
         return
@@ -202,7 +221,7 @@ def _global_spec(q, right) -> KernelSpec:
 def _sink_or_none(sink_logits, H, acc, device):
     """Learned sinks as the kernels take them: [H] in the accumulation dtype, -inf = none."""
     if sink_logits is not None:
-        return sink_logits.to(acc).contiguous()
+        return _dense(sink_logits.to(acc))
     return torch.full((H,), float("-inf"), dtype=acc, device=device)
 
 
@@ -224,8 +243,8 @@ def attention_forward(
     B, H, T, D = q.shape
     device = q.device.type
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    dil = dilation.to(torch.int32).contiguous()
+    q, k, v = _dense(q), _dense(k), _dense(v)
+    dil = _dense(dilation.to(torch.int32))
     sink = _sink_or_none(sink_logits, H, acc, q.device)
     extra = _extra_positions(global_idx, num_sinks, B, q.device)
     kern = _kernel(_local_spec(q, left, right, dil, extra), device)
@@ -238,12 +257,12 @@ def attention_forward(
     if G:
         gkern = _kernel(_global_spec(q, right), device)
         gi = global_idx.long()
-        qg = q_global.contiguous() if q_global is not None else _global_rows(q, gi)[0]
-        kg = k_global.contiguous() if k_global is not None else k
-        vg = v_global.contiguous() if v_global is not None else v
+        qg = _dense(q_global) if q_global is not None else _global_rows(q, gi)[0]
+        kg = _dense(k_global) if k_global is not None else k
+        vg = _dense(v_global) if v_global is not None else v
         gout = torch.empty(B, H, G, D, dtype=q.dtype, device=q.device)
         glse = torch.empty(B, H, G, dtype=acc, device=q.device)
-        _launch(gkern, q.device, qg, kg, vg, global_idx.contiguous(), sink, float(scale), gout, glse)
+        _launch(gkern, q.device, qg, kg, vg, _dense(global_idx), sink, float(scale), gout, glse)
         out.scatter_(2, gi[:, None, :, None].expand(B, H, G, D), gout)
         lse.scatter_(2, gi[:, None, :].expand(B, H, G), glse)
     return out, lse
@@ -268,13 +287,13 @@ def attention_backward(
     Hkv = k.shape[1]
     device = q.device.type
     acc = lse.dtype
-    q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
-    dil = dilation.to(torch.int32).contiguous()
+    q, k, v, dout = _dense(q), _dense(k), _dense(v), _dense(dout)
+    dil = _dense(dilation.to(torch.int32))
     # delta_i = dout_i . out_i - dlse_i: the one row statistic every gradient kernel needs.
     delta = (dout.to(acc) * out.to(acc)).sum(-1)
     if dlse is not None:
         delta = delta - dlse.to(acc)
-    lse = lse.contiguous()
+    lse = _dense(lse)
     # Distinct empty tensors: a custom op's outputs may not alias each other.
     none = lambda: q.new_empty(0)  # noqa: E731
     dsink = none()
@@ -299,7 +318,7 @@ def attention_backward(
     extra = _extra_positions(global_idx, num_sinks, B, q.device)
     fwd = _local_spec(q, left, right, dil, extra)
     kernels = {s.kind: _kernel(s, device) for s in fwd.backward_kernels()}
-    common = [q, k, v, dil] + ([extra] if extra is not None else []) + [dout_l, lse_l.contiguous(), delta_l.contiguous(), float(scale)]
+    common = [q, k, v, dil] + ([extra] if extra is not None else []) + [dout_l, _dense(lse_l), _dense(delta_l), float(scale)]
     dq = torch.empty_like(q)
     _launch(kernels["local_dq"], q.device, *common, dq)
     # Key gradients per query head come in the accumulation dtype: a GQA group and the
@@ -321,13 +340,13 @@ def attention_backward(
     dqg, dkg, dvg = none(), none(), none()
     if G:
         gkern = _kernel(_global_spec(q, right).backward_kernels()[0], device)
-        qg = q_global.contiguous() if q_global is not None else _global_rows(q, gi)[0]
-        kg = k_global.contiguous() if k_global is not None else k
-        vg = v_global.contiguous() if v_global is not None else v
+        qg = _dense(q_global) if q_global is not None else _global_rows(q, gi)[0]
+        kg = _dense(k_global) if k_global is not None else k
+        vg = _dense(v_global) if v_global is not None else v
         g_dq = torch.empty(B, H, G, D, dtype=q.dtype, device=q.device)
         g_dk = torch.empty(B, H, T, D, dtype=acc, device=q.device)
         g_dv = torch.empty_like(g_dk)
-        _launch(gkern, q.device, qg, kg, vg, global_idx.contiguous(), dout_g, lse_g, delta_g, float(scale), g_dq, g_dk, g_dv)
+        _launch(gkern, q.device, qg, kg, vg, _dense(global_idx), dout_g, lse_g, delta_g, float(scale), g_dq, g_dk, g_dv)
         g_dk, g_dv = _group_sum(g_dk, Hkv), _group_sum(g_dv, Hkv)
         if q_global is not None:
             dqg = g_dq

@@ -59,3 +59,53 @@ def test_torch_compile_fullgraph():
         v = (x @ wv).view(2, T, 2, D).transpose(1, 2)
         r, _ = ref(q, k, v, window_size=(3, 1), dilation=2, global_idx=gi)
         assert rel_err(got, r.transpose(1, 2).reshape(2, T, 4 * D)) < 1e-5
+
+
+def test_misaligned_views_get_aligned_copies(monkeypatch):
+    """TVM compiles the kernels assuming 64-byte aligned data (on CUDA a misaligned
+    16-byte vector load faults): contiguous views at an odd offset (q, k, v, the global
+    projections, global_idx, sink logits) reach every kernel, forward and backward, as
+    aligned copies, with the aligned call's results and gradients; a misaligned tensor
+    handed to a launch is refused by name."""
+    import pytest
+
+    from swa_tvm import functional
+
+    seen = []
+    launch = functional._launch
+
+    def spy(kern, device, *args):
+        seen.extend((kern.spec.kind, a.data_ptr() % 64) for a in args if isinstance(a, torch.Tensor) and a.numel())
+        return launch(kern, device, *args)
+
+    monkeypatch.setattr(functional, "_launch", spy)
+
+    def odd(x):  # the same values, contiguous, 4 bytes past an aligned allocation
+        flat = torch.empty(x.numel() + 1, dtype=x.dtype)
+        flat[1:] = x.reshape(-1)
+        return flat[1:].view(x.shape)
+
+    T = 40
+    inputs = dict(q=rand(1, 4, T, D), k=rand(1, 2, T, D), v=rand(1, 2, T, D), q_global=rand(1, 4, 2, D),
+                  sink_logits=rand(4))
+    gi = torch.tensor([[3, 30]], dtype=torch.int32)
+    runs = []
+    for make in (lambda x: x.clone(), odd):
+        leaves = {n: make(x).requires_grad_() for n, x in inputs.items()}
+        assert make is not odd or all(x.data_ptr() % 64 for x in leaves.values())
+        out = swa_tvm.sliding_window_attention(
+            leaves["q"], leaves["k"], leaves["v"], window_size=(5, 0), global_idx=make(gi), num_sinks=1,
+            q_global=leaves["q_global"], sink_logits=leaves["sink_logits"],
+        )
+        grads = torch.autograd.grad(out, list(leaves.values()), torch.ones_like(out))
+        runs.append((out, grads))
+    assert {kind for kind, _ in seen} >= {"local", "global", "local_dq", "local_dkv", "local_dx", "global_bwd"}
+    assert all(offset == 0 for _, offset in seen), [s for s in seen if s[1]]
+    (out_a, grads_a), (out_b, grads_b) = runs
+    assert torch.equal(out_a, out_b) and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+    assert rel_err(out_a, ref(*[inputs[n] for n in "qkv"], window_size=(5, 0), global_idx=gi, num_sinks=1,
+                              q_global=inputs["q_global"], sink_logits=inputs["sink_logits"])[0]) < 1e-5
+
+    kern = functional._kernel(functional._local_spec(inputs["q"], 5, 0, torch.ones(4, dtype=torch.int32), None), "cpu")
+    with pytest.raises(ValueError, match=r"\(1, 4, 40, 16\) argument's data is not 64-byte aligned"):
+        launch(kern, torch.device("cpu"), odd(inputs["q"]))
