@@ -421,8 +421,9 @@ def sliding_window_attention(
     float32 and rounded once to each input's dtype (a GQA group's heads and the global
     and sink terms are summed first).
 
-    Inputs may be non-contiguous. Bad input raises TypeError or ValueError naming the
-    argument. When a library is loaded (:func:`swa_tvm.load_library`) its kernels are
+    Inputs may be non-contiguous, or contiguous views at any offset (the kernels get
+    a 64-byte aligned copy of those, as of non-contiguous ones). Bad input raises
+    TypeError or ValueError naming the argument. When a library is loaded (:func:`swa_tvm.load_library`) its kernels are
     used and a pattern it lacks is an error; with none loaded, the needed kernel is
     compiled on first use and cached in memory and on disk.
     """
