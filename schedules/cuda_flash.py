@@ -48,8 +48,21 @@ from swa_tvm.spec import KernelSpec, accum_dtype
 
 # Static shared memory of one block. More needs TVM's dynamic shared memory, whose
 # buffers TVM merges into one, after which its barrier planner can no longer tell the
-# tiles apart and refuses the row phases' loops.
+# tiles apart and refuses the row phases' loops of this kernel and cuda_flash_bwd. The
+# tensor-core kernels have no such loops: their larger tiles take dynamic shared memory
+# (a barrier more per chunk, the planner seeing one buffer) up to SHARED_LIMIT, the
+# per-block opt-in limit of every sm_80+ GPU (sm_86/sm_89 99 KiB; sm_80 163, sm_90 227),
+# which TVM's runtime sets at launch.
 SHARED_BUDGET = 48 * 1024
+SHARED_LIMIT = 99 * 1024
+
+
+def shared_scope(nbytes: int) -> str:
+    """The scope of a tensor-core kernel's shared tiles: static within SHARED_BUDGET,
+    else dynamic (ValueError past SHARED_LIMIT)."""
+    if nbytes > SHARED_LIMIT:
+        raise ValueError(f"{nbytes} bytes of shared memory exceed the {SHARED_LIMIT // 1024} KiB of a block")
+    return "shared" if nbytes <= SHARED_BUDGET else "shared.dyn"
 
 
 @dataclass(frozen=True)

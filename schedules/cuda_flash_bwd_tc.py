@@ -38,6 +38,7 @@ from swa_tvm.spec import KernelSpec
 
 from .cuda_flash import (
     SHARED_BUDGET,
+    shared_scope,
     block_last_key,
     extra_positions_loader,
     global_fields,
@@ -98,17 +99,20 @@ def flash_bwd_tc(spec: KernelSpec, config: TCBwdConfig | None = None, emulate: b
         raise ValueError(f"kernel {spec.name}: no tensor-core backward tile fits {SHARED_BUDGET // 1024} KiB of shared memory")
     if cfg.warps < 1 or cfg.chunk < 16 or cfg.chunk % 16:
         raise ValueError(f"kernel {spec.name}: {cfg}: warps must be >= 1 and chunk a positive multiple of 16")
-    return _build(spec, cfg, emulate).with_attr("global_symbol", spec.name)
+    try:
+        scope = shared_scope(cfg.shared_bytes(spec.head_dim, spec.dtype))
+    except ValueError as e:
+        raise ValueError(f"kernel {spec.name}: {cfg}: {e}") from None
+    return _build(spec, cfg, scope, emulate).with_attr("global_symbol", spec.name)
 
 
-def _build(spec: KernelSpec, cfg: TCBwdConfig, emulate: bool):  # noqa: C901 - four kernels, phase by phase
+def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa: C901 - four kernels, phase by phase
     D, dt, acc = spec.head_dim, spec.dtype, "float32"
     lo, hi, maxd, extras, causal = spec.left, spec.right, spec.max_dilation, spec.extras, spec.causal
     NW, KC = cfg.warps, cfg.chunk
     BR, NT = 16 * NW, 32 * NW
     NS, NO, KD, KK = KC // 8, D // 8, D // 16, KC // 16  # score tiles, output tiles, k-steps (head dim, chunk)
     DP = D + 8  # padded rows, as in cuda_flash_tc
-    SH = "shared"
     INF = tirx.const(float("inf"), acc)
     ZERO, ONE = tirx.const(0.0, acc), tirx.const(1.0, acc)
     mma = mma_macro(NW, dt, emulate)

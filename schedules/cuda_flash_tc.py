@@ -33,6 +33,7 @@ from swa_tvm.spec import KernelSpec
 
 from .cuda_flash import (
     SHARED_BUDGET,
+    shared_scope,
     block_last_key,
     extra_positions_loader,
     global_fields,
@@ -286,10 +287,14 @@ def flash_tc(spec: KernelSpec, config: TCConfig | None = None, emulate: bool = F
         raise ValueError(f"kernel {spec.name}: no tensor-core tile fits {SHARED_BUDGET // 1024} KiB of shared memory")
     if cfg.warps < 1 or cfg.chunk < 16 or cfg.chunk % 16:
         raise ValueError(f"kernel {spec.name}: {cfg}: warps must be >= 1 and chunk a positive multiple of 16")
-    return _build(spec, cfg, emulate).with_attr("global_symbol", spec.name)
+    try:
+        scope = shared_scope(cfg.shared_bytes(spec.head_dim, spec.dtype))
+    except ValueError as e:
+        raise ValueError(f"kernel {spec.name}: {cfg}: {e}") from None
+    return _build(spec, cfg, scope, emulate).with_attr("global_symbol", spec.name)
 
 
-def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one kernel, phase by phase
+def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C901 - one kernel, phase by phase
     D, dt, acc = spec.head_dim, spec.dtype, "float32"
     lo, hi, maxd, extras = spec.left, spec.right, spec.max_dilation, spec.extras
     causal = spec.causal
@@ -440,11 +445,11 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                 T.reads()
                 T.writes()
                 # Q is in registers before the first key chunk arrives: Q and K share a tile.
-                QK = T.alloc_buffer((max(BQ, KC) * DP,), dt, scope="shared")
-                Vt = T.alloc_buffer((KC * DP,), dt, scope="shared")
-                xpos_s = T.alloc_buffer((KC,), "int64", scope="shared")
-                xres_s = T.alloc_buffer((KC,), "int64", scope="shared")
-                xt_s = T.alloc_buffer((KC,), "int64", scope="shared")
+                QK = T.alloc_buffer((max(BQ, KC) * DP,), dt, scope=SH)
+                Vt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                xpos_s = T.alloc_buffer((KC,), "int64", scope=SH)
+                xres_s = T.alloc_buffer((KC,), "int64", scope=SH)
+                xt_s = T.alloc_buffer((KC,), "int64", scope=SH)
                 qfrag = T.alloc_buffer((NT, KD * 8), dt, scope="local")
                 kfrag = T.alloc_buffer((NT, 4), dt, scope="local")
                 vfrag = T.alloc_buffer((NT, 8), dt, scope="local")
@@ -509,8 +514,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, emulate: bool):  # noqa: C901 - one 
                 T.reads()
                 T.writes()
                 # Q is in registers before the first key chunk arrives: Q and K share a tile.
-                QK = T.alloc_buffer((max(BQ, KC) * DP,), dt, scope="shared")
-                Vt = T.alloc_buffer((KC * DP,), dt, scope="shared")
+                QK = T.alloc_buffer((max(BQ, KC) * DP,), dt, scope=SH)
+                Vt = T.alloc_buffer((KC * DP,), dt, scope=SH)
                 qfrag = T.alloc_buffer((NT, KD * 8), dt, scope="local")
                 kfrag = T.alloc_buffer((NT, 4), dt, scope="local")
                 vfrag = T.alloc_buffer((NT, 8), dt, scope="local")

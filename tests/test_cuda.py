@@ -678,7 +678,7 @@ def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
     from swa_tvm import gpu_bundle
 
     monkeypatch.setattr(gpu_bundle, "TC_VARIANTS", ((4, 64), (2, 16, False)))
-    monkeypatch.setattr(gpu_bundle, "TC_BWD_VARIANTS", ((2, 32), (1, 16)))
+    monkeypatch.setattr(gpu_bundle, "TC_BWD_VARIANTS", ((2, 32), (4, 32)))  # 4 x 32: dynamic shared memory
     path = gpu_bundle.build_variants(str(tmp_path), "sm_90")
     meta = json.load(open(tmp_path / "lib" / "variants" / "variants.json"))
     assert os.path.exists(path) and meta["library"] == os.path.basename(path) and meta["arch"] == "sm_90"
@@ -689,9 +689,20 @@ def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
         ("local", "tc_w2_c16_lds16", "cuda_flash_tc", False),
         ("local", "cores", "cuda_flash", None),
         ("local_dq", "tc_w2_c32", "cuda_flash_bwd_tc", True),
-        ("local_dq", "tc_w1_c16", "cuda_flash_bwd_tc", False),
+        ("local_dq", "tc_w4_c32", "cuda_flash_bwd_tc", False),
         ("local_dq", "cores", "cuda_flash_bwd", None),
         ("local_dkv", "tc_w2_c32", "cuda_flash_bwd_tc", True),
-        ("local_dkv", "tc_w1_c16", "cuda_flash_bwd_tc", False),
+        ("local_dkv", "tc_w4_c32", "cuda_flash_bwd_tc", False),
         ("local_dkv", "cores", "cuda_flash_bwd", None),
     ]
+    assert [v.get("shared_bytes", 0) > 48 * 1024 for v in meta["variants"] if v["kind"] == "local_dq"] == [False, True, False]
+    # The 4 x 32 gradient kernels (52 KiB, compiled by nvcc above) take dynamic shared
+    # memory; tiles within 48 KiB static.
+    from swa_tvm.schedules import cuda_flash_bwd_tc, cuda_flash_tc
+
+    grad = KernelSpec("local_dq", 128, "bfloat16", 4095, 0)
+    assert 'scope="shared.dyn"' in cuda_flash_bwd_tc.flash_bwd_tc(grad, cuda_flash_bwd_tc.TCBwdConfig(4, 32)).script()
+    small = cuda_flash_bwd_tc.flash_bwd_tc(grad, cuda_flash_bwd_tc.TCBwdConfig(2, 32)).script()
+    assert "shared.dyn" not in small and "T.alloc_shared(" in small
+    with pytest.raises(ValueError, match=r"exceed the 99 KiB of a block"):
+        cuda_flash_tc.flash_tc(dataclasses.replace(grad, kind="local", head_dim=256), cuda_flash_tc.TCConfig(8, 128))
