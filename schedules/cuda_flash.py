@@ -106,13 +106,14 @@ def thread_cols(head_dim: int, chunk: int, threads: int) -> int:
     return next(c for c in (16, 8, 4, 2, 1) if head_dim % c == 0 and chunk % c == 0 and threads % c == 0)
 
 
-def largest_fitting(make, spec: KernelSpec):
-    """``make(rows, chunk)``, the config with the largest tiles within SHARED_BUDGET; None
-    where none fits (very large head dims) or the dtype is not one CUDA serves."""
+def largest_fitting(make, spec: KernelSpec, sizes=((64, 64), (64, 32), (32, 32), (32, 16), (16, 16))):
+    """``make(*size)`` for the first of ``sizes`` (largest first) whose tiles fit
+    SHARED_BUDGET; None where none fits (very large head dims) or the dtype is not one
+    CUDA serves."""
     if spec.dtype not in ("float32", "float16", "bfloat16"):
         return None
-    for rows, chunk in ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16)):
-        cfg = make(rows, chunk)
+    for size in sizes:
+        cfg = make(*size)
         if cfg.shared_bytes(spec.head_dim, spec.dtype) <= SHARED_BUDGET:
             return cfg
     return None

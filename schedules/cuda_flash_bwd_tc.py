@@ -37,16 +37,15 @@ from swa_tvm.compute import extra_visible, item_interior, item_key_span, row_key
 from swa_tvm.spec import KernelSpec
 
 from .cuda_flash import (
-    SHARED_BUDGET,
-    shared_scope,
     block_last_key,
     extra_positions_loader,
     global_fields,
     global_row_last_key,
     item_fields,
+    largest_fitting,
 )
 from .cuda_flash_bwd import KINDS, _dkv_kernel, _dq_kernel, _dx_kernel, _global_kernel, stats_loader
-from .cuda_flash_tc import PTX_TYPE, a_index, b_index_nk, c_pos, kn_loader, mma_macro, pair_loader
+from .cuda_flash_tc import PTX_TYPE, a_index, b_index_nk, c_pos, kn_loader, mma_macro, pair_loader, tile_scope
 
 
 @dataclass(frozen=True)
@@ -77,13 +76,7 @@ def supports(spec: KernelSpec) -> bool:
 
 
 def default_config(spec: KernelSpec) -> TCBwdConfig | None:
-    if not supports(spec):
-        return None
-    for warps, chunk in CONFIGS:
-        cfg = TCBwdConfig(warps, chunk)
-        if cfg.shared_bytes(spec.head_dim, spec.dtype) <= SHARED_BUDGET:
-            return cfg
-    return None
+    return largest_fitting(TCBwdConfig, spec, CONFIGS) if supports(spec) else None
 
 
 def flash_bwd_tc(spec: KernelSpec, config: TCBwdConfig | None = None, emulate: bool = False) -> tvm.tirx.PrimFunc:
@@ -95,15 +88,7 @@ def flash_bwd_tc(spec: KernelSpec, config: TCBwdConfig | None = None, emulate: b
             "with head_dim % 16 == 0"
         )
     cfg = config or default_config(spec)
-    if cfg is None:
-        raise ValueError(f"kernel {spec.name}: no tensor-core backward tile fits {SHARED_BUDGET // 1024} KiB of shared memory")
-    if cfg.warps < 1 or cfg.chunk < 16 or cfg.chunk % 16:
-        raise ValueError(f"kernel {spec.name}: {cfg}: warps must be >= 1 and chunk a positive multiple of 16")
-    try:
-        scope = shared_scope(cfg.shared_bytes(spec.head_dim, spec.dtype))
-    except ValueError as e:
-        raise ValueError(f"kernel {spec.name}: {cfg}: {e}") from None
-    return _build(spec, cfg, scope, emulate).with_attr("global_symbol", spec.name)
+    return _build(spec, cfg, tile_scope(spec, cfg), emulate).with_attr("global_symbol", spec.name)
 
 
 def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa: C901 - four kernels, phase by phase

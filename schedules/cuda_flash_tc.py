@@ -33,6 +33,7 @@ from swa_tvm.spec import KernelSpec
 
 from .cuda_flash import (
     SHARED_BUDGET,
+    largest_fitting,
     shared_scope,
     block_last_key,
     extra_positions_loader,
@@ -264,12 +265,8 @@ def supports(spec: KernelSpec) -> bool:
 
 
 def default_config(spec: KernelSpec) -> TCConfig | None:
-    if not supports(spec):
-        return None
-    for cfg in (TCConfig(4, 64), TCConfig(4, 32), TCConfig(2, 32), TCConfig(2, 16)):
-        if cfg.shared_bytes(spec.head_dim, spec.dtype) <= SHARED_BUDGET:
-            return cfg
-    return None
+    """The largest of (warps, chunk) = (4, 64), (4, 32), (2, 32), (2, 16) within 48 KiB."""
+    return largest_fitting(TCConfig, spec, ((4, 64), (4, 32), (2, 32), (2, 16))) if supports(spec) else None
 
 
 def flash_tc(spec: KernelSpec, config: TCConfig | None = None, emulate: bool = False) -> tvm.tirx.PrimFunc:
@@ -283,15 +280,21 @@ def flash_tc(spec: KernelSpec, config: TCConfig | None = None, emulate: bool = F
             f"kernel {spec.name}: the tensor-core kernel takes float16/bfloat16 forward kernels with head_dim % 16 == 0"
         )
     cfg = config or default_config(spec)
+    return _build(spec, cfg, tile_scope(spec, cfg), emulate).with_attr("global_symbol", spec.name)
+
+
+def tile_scope(spec: KernelSpec, cfg) -> str:
+    """The shared-memory scope of a tensor-core kernel's tiles under ``cfg`` (a TCConfig
+    or cuda_flash_bwd_tc.TCBwdConfig; None: no default fits), after checking it: at
+    least one warp, chunks a positive multiple of 16, shared memory within SHARED_LIMIT."""
     if cfg is None:
         raise ValueError(f"kernel {spec.name}: no tensor-core tile fits {SHARED_BUDGET // 1024} KiB of shared memory")
     if cfg.warps < 1 or cfg.chunk < 16 or cfg.chunk % 16:
         raise ValueError(f"kernel {spec.name}: {cfg}: warps must be >= 1 and chunk a positive multiple of 16")
     try:
-        scope = shared_scope(cfg.shared_bytes(spec.head_dim, spec.dtype))
+        return shared_scope(cfg.shared_bytes(spec.head_dim, spec.dtype))
     except ValueError as e:
         raise ValueError(f"kernel {spec.name}: {cfg}: {e}") from None
-    return _build(spec, cfg, scope, emulate).with_attr("global_symbol", spec.name)
 
 
 def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C901 - one kernel, phase by phase
