@@ -187,6 +187,18 @@ def default_schedule(spec: KernelSpec, kind: str) -> str:
     return "default"
 
 
+def fused_tiles(spec: KernelSpec, schedule: str) -> dict | None:
+    """The tile configuration a fused CUDA kernel (``schedule`` as default_schedule
+    names it, the module under schedules/) is built with, for the manifest: the
+    defaults are a GPU measurement's to change, and a library should say which it has."""
+    if schedule not in ("cuda_flash", "cuda_flash_tc", "cuda_flash_bwd", "cuda_flash_bwd_tc"):
+        return None
+    import dataclasses
+    import importlib
+
+    return dataclasses.asdict(importlib.import_module(f"swa_tvm.schedules.{schedule}").default_config(spec))
+
+
 def _postprocess(spec: KernelSpec, kind: str, func):
     from swa_tvm.schedules import cpu as cpu_schedules
 
@@ -336,6 +348,9 @@ def export_library(
             "tuned": rec is not None,
             "schedule": "tuned" if rec is not None and rec.trace is not None else default_schedule(s, target["kind"]),
         }
+        tiles = fused_tiles(s, entry["schedule"])
+        if tiles is not None:
+            entry["tiles"] = tiles
         if rec is not None:
             entry["tuning"] = {
                 "run_ms": round(rec.run_ms, 4),

@@ -56,7 +56,9 @@ FUSED_TEXT = {
 
 def _tuned_text(k) -> str:
     if not k["tuned"]:
-        return FUSED_TEXT.get(k.get("schedule"), "default schedule")
+        text = FUSED_TEXT.get(k.get("schedule"), "default schedule")
+        tiles = ", ".join(f"{n}={v}" for n, v in k.get("tiles", {}).items())
+        return f"{text}, tiles {tiles}" if tiles else text
     t = k.get("tuning", {})
     if t.get("default_point") and k.get("schedule") in FUSED_TEXT:
         return f"{FUSED_TEXT[k['schedule']]}: measured faster than its {t.get('records', '?')} tuning records"

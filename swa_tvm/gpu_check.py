@@ -485,9 +485,11 @@ def main(argv=None) -> int:
         t0 = time.time()
         specs = swa_tvm.load_library(lib)
         entry = {"path": lib, "kernels": len(specs), "load_s": time.time() - t0}
-        try:  # which kernel each spec got (tensor-core flash, CUDA-core flash, TE default, tuned)
+        try:  # which kernel each spec got (tensor-core flash, CUDA-core flash, TE default, tuned), which tiles
             with open(lib + ".json") as f:
-                entry["schedules"] = {k["name"]: k.get("schedule") for k in json.load(f)["kernels"]}
+                manifest_kernels = json.load(f)["kernels"]
+            entry["schedules"] = {k["name"]: k.get("schedule") for k in manifest_kernels}
+            entry["tiles"] = {k["name"]: k["tiles"] for k in manifest_kernels if "tiles" in k}
         except (OSError, ValueError, KeyError):
             pass
         results["libraries"].append(entry)

@@ -84,6 +84,12 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
     assert info.returncode == 0, info.stderr
     assert info.stdout.count(cli.FUSED_TEXT["cuda_flash_tc"]) == len(forward), info.stdout
     assert info.stdout.count(cli.FUSED_TEXT["cuda_flash_bwd_tc"]) == len(kernels) - len(forward), info.stdout
+    # Which tiles each fused kernel was built with (head_dim 32: every default's largest).
+    tiles = {k["spec"]["kind"]: k["tiles"] for k in manifest["kernels"]}
+    for kind, got in tiles.items():
+        want = {"warps": 4, "chunk": 64 if kind in ("local", "global") else 32, "ldmatrix": True}
+        assert got == want, (kind, got)
+    assert "tiles warps=4, chunk=64, ldmatrix=True" in info.stdout, info.stdout
 
     # The generated CUDA source (written beside the library): half inputs, fp32
     # accumulation, shared-memory tiles.
