@@ -106,6 +106,23 @@ def stats_loader(threads: int, count: int, acc: str):
 
     return load
 
+def last_keys_loader(threads: int, count: int, causal: bool):
+    """A T.macro ``load(last_t, gidx, b, g0, G, Tn)``: the last key each of the global
+    rows g0 .. g0 + count - 1 sees (``global_row_last_key``; -1 past G) into a shared
+    table, for the kernels where a block of keys streams the global rows."""
+    steps = -(-count // threads)
+
+    @T.macro
+    def load(last_t, gidx, b, g0, G, Tn):
+        for tx in T.thread_binding(threads, thread="threadIdx.x"):
+            for x in T.serial(steps):
+                i = T.meta_var(x * threads + tx)
+                if i < count:
+                    last_t[i] = global_row_last_key(gidx, b, g0 + i, G, Tn, causal)
+
+    return load
+
+
 def flash_bwd(spec: KernelSpec, config: BwdConfig | None = None) -> tvm.tirx.PrimFunc:
     """The fused CUDA PrimFunc of a gradient spec (``KINDS``), with the TE kernel's
     arguments and name."""
@@ -130,7 +147,6 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
     RS, CS, CA = BR // TY, KC // TX, D // TX  # register tiles: rows x partners, rows x columns
     DP, SP = D + _pad(dt), KC + 1  # padded rows of the tiles
     R_STEPS, C_STEPS = -(-BR * D // NT), -(-KC * D // NT)  # tile copies
-    X_STEPS = -(-KC // NT)  # one value per partner
     load_extra_positions = extra_positions_loader(NT, KC)
     SH = "shared"
     ZERO, ONE = tirx.const(0.0, acc), tirx.const(1.0, acc)
@@ -350,6 +366,7 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                 write_rows(dv, vacc, b, h, lambda i: row0 + d * i, Tn, ONE)
 
     causal = spec.causal
+    load_last_keys = last_keys_loader(NT, KC, causal)
 
     @T.macro
     def global_dq_body(qg, k, v, gidx, dout, lse, delta, scale, dqg, B, H, Hkv, Tn, G):
@@ -418,11 +435,7 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                 for c in T.serial((G + (KC - 1)) // KC):
                     load_pair(Qt, dOt, qg, dout, b, h, lambda kk: c * KC + kk, G, KC, C_STEPS)
                     load_chunk_stats(lse_c, delta_c, lse, delta, b, h, lambda kk: c * KC + kk, G)
-                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                        for x in T.serial(X_STEPS):
-                            kk = T.meta_var(x * NT + tx)
-                            if kk < KC:
-                                gpos_c[kk] = global_row_last_key(gidx, b, c * KC + kk, G, Tn, causal)
+                    load_last_keys(gpos_c, gidx, b, c * KC, G, Tn)
                     dkv_chunk(
                         Ks, Vs, Qt, dOt, P_s, S_s, sacc, pacc, lse_c, delta_c, kacc, vacc,
                         lambda row, col: j0 + row <= gpos_c[col], scale,

@@ -44,7 +44,7 @@ from .cuda_flash import (
     item_fields,
     largest_fitting,
 )
-from .cuda_flash_bwd import KINDS, _dkv_kernel, _dq_kernel, _dx_kernel, _global_kernel, stats_loader
+from .cuda_flash_bwd import KINDS, _dkv_kernel, _dq_kernel, _dx_kernel, _global_kernel, last_keys_loader, stats_loader
 from .cuda_flash_tc import PTX_TYPE, a_index, b_index_nk, c_pos, kn_loader, mma_macro, pair_loader, tile_scope
 
 
@@ -105,6 +105,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
     load_item, load_chunk = pair_loader(NT, D, BR), pair_loader(NT, D, KC)
     load_chunk_stats = stats_loader(NT, KC, acc)
     load_extra_positions = extra_positions_loader(NT, KC)
+    load_last_keys = last_keys_loader(NT, KC, causal)
 
     def c_row(tx, l):
         """Row (in the item) of value l of a C fragment of thread tx."""
@@ -420,10 +421,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 for c in T.serial((G + (KC - 1)) // KC):
                     load_chunk(Qt, dOt, qg, dout, b, h, lambda kk: c * KC + kk, G)
                     load_chunk_stats(lse_c, delta_c, lse, delta, b, h, lambda kk: c * KC + kk, G)
-                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                        for x in T.serial(-(-KC // NT)):
-                            if x * NT + tx < KC:
-                                gpos_c[x * NT + tx] = global_row_last_key(gidx, b, c * KC + x * NT + tx, G, Tn, causal)
+                    load_last_keys(gpos_c, gidx, b, c * KC, G, Tn)
                     dkv_step(
                         Ks, Vs, Qt, dOt, fr, lse_c, delta_c, kacc, vacc,
                         lambda tx, l, nt: j0 + c_row(tx, l) <= gpos_c[nt * 8 + c_col(tx, l)],
