@@ -28,6 +28,7 @@ on the CPU (see ``cuda_flash_tc``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import tvm
 from tvm import tirx
@@ -46,6 +47,21 @@ from .cuda_flash import (
 )
 from .cuda_flash_bwd import KINDS, _dkv_kernel, _dq_kernel, _dx_kernel, _global_kernel, last_keys_loader, stats_loader
 from .cuda_flash_tc import PTX_TYPE, a_index, b_index_nk, c_pos, kn_loader, mma_macro, pair_loader, tile_scope
+
+
+class Frags(NamedTuple):
+    """A warp's register fragments, passed whole to the step macros: A operands of the
+    item's two tiles, B operands of the chunk's two, S and dP (fp32 C fragments), P and
+    dS as A operands (P: None in the dq kernels)."""
+
+    a: object
+    a2: object
+    b: object
+    b2: object
+    s: object
+    dp: object
+    p: object
+    ds: object
 
 
 @dataclass(frozen=True)
@@ -122,7 +138,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
     def products(A, A2, Bt, B2, fr):
         # S = A Bt^T and dP = A2 B2^T: each warp's 16 item rows against the chunk's KC
         # partners, over the head dim (one A fragment per k-step, reused by every tile).
-        afrag, a2frag, bfrag, b2frag, sfrag, dpfrag = T.meta_var(fr[:6])
+        afrag, a2frag, bfrag, b2frag, sfrag, dpfrag = T.meta_var((fr.a, fr.a2, fr.b, fr.b2, fr.s, fr.dp))
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for x in T.unroll(NS * 4):
                 sfrag[tx, x] = ZERO
@@ -179,7 +195,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
     @T.macro
     def dq_step(Qs, dOs, Kt, Vt, fr, lse_r, delta_r, dqacc, visible, scale):
         products(Qs, dOs, Kt, Vt, fr)
-        bfrag, sfrag, dpfrag, dsfrag = T.meta_var((fr[2], fr[4], fr[5], fr[7]))
+        bfrag, sfrag, dpfrag, dsfrag = T.meta_var((fr.b, fr.s, fr.dp, fr.ds))
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for nt in T.unroll(NS):
                 for l in T.unroll(4):
@@ -201,7 +217,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
         # Rows are keys, columns the chunk's queries: P^T and dS^T, then dv += P^T dO and
         # dk += dS^T Q.
         products(Ks, Vs, Qt, dOt, fr)
-        bfrag, sfrag, dpfrag, pfrag, dsfrag = T.meta_var((fr[2], fr[4], fr[5], fr[6], fr[7]))
+        bfrag, sfrag, dpfrag, pfrag, dsfrag = T.meta_var((fr.b, fr.s, fr.dp, fr.p, fr.ds))
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for nt in T.unroll(NS):
                 for l in T.unroll(4):
@@ -245,7 +261,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 delta_r = T.alloc_buffer((NT, 2), acc, scope="local")
                 first_r = T.alloc_buffer((NT, 2), "int64", scope="local")
                 last_r = T.alloc_buffer((NT, 2), "int64", scope="local")
-                fr = T.meta_var((afrag, a2frag, bfrag, b2frag, sfrag, dpfrag, None, dsfrag))
+                fr = T.meta_var(Frags(afrag, a2frag, bfrag, b2frag, sfrag, dpfrag, None, dsfrag))
 
                 b, h, beta, d, kvh, m0, r, row0, key0 = T.meta_var(item_fields(item, H, Hkv, nitems, dil, BR, lo))
                 # 1. Rows: queries and output gradients, lse and delta, band intervals.
@@ -314,7 +330,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 vacc = T.alloc_buffer((NT, NO * 4), acc, scope="local")
                 first_r = T.alloc_buffer((NT, 2), "int64", scope="local")
                 last_r = T.alloc_buffer((NT, 2), "int64", scope="local")
-                fr = T.meta_var((afrag, a2frag, bfrag, b2frag, sfrag, dpfrag, pfrag, dsfrag))
+                fr = T.meta_var(Frags(afrag, a2frag, bfrag, b2frag, sfrag, dpfrag, pfrag, dsfrag))
 
                 # row0: the item's first key; key0: the position of band (query) index 0.
                 b, h, beta, d, kvh, m0, r, row0, key0 = T.meta_var(item_fields(item, H, Hkv, nitems, dil, BR, tlo))
@@ -367,7 +383,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 lse_r = T.alloc_buffer((NT, 2), acc, scope="local")
                 delta_r = T.alloc_buffer((NT, 2), acc, scope="local")
                 last_r = T.alloc_buffer((NT, 2), "int64", scope="local")
-                fr = T.meta_var((afrag, a2frag, bfrag, b2frag, sfrag, dpfrag, None, dsfrag))
+                fr = T.meta_var(Frags(afrag, a2frag, bfrag, b2frag, sfrag, dpfrag, None, dsfrag))
 
                 b, h, g0, kvh = T.meta_var(global_fields(item, H, Hkv, nblk, BR))
                 # 1. Global rows (padding rows past G: lse +inf, last key -1).
@@ -411,7 +427,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 dsfrag = T.alloc_buffer((NT, NS * 4), dt, scope="local")
                 kacc = T.alloc_buffer((NT, NO * 4), acc, scope="local")
                 vacc = T.alloc_buffer((NT, NO * 4), acc, scope="local")
-                fr = T.meta_var((afrag, a2frag, bfrag, b2frag, sfrag, dpfrag, pfrag, dsfrag))
+                fr = T.meta_var(Frags(afrag, a2frag, bfrag, b2frag, sfrag, dpfrag, pfrag, dsfrag))
 
                 # A block of BR keys from j0 against every global row, KC rows a chunk.
                 b, h, j0, kvh = T.meta_var(global_fields(item, H, Hkv, nblk, BR))
@@ -458,7 +474,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 dsfrag = T.alloc_buffer((NT, NS * 4), dt, scope="local")
                 kacc = T.alloc_buffer((NT, NO * 4), acc, scope="local")
                 vacc = T.alloc_buffer((NT, NO * 4), acc, scope="local")
-                fr = T.meta_var((afrag, a2frag, bfrag, b2frag, sfrag, dpfrag, pfrag, dsfrag))
+                fr = T.meta_var(Frags(afrag, a2frag, bfrag, b2frag, sfrag, dpfrag, pfrag, dsfrag))
 
                 # A block of BR extra keys (extra_idx[b, e0:e0+BR]) against every row.
                 b, h, e0, kvh = T.meta_var(global_fields(item, H, Hkv, nblk, BR))
