@@ -243,11 +243,67 @@ def kn_loader(warps: int, head_dim: int, dtype: str, ldmatrix: bool, emulate: bo
     return load
 
 
+# cp.async (sm_80+): a 16-byte global-to-shared copy the issuing thread does not wait
+# for. commit closes the thread's group of copies; wait_group 0 waits for all of its
+# groups, and only a barrier after it makes every thread's copies visible to the block.
+CP_ASYNC_SOURCE = r"""
+#define swa_cp_async_16(dst, src) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" \
+  :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src))
+#define swa_cp_async_commit() asm volatile("cp.async.commit_group;\n" ::)
+#define swa_cp_async_wait_all() asm volatile("cp.async.wait_group 0;\n" ::: "memory")
+"""
+
+
+def async_loader(threads: int, head_dim: int, rows: int, emulate: bool):
+    """Macros ``issue(A, src, b, hh, pos_of, n)`` and ``wait_all()`` for one shared tile
+    laid out as ``pair_loader``'s, copied by cp.async: ``issue`` starts the copies of
+    rows i < ``rows`` from src[b, hh, pos_of(i)] (clamped to [0, n)) and commits them;
+    ``wait_all`` waits for the thread's copies and then for the block (a barrier), after
+    which the tile may be read, and every read issued before it is done, so the tile may
+    be overwritten. ``emulate``: plain copies and no waits (the CPU runs threads in turn)."""
+    D, DP, VEC = head_dim, head_dim + 8, 8
+    steps = -(-rows * D // VEC // threads)
+
+    @T.macro
+    def issue(A, src, b, hh, pos_of, n):
+        for tx in T.thread_binding(threads, thread="threadIdx.x"):
+            for x in T.serial(steps):
+                e = T.meta_var(x * threads + tx)
+                if e < rows * D // VEC:
+                    j = T.meta_var(T.max(T.min(pos_of(e // (D // VEC)), n - 1), T.int64(0)))
+                    if emulate:
+                        for u in T.vectorized(VEC):
+                            A[(e // (D // VEC)) * DP + e % (D // VEC) * VEC + u] = src[b, hh, j, e % (D // VEC) * VEC + u]
+                    else:
+                        T.evaluate(
+                            T.cuda.func_call(
+                                "swa_cp_async_16",
+                                A.access_ptr("w", offset=(e // (D // VEC)) * DP + e % (D // VEC) * VEC, extent=VEC),
+                                T.address_of(src[b, hh, j, e % (D // VEC) * VEC]),
+                                source_code=CP_ASYNC_SOURCE,
+                            )
+                        )
+            if not emulate:
+                T.evaluate(T.cuda.func_call("swa_cp_async_commit", source_code=CP_ASYNC_SOURCE))
+
+    @T.macro
+    def wait_all():
+        if not emulate:
+            for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                T.evaluate(T.cuda.func_call("swa_cp_async_wait_all", source_code=CP_ASYNC_SOURCE))
+                T.evaluate(T.tvm_storage_sync("shared"))
+
+    return issue, wait_all
+
+
 @dataclass(frozen=True)
 class TCConfig:
     warps: int = 4  # 16 query rows each: block_q = 16 * warps
     chunk: int = 64  # keys per online-softmax step (a multiple of 16)
     ldmatrix: bool = True  # V's B operands by ldmatrix.trans (else 16-bit loads)
+    # K and V chunks by cp.async, each load overlapping the other tile's product (else
+    # synchronous 16-byte loads, K and V together before the chunk's products).
+    async_copy: bool = False
 
     @property
     def block_q(self) -> int:
@@ -348,9 +404,10 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                         red[tx, rr] = T.cuda.warp_reduce(part[tx, rr], "sum", 4)
 
     load_rows = pair_loader(NT, D, KC)
+    issue_rows, wait_all = async_loader(NT, D, KC, emulate)
 
     @T.macro
-    def step(Kt, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, visible, scale):
+    def scores(Kt, qfrag, kfrag, sfrag):
         # 1. S = Q K^T: score tile nt (keys nt*8..+8) over the k-steps of the head dim.
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for x in T.unroll(NS * 4):
@@ -361,6 +418,9 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                     for l in T.unroll(4):
                         kfrag[tx, l] = Kt[b_index_nk(tx, l, nt, ks, DP)]
                 mma(qfrag, ks * 8, kfrag, 0, sfrag, nt * 4)
+
+    @T.macro
+    def update(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, visible, scale):
         # 2. Scale, mask, and the rows' new running max (per thread, then over its group).
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for rr in T.unroll(2):
@@ -401,6 +461,39 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 load_kn(Vt, vfrag, ks, ndp)
                 mma(pfrag, ks * 8, vfrag, 0, ofrag, ndp * 8)
                 mma(pfrag, ks * 8, vfrag, 4, ofrag, ndp * 8 + 4)
+
+    @T.macro
+    def step(Kt, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, visible, scale):
+        scores(Kt, qfrag, kfrag, sfrag)
+        update(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, visible, scale)
+
+    @T.macro
+    def stream(QK, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, k, v, b, kvh, Tn,
+               c_begin, c_end, pos_of, visible, scale):
+        # Chunks c_begin <= c < c_end: chunk c's keys kk at positions pos_of(c, kk), its
+        # scores masked by visible(c, tx, l, nt). Synchronous: K and V, then both products.
+        # Async (FlashAttention-2's order, one tile each, no double buffer): V(c) loads while
+        # S = Q K(c)^T is computed, K(c + 1) while the softmax and P V(c) are.
+        if not cfg.async_copy:
+            for c in T.serial(c_begin, c_end):
+                load_rows(QK, Vt, k, v, b, kvh, lambda kk: pos_of(c, kk), Tn)
+                step(QK, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red,
+                     lambda tx, l, nt: visible(c, tx, l, nt), scale)
+        else:
+            # Every warp holds its Q fragments before K overwrites their tile.
+            wait_all()
+            if c_begin < c_end:
+                issue_rows(QK, k, b, kvh, lambda kk: pos_of(c_begin, kk), Tn)
+            for c in T.serial(c_begin, c_end):
+                wait_all()  # K(c) is in; every warp is done with V(c - 1)
+                issue_rows(Vt, v, b, kvh, lambda kk: pos_of(c, kk), Tn)
+                scores(QK, qfrag, kfrag, sfrag)
+                wait_all()  # V(c) is in; every warp is done with K(c)
+                if c + 1 < c_end:
+                    issue_rows(QK, k, b, kvh, lambda kk: pos_of(c + 1, kk), Tn)
+                update(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red,
+                       lambda tx, l, nt: visible(c, tx, l, nt), scale)
+            wait_all()  # nothing in flight past the stream; its tiles are free again
 
     @T.macro
     def start_rows(QK, qfrag, ofrag, m_r, l_r, src, b, h, src_row, sink):
@@ -475,25 +568,23 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                     for rr in T.unroll(2):
                         first_r[tx, rr] = row_key_range(lo, hi, Tn, d, m0, r, c_row(tx, 2 * rr))[0]
                         last_r[tx, rr] = row_key_range(lo, hi, Tn, d, m0, r, c_row(tx, 2 * rr))[1]
-                for c in T.serial(
+                stream(
+                    QK, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, k, v, b, kvh, Tn,
                     item_key_span(lo, hi, BQ, Tn, d, beta)[0] // KC,
                     item_key_span(lo, hi, BQ, Tn, d, beta)[1] // KC + 1,
-                ):
-                    load_rows(QK, Vt, k, v, b, kvh, lambda kk: key0 + d * (c * KC + kk), Tn)
-                    step(
-                        QK, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red,
-                        # visible(thread, C value, score tile): inside the row's band
-                        # interval; in a chunk every row sees whole (most of a long window's
-                        # chunks) the per-score test is skipped (|| short-circuits).
-                        lambda tx, l, nt: T.Or(
-                            item_interior(lo, hi, BQ, Tn, d, m0, r, c * KC, c * KC + KC - 1),
-                            T.And(
-                                c * KC + nt * 8 + c_col(tx, l) >= first_r[tx, l // 2],
-                                c * KC + nt * 8 + c_col(tx, l) <= last_r[tx, l // 2],
-                            ),
+                    lambda c, kk: key0 + d * (c * KC + kk),
+                    # visible(chunk, thread, C value, score tile): inside the row's band
+                    # interval; in a chunk every row sees whole (most of a long window's
+                    # chunks) the per-score test is skipped (|| short-circuits).
+                    lambda c, tx, l, nt: T.Or(
+                        item_interior(lo, hi, BQ, Tn, d, m0, r, c * KC, c * KC + KC - 1),
+                        T.And(
+                            c * KC + nt * 8 + c_col(tx, l) >= first_r[tx, l // 2],
+                            c * KC + nt * 8 + c_col(tx, l) <= last_r[tx, l // 2],
                         ),
-                        scale,
-                    )
+                    ),
+                    scale,
+                )
                 if extras:
                     for xc in T.serial((E + (KC - 1)) // KC):
                         load_extra_positions(xpos_s, xres_s, xt_s, xidx, b, xc, d, E)
@@ -528,6 +619,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 m_r = T.alloc_buffer((NT, 2), acc, scope="local")
                 l_r = T.alloc_buffer((NT, 2), acc, scope="local")
                 last_r = T.alloc_buffer((NT, 2), "int64", scope="local")
+                nchunks = T.alloc_buffer((1,), "int64", scope="local")  # each thread's copy
                 part = T.alloc_buffer((NT, 4), acc, scope="local")
                 red = T.alloc_buffer((NT, 2), acc, scope="local")
 
@@ -537,14 +629,18 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     for rr in T.unroll(2):
                         last_r[tx, rr] = global_row_last_key(gidx, b, g0 + c_row(tx, 2 * rr), G, Tn, causal)
-                # The block's key span: up to its last row's position (causal) or T.
-                for c in T.serial(T.floordiv(block_last_key(gidx, b, g0, G, Tn, BQ, causal), KC) + 1):
-                    load_rows(QK, Vt, k, v, b, kvh, lambda kk: c * KC + kk, Tn)
-                    step(
-                        QK, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red,
-                        lambda tx, l, nt: c * KC + nt * 8 + c_col(tx, l) <= last_r[tx, l // 2],
-                        scale,
-                    )
+                    # The block's key span: up to its last row's position (causal) or T. A
+                    # max over the block's rows: held in a register, not re-evaluated at
+                    # each use (the async stream's K(c + 1) test is one: 255 registers and
+                    # a spill at bf16 D=128 when it was).
+                    nchunks[0] = T.floordiv(block_last_key(gidx, b, g0, G, Tn, BQ, causal), KC) + 1
+                stream(
+                    QK, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, k, v, b, kvh, Tn,
+                    0, nchunks[0],
+                    lambda c, kk: c * KC + kk,
+                    lambda c, tx, l, nt: c * KC + nt * 8 + c_col(tx, l) <= last_r[tx, l // 2],
+                    scale,
+                )
                 finish_rows(out, lse, ofrag, m_r, l_r, b, h, lambda i: g0 + i, lambda i: g0 + i < G)
 
     if spec.kind == "global":

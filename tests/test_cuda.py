@@ -87,9 +87,11 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
     # Which tiles each fused kernel was built with (head_dim 32: every default's largest).
     tiles = {k["spec"]["kind"]: k["tiles"] for k in manifest["kernels"]}
     for kind, got in tiles.items():
-        want = {"warps": 4, "chunk": 64 if kind in ("local", "global") else 32, "ldmatrix": True}
+        want = {"warps": 4, "chunk": 32, "ldmatrix": True}
+        if kind in ("local", "global"):
+            want.update(chunk=64, async_copy=False)
         assert got == want, (kind, got)
-    assert "tiles warps=4, chunk=64, ldmatrix=True" in info.stdout, info.stdout
+    assert "tiles warps=4, chunk=64, ldmatrix=True, async_copy=False" in info.stdout, info.stdout
 
     # The generated CUDA source (written beside the library): half inputs, fp32
     # accumulation, shared-memory tiles.
@@ -130,11 +132,77 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
             registered[0].func()
 
 
+class _source_only:
+    """While compiling for CUDA, skip nvcc: the device code is not needed, only the CUDA
+    source TVM generates (build.cuda_source)."""
+
+    def __enter__(self):
+        import tvm_ffi
+
+        self.previous = tvm_ffi.get_global_func("tvm_callback_cuda_compile", allow_missing=True)
+        tvm_ffi.register_global_func("tvm_callback_cuda_compile", lambda code: bytearray(b"\0"), override=True)
+
+    def __exit__(self, *exc):
+        import tvm_ffi
+
+        if self.previous is not None:
+            tvm_ffi.register_global_func("tvm_callback_cuda_compile", self.previous, override=True)
+
+
+def _kernel_sources(funcs: dict, arch: str = "sm_90") -> dict:
+    """{kernel name: its definition's text} of PrimFuncs compiled for CUDA, source only."""
+    import tvm
+
+    from shared_races import kernel_body
+
+    with _source_only():
+        src = build.cuda_source(tvm.compile(tvm.IRModule(funcs), target=tvm.target.Target({"kind": "cuda", "arch": arch})).mod)
+    names = re.findall(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\([^;{]*\)\s*\{', src)
+    return {name: kernel_body(src, name) for name in names}
+
+
+def test_fused_cuda_kernels_have_the_barriers_they_need():
+    """No shared-memory race in the generated source of every fused kernel (forward and
+    gradients, tensor cores and CUDA cores, local rows with extra keys and global rows),
+    and of the forward with cp.async loads, by tests/shared_races.py's model. The serial
+    CPU runs cannot see a barrier: TVM places most of them (its planner), the async
+    loads' waits and barriers are ours. Dropping any one of the async stream's waits
+    or barriers is caught."""
+    import tvm
+
+    from shared_races import races
+    from swa_tvm.schedules import cuda_flash_tc
+
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    funcs = {}
+    for dtype in ("bfloat16", "float32"):
+        for k in AttentionSpec.parse(f"head_dim=32,window=63:0,globals,backward,dtype={dtype}").kernels():
+            funcs[k.name] = build.schedule_spec(k, target)
+    streamed = [KernelSpec("local", 32, "bfloat16", 63, 0, extras=True), KernelSpec("global", 32, "float16", 0, -1)]
+    for k in streamed:
+        funcs[k.name] = cuda_flash_tc.flash_tc(k, cuda_flash_tc.TCConfig(2, 32, async_copy=True))
+    bodies = _kernel_sources(funcs)
+    assert len(bodies) == len(funcs) + 2  # the global rows' gradients are two kernels each
+    for name, body in bodies.items():
+        assert "__syncthreads" in body, name
+        assert races(body) == [], (name, races(body))
+    for k in streamed:
+        body = bodies[f"{k.name}_kernel"]
+        lines = body.splitlines()
+        loop = next(i for i, line in enumerate(lines) if line.strip().startswith("for (int64_t c "))
+        # The stream's loop: a wait and a barrier before V's copies, again before K's.
+        steps = [i for i, line in enumerate(lines) if i > loop and "swa_cp_async_wait_all();" in line][:2]
+        assert len(steps) == 2 and all(lines[i + 1].strip() == "__syncthreads();" for i in steps), name
+        for i in [j + d for j in steps for d in (0, 1)]:
+            assert races("\n".join(lines[:i] + lines[i + 1 :])), (k.name, lines[i])
+
+
 def _serial_on_cpu(func):
     """The CUDA-scheduled PrimFunc with its thread bindings made serial loops and its
     shared/local buffers global, compiled for the CPU. Every thread then does its part
     in turn: the same loop nest, tiles, regions and predicates the GPU runs, minus
-    concurrency (races and barriers are the GPU check's business)."""
+    concurrency (barriers: test_fused_cuda_kernels_have_the_barriers_they_need; what
+    the hardware does: the GPU check)."""
     import tvm
 
     text = func.script()
@@ -331,8 +399,9 @@ def test_cuda_flash_kernel_computes_the_reference(dtype, window, dilation, extra
 @pytest.mark.parametrize(
     "dtype,window,dilation,extras,config",
     [
-        # Globals, sinks, per-head dilation up to 3; two warps, one 16-key score tile pair.
-        ("bfloat16", (21, 0), [1, 3, 2, 1], True, (2, 16)),
+        # Globals, sinks, per-head dilation up to 3; two warps, one 16-key score tile
+        # pair; K and V chunks by cp.async (a copy per thread and 16 bytes, as the GPU's).
+        ("bfloat16", (21, 0), [1, 3, 2, 1], True, (2, 16, True, True)),
         # Both sides, 32-key chunks (two k-steps of P V per chunk); V's operands by
         # 16-bit loads instead of ldmatrix.
         ("float16", (8, 9), [2, 2, 2, 2], False, (2, 32, False)),
@@ -366,8 +435,8 @@ def test_cuda_flash_global_rows_compute_the_reference(kernel_kind, dtype, causal
     from swa_tvm.schedules import cuda_flash, cuda_flash_tc
 
     spec = KernelSpec("global", 32, dtype, 0, 0 if causal else -1)
-    if kernel_kind == "tc":
-        func = cuda_flash_tc.flash_tc(spec, cuda_flash_tc.TCConfig(2, 16), emulate=True)
+    if kernel_kind == "tc":  # the causal rows' K and V chunks by cp.async
+        func = cuda_flash_tc.flash_tc(spec, cuda_flash_tc.TCConfig(2, 16, async_copy=causal), emulate=True)
     else:
         func = cuda_flash.flash(spec, cuda_flash.FlashConfig(32, 16, 64))
     kernel = _serial_on_cpu(func)[spec.name]
@@ -687,7 +756,7 @@ def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
     kernels), listed in variants.json with the kind each computes."""
     from swa_tvm import gpu_bundle
 
-    monkeypatch.setattr(gpu_bundle, "TC_VARIANTS", ((4, 64), (2, 16, False)))
+    monkeypatch.setattr(gpu_bundle, "TC_VARIANTS", ((4, 64), (2, 16, False, True)))  # 16-bit loads, cp.async
     monkeypatch.setattr(gpu_bundle, "TC_BWD_VARIANTS", ((2, 32), (4, 32)))  # 4 x 32: dynamic shared memory
     path = gpu_bundle.build_variants(str(tmp_path), "sm_90")
     meta = json.load(open(tmp_path / "lib" / "variants" / "variants.json"))
@@ -696,7 +765,7 @@ def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
     got = [(v["kind"], v["function"].rsplit("__", 1)[1], v["kernel"], v.get("default")) for v in meta["variants"]]
     assert got == [
         ("local", "tc_w4_c64", "cuda_flash_tc", True),  # bf16 D=128's default
-        ("local", "tc_w2_c16_lds16", "cuda_flash_tc", False),
+        ("local", "tc_w2_c16_lds16_async", "cuda_flash_tc", False),
         ("local", "cores", "cuda_flash", None),
         ("local_dq", "tc_w2_c32", "cuda_flash_bwd_tc", True),
         ("local_dq", "tc_w4_c32", "cuda_flash_bwd_tc", False),
