@@ -132,45 +132,16 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
             registered[0].func()
 
 
-class _source_only:
-    """While compiling for CUDA, skip nvcc: the device code is not needed, only the CUDA
-    source TVM generates (build.cuda_source)."""
-
-    def __enter__(self):
-        import tvm_ffi
-
-        self.previous = tvm_ffi.get_global_func("tvm_callback_cuda_compile", allow_missing=True)
-        tvm_ffi.register_global_func("tvm_callback_cuda_compile", lambda code: bytearray(b"\0"), override=True)
-
-    def __exit__(self, *exc):
-        import tvm_ffi
-
-        if self.previous is not None:
-            tvm_ffi.register_global_func("tvm_callback_cuda_compile", self.previous, override=True)
-
-
-def _kernel_sources(funcs: dict, arch: str = "sm_90") -> dict:
-    """{kernel name: its definition's text} of PrimFuncs compiled for CUDA, source only."""
-    import tvm
-
-    from shared_races import kernel_body
-
-    with _source_only():
-        src = build.cuda_source(tvm.compile(tvm.IRModule(funcs), target=tvm.target.Target({"kind": "cuda", "arch": arch})).mod)
-    names = re.findall(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\([^;{]*\)\s*\{', src)
-    return {name: kernel_body(src, name) for name in names}
-
-
 def test_fused_cuda_kernels_have_the_barriers_they_need():
     """No shared-memory race in the generated source of every fused kernel (forward and
     gradients, tensor cores and CUDA cores, local rows with extra keys and global rows),
-    and of the forward with cp.async loads, by tests/shared_races.py's model. The serial
+    and of the forward with cp.async loads, by swa_tvm.cuda_races's model. The serial
     CPU runs cannot see a barrier: TVM places most of them (its planner), the async
     loads' waits and barriers are ours. Dropping any one of the async stream's waits
     or barriers is caught."""
     import tvm
 
-    from shared_races import races
+    from swa_tvm.cuda_races import dynamic, generated_source, kernel_bodies, races
     from swa_tvm.schedules import cuda_flash_tc
 
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
@@ -181,10 +152,10 @@ def test_fused_cuda_kernels_have_the_barriers_they_need():
     streamed = [KernelSpec("local", 32, "bfloat16", 63, 0, extras=True), KernelSpec("global", 32, "float16", 0, -1)]
     for k in streamed:
         funcs[k.name] = cuda_flash_tc.flash_tc(k, cuda_flash_tc.TCConfig(2, 32, async_copy=True))
-    bodies = _kernel_sources(funcs)
+    bodies = kernel_bodies(generated_source(funcs))
     assert len(bodies) == len(funcs) + 2  # the global rows' gradients are two kernels each
     for name, body in bodies.items():
-        assert "__syncthreads" in body, name
+        assert "__syncthreads" in body and not dynamic(body), name
         assert races(body) == [], (name, races(body))
     for k in streamed:
         body = bodies[f"{k.name}_kernel"]

@@ -1,8 +1,12 @@
 """A barrier check of generated CUDA source: which shared-memory accesses of a kernel
-could race, read off the text TVM's codegen writes.
+could race, read off the text TVM's codegen writes. Needs TVM (to generate the source),
+not nvcc nor a GPU:
 
-The serial CPU runs of the CUDA kernels (test_cuda) check their arithmetic in the GPU's
-phase order but cannot see a missing barrier. This walks a kernel's statements in
+    python -m swa_tvm.cuda_races --spec head_dim=128,window=4095:0,globals,backward,dtype=bfloat16 \
+        --async-forward --deletions
+
+The serial CPU runs of the CUDA kernels (tests/test_cuda.py) check their arithmetic in
+the GPU's phase order but cannot see a missing barrier. This walks a kernel's statements in
 program order with every loop body taken twice (so what one iteration leaves is what the
 next meets) and every branch taken, and tracks per shared buffer what happened since the
 last ``__syncthreads()``:
@@ -22,12 +26,16 @@ It is a model of the source, not of the hardware: a buffer is one unit (a write 
 read of different halves without a barrier between counts as a race), so kernels whose
 tiles TVM merged into one dynamic buffer are outside it; and a statement is classified
 by where a buffer's name stands in it (left of the assignment: a write; elsewhere: a
-read; a cp.async's first operand: an asynchronous write).
+read; a cp.async's first operand: an asynchronous write). ``--deletions`` deletes each
+barrier and each wait in turn and says which deletions the check would not catch (a
+barrier it cannot tell apart from a redundant one).
 """
 
 from __future__ import annotations
 
+import argparse
 import re
+import sys
 
 SYNC = "__syncthreads();"
 WAIT = re.compile(r"\bswa_cp_async_wait_all\(\)")
@@ -153,3 +161,112 @@ def races(body: str) -> list[str]:
     if inflight:
         found.append(f"end: cp.async into {sorted(inflight)} never waited for")
     return found
+
+
+KERNEL = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\([^;{]*\)\s*\{')
+
+
+def kernel_bodies(source: str) -> dict[str, str]:
+    """{kernel name: its definition's text} of every kernel defined in ``source``."""
+    return {name: kernel_body(source, name) for name in KERNEL.findall(source)}
+
+
+def dynamic(body: str) -> bool:
+    """Tiles merged into one dynamic buffer: outside the model (one unit)."""
+    return "extern __shared__" in body
+
+
+def deletions(body: str) -> dict[str, tuple[int, list[int]]]:
+    """For barriers and for cp.async waits: (how many, lines whose deletion ``races``
+    does not catch)."""
+    lines = body.splitlines()
+    found = {}
+    for what, text in (("barriers", SYNC), ("waits", "swa_cp_async_wait_all();")):
+        at = [i for i, line in enumerate(lines) if line.strip() == text]
+        found[what] = (len(at), [i for i in at if not races("\n".join(lines[:i] + lines[i + 1 :]))])
+    return found
+
+
+class source_only:
+    """While compiling for CUDA, skip nvcc: only the CUDA source TVM generates is
+    wanted (``build.cuda_source``), not device code."""
+
+    def __enter__(self):
+        import tvm_ffi
+
+        self.previous = tvm_ffi.get_global_func("tvm_callback_cuda_compile", allow_missing=True)
+        tvm_ffi.register_global_func("tvm_callback_cuda_compile", lambda code: bytearray(b"\0"), override=True)
+        return self
+
+    def __exit__(self, *exc):
+        import tvm_ffi
+
+        if self.previous is not None:
+            tvm_ffi.register_global_func("tvm_callback_cuda_compile", self.previous, override=True)
+
+
+def generated_source(funcs: dict, arch: str = "sm_90") -> str:
+    """The CUDA source TVM generates for PrimFuncs ``funcs`` ({name: func}), no nvcc."""
+    import tvm
+
+    from .build import cuda_source
+
+    with source_only():
+        module = tvm.compile(tvm.IRModule(funcs), target=tvm.target.Target({"kind": "cuda", "arch": arch}))
+        return cuda_source(module.mod)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m swa_tvm.cuda_races", description=__doc__.split("\n\n")[0])
+    p.add_argument("--spec", action="append", default=[], help="an AttentionSpec (as swa-tvm export takes); repeatable")
+    p.add_argument("--async-forward", action="store_true",
+                   help="also each spec's tensor-core forward kernels with cp.async loads (default tiles)")
+    p.add_argument("--source", action="append", default=[], help="a generated .cu file (as export writes beside a library)")
+    p.add_argument("--arch", default="sm_90")
+    p.add_argument("--deletions", action="store_true", help="delete each barrier and wait in turn; say which go uncaught")
+    args = p.parse_args(argv)
+    sources = [open(path).read() for path in args.source]
+    if args.spec:
+        import dataclasses
+
+        import tvm
+
+        from .build import schedule_spec
+        from .schedules import cuda_flash_tc
+        from .spec import AttentionSpec
+
+        target = tvm.target.Target({"kind": "cuda", "arch": args.arch})
+        funcs = {}
+        for text in args.spec:
+            for k in AttentionSpec.parse(text).kernels():
+                funcs[k.name] = schedule_spec(k, target)
+                if args.async_forward and cuda_flash_tc.supports(k):
+                    cfg = dataclasses.replace(cuda_flash_tc.default_config(k), async_copy=True)
+                    name = f"{k.name}__async"
+                    funcs[name] = cuda_flash_tc.flash_tc(k, cfg).with_attr("global_symbol", name)
+        sources.append(generated_source(funcs, args.arch))
+    if not sources:
+        p.error("give --spec or --source")
+    bad = 0
+    totals = {"barriers": [0, 0], "waits": [0, 0]}
+    for source in sources:
+        for name, body in kernel_bodies(source).items():
+            if dynamic(body):
+                print(f"{name}: one dynamic shared buffer, outside the model")
+                continue
+            found = races(body)
+            bad += bool(found)
+            print(f"{name}: {'RACES ' + '; '.join(found[:5]) if found else 'no race'}")
+            if args.deletions:
+                for what, (n, missed) in deletions(body).items():
+                    totals[what][0] += n
+                    totals[what][1] += n - len(missed)
+                    if missed:
+                        print(f"  {what}: deleting the one at line {', '.join(map(str, missed))} of the body goes uncaught")
+    if args.deletions:
+        print(", ".join(f"{what}: {caught} of {n} deletions caught" for what, (n, caught) in totals.items()))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
