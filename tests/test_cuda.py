@@ -537,9 +537,15 @@ def test_gpu_check_harness_on_cpu(tmp_path, fresh_registry):
     (cases, reference, tolerances, results file) works before it costs GPU time."""
     from swa_tvm import gpu_check
 
-    rc = gpu_check.main(["--device", "cpu", "--libs", str(tmp_path / "none"), "--out", str(tmp_path), "--skip-bench"])
+    # A library that does not load (here: no manifest) is recorded and fails the run,
+    # and the stages still run.
+    (tmp_path / "libs").mkdir()
+    (tmp_path / "libs" / "broken.so").write_bytes(b"not a library")
+    rc = gpu_check.main(["--device", "cpu", "--libs", str(tmp_path / "libs"), "--out", str(tmp_path), "--skip-bench"])
     results = json.load(open(tmp_path / "gpu_results.json"))
-    assert rc == 0 and results["ok"] is True
+    assert rc == 1 and results["ok"] is False
+    [broken] = results["libraries"]
+    assert broken["path"].endswith("broken.so") and "broken.so" in broken["error"], broken
     assert len(results["correctness"]) == 6 and all(r["ok"] and r["out_rel_err"] < 1e-5 for r in results["correctness"])
     # Gradients of every float input, the own projections' and sink logits' included.
     grads = {r["case"]: r["grad_rel_err"] for r in results["correctness"]}
