@@ -304,15 +304,24 @@ class TCConfig:
     # K and V chunks by cp.async, each load overlapping the other tile's product (else
     # synchronous 16-byte loads, K and V together before the chunk's products).
     async_copy: bool = False
+    # 16-row tiles per warp. 1: Q's A fragments stay in registers, and Q's shared tile is
+    # then K's. 2 (FlashAttention-2's 128 x 64 blocks of 4 warps): every K and V operand
+    # read from shared memory feeds two mma instead of one, halving that traffic per
+    # product, and the block's K/V chunks serve twice the rows; the doubled score and
+    # output accumulators leave no registers for Q, whose A fragments are re-read from its
+    # own shared tile at each k-step.
+    m_tiles: int = 1
 
     @property
     def block_q(self) -> int:
-        return 16 * self.warps
+        return 16 * self.warps * self.m_tiles
 
     def shared_bytes(self, head_dim: int, dtype: str) -> int:
         el = tvm.runtime.DataType(dtype).bits // 8
-        # One tile for Q then K, one for V; the extra keys' positions; 64-byte alignment.
-        return (max(self.block_q, self.chunk) + self.chunk) * (head_dim + 8) * el + self.chunk * 3 * 8 + 5 * 64
+        # Q's tile (K's too, with Q in registers), K's, V's; the extra keys' positions;
+        # 64-byte alignment.
+        rows = max(self.block_q, self.chunk) if self.m_tiles == 1 else self.block_q + self.chunk
+        return (rows + self.chunk) * (head_dim + 8) * el + self.chunk * 3 * 8 + 6 * 64
 
 
 def supports(spec: KernelSpec) -> bool:
@@ -345,8 +354,10 @@ def tile_scope(spec: KernelSpec, cfg) -> str:
     least one warp, chunks a positive multiple of 16, shared memory within SHARED_LIMIT."""
     if cfg is None:
         raise ValueError(f"kernel {spec.name}: no tensor-core tile fits {SHARED_BUDGET // 1024} KiB of shared memory")
-    if cfg.warps < 1 or cfg.chunk < 16 or cfg.chunk % 16:
-        raise ValueError(f"kernel {spec.name}: {cfg}: warps must be >= 1 and chunk a positive multiple of 16")
+    if cfg.warps < 1 or cfg.chunk < 16 or cfg.chunk % 16 or getattr(cfg, "m_tiles", 1) < 1:
+        raise ValueError(
+            f"kernel {spec.name}: {cfg}: warps (and m_tiles) must be >= 1 and chunk a positive multiple of 16"
+        )
     try:
         return shared_scope(cfg.shared_bytes(spec.head_dim, spec.dtype))
     except ValueError as e:
@@ -357,9 +368,11 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
     D, dt, acc = spec.head_dim, spec.dtype, "float32"
     lo, hi, maxd, extras = spec.left, spec.right, spec.max_dilation, spec.extras
     causal = spec.causal
-    NW, KC = cfg.warps, cfg.chunk
-    BQ, NT = 16 * NW, 32 * NW
+    NW, KC, MT = cfg.warps, cfg.chunk, cfg.m_tiles
+    BQ, NT = 16 * NW * MT, 32 * NW
     NS, NO, KD = KC // 8, D // 8, D // 16  # score tiles, output tiles, k-steps of Q K^T
+    R = 2 * MT  # rows a thread holds C values of: two per 16-row tile
+    QREG = MT == 1  # Q's A fragments in registers (else re-read from Q's shared tile)
     # Rows padded by 8 elements (16 bytes): the 8 rows a fragment load touches fall in
     # different banks.
     DP = D + 8
@@ -368,24 +381,34 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
     load_extra_positions = extra_positions_loader(NT, KC)
     NINF = tirx.const(float("-inf"), acc)
     ZERO, ONE = tirx.const(0.0, acc), tirx.const(1.0, acc)
-    # Warp w = tx // 32 owns the item's rows 16*w .. 16*w + 15.
-    def c_row(tx, l):
-        """Row (in the item) of value l of a C fragment of thread tx."""
-        return (tx // 32) * 16 + c_pos(tx % 32, l)[0]
+
+    # Warp w = tx // 32 owns the item's 16-row tiles MT*w .. MT*w + MT - 1; a thread holds
+    # C values of two rows of each, its row slots r = 2*mt + (0 or 1).
+    def t_row(tx, r):
+        """Row (in the item) of thread tx's row slot r."""
+        return ((tx // 32) * MT + r // 2) * 16 + c_pos(tx % 32, 2 * (r % 2))[0]
+
+    def c_row(tx, l, mt=0):
+        """Row (in the item) of value l of thread tx's C fragments of tile mt."""
+        return t_row(tx, 2 * mt + l // 2)
 
     def c_col(tx, l):
         return c_pos(tx % 32, l)[1]
+
+    def a_tile_index(tx, l, ks, mt):
+        """Value l of the A operand of tile mt, k-step ks, in Q's shared tile."""
+        return a_index(tx, l, ks, DP) + ((tx // 32) * (MT - 1) + mt) * 16 * DP
 
     mma = mma_macro(NW, dt, emulate)
     load_kn = kn_loader(NW, D, dt, cfg.ldmatrix, emulate)
 
     @T.macro
     def quad_reduce(part, red, op_max):
-        # red[tx, 0..1] = max or sum of part[., 0..1] over the 4 lanes of tx's group (the
-        # lanes holding the same two rows).
+        # red[tx, r] = max or sum of part[., r] over the 4 lanes of tx's group (the lanes
+        # holding the same rows), r < R.
         if emulate:
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                for rr in T.serial(2):
+                for rr in T.serial(R):
                     if op_max:
                         red[tx, rr] = T.max(
                             T.max(part[tx // 4 * 4, rr], part[tx // 4 * 4 + 1, rr]),
@@ -397,7 +420,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                         )
         else:
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                for rr in T.unroll(2):
+                for rr in T.unroll(R):
                     if op_max:
                         red[tx, rr] = T.cuda.warp_reduce(part[tx, rr], "max", 4)
                     else:
@@ -407,78 +430,101 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
     issue_rows, wait_all = async_loader(NT, D, KC, emulate)
 
     @T.macro
-    def scores(Kt, qfrag, kfrag, sfrag):
-        # 1. S = Q K^T: score tile nt (keys nt*8..+8) over the k-steps of the head dim.
+    def scores(Kt, Qs, qfrag, kfrag, sfrag):
+        # 1. S = Q K^T: score tile nt (keys nt*8..+8) of row tile mt, value l at
+        # sfrag[(mt*NS + nt)*4 + l], over the k-steps of the head dim; each K operand
+        # read feeds the MT row tiles.
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
-            for x in T.unroll(NS * 4):
+            for x in T.unroll(MT * NS * 4):
                 sfrag[tx, x] = ZERO
-        for nt in T.unroll(NS):
-            for ks in T.unroll(KD):
+        for ks in T.unroll(KD):
+            if not QREG:
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    for mt in T.unroll(MT):
+                        for l in T.unroll(8):
+                            qfrag[tx, mt * 8 + l] = Qs[a_tile_index(tx, l, ks, mt)]
+            for nt in T.unroll(NS):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     for l in T.unroll(4):
                         kfrag[tx, l] = Kt[b_index_nk(tx, l, nt, ks, DP)]
-                mma(qfrag, ks * 8, kfrag, 0, sfrag, nt * 4)
+                for mt in T.unroll(MT):
+                    if QREG:
+                        mma(qfrag, ks * 8, kfrag, 0, sfrag, nt * 4)
+                    else:
+                        mma(qfrag, mt * 8, kfrag, 0, sfrag, (mt * NS + nt) * 4)
 
     @T.macro
     def update(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, visible, scale):
-        # 2. Scale, mask, and the rows' new running max (per thread, then over its group).
+        # 2. Scale, mask (visible(tx, l, nt, mt)), and the rows' new running max (per
+        # thread, then over its group).
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
-            for rr in T.unroll(2):
-                part[tx, rr] = m_r[tx, rr]
-            for nt in T.unroll(NS):
-                for l in T.unroll(4):
-                    sfrag[tx, nt * 4 + l] = T.Select(visible(tx, l, nt), sfrag[tx, nt * 4 + l] * scale, NINF)
-                    part[tx, l // 2] = T.max(part[tx, l // 2], sfrag[tx, nt * 4 + l])
+            for r in T.unroll(R):
+                part[tx, r] = m_r[tx, r]
+            for mt in T.unroll(MT):
+                for nt in T.unroll(NS):
+                    for l in T.unroll(4):
+                        sfrag[tx, (mt * NS + nt) * 4 + l] = T.Select(
+                            visible(tx, l, nt, mt), sfrag[tx, (mt * NS + nt) * 4 + l] * scale, NINF
+                        )
+                        part[tx, 2 * mt + l // 2] = T.max(part[tx, 2 * mt + l // 2], sfrag[tx, (mt * NS + nt) * 4 + l])
         quad_reduce(part, red, True)
         # 3. Probabilities, their row sums, and the fade of the old sums and outputs. A row
         # with no visible key yet keeps max -inf: factor 1, probabilities 0.
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
-            for rr in T.unroll(2):
-                part[tx, rr] = ZERO
-            for nt in T.unroll(NS):
-                for l in T.unroll(4):
-                    sfrag[tx, nt * 4 + l] = T.Select(
-                        red[tx, l // 2] == NINF, ZERO, T.exp(sfrag[tx, nt * 4 + l] - red[tx, l // 2])
-                    )
-                    part[tx, l // 2] = part[tx, l // 2] + sfrag[tx, nt * 4 + l]
-                    # The A operand of P V (row-major 16 x 16 per pair of score tiles): value
-                    # l2 = 4*(nt % 2) + l holds (row, key) = C value l of score tile nt.
-                    pfrag[tx, (nt // 2) * 8 + 4 * (nt % 2) + l] = T.Cast(dt, sfrag[tx, nt * 4 + l])
-            for rr in T.unroll(2):
-                # part <- this thread's factor for row rr, kept for the outputs below.
-                part[tx, 2 + rr] = T.Select(red[tx, rr] == NINF, ONE, T.exp(m_r[tx, rr] - red[tx, rr]))
-                m_r[tx, rr] = red[tx, rr]
-            for x in T.unroll(NO * 4):
-                ofrag[tx, x] = ofrag[tx, x] * part[tx, 2 + (x % 4) // 2]
+            for r in T.unroll(R):
+                part[tx, r] = ZERO
+            for mt in T.unroll(MT):
+                for nt in T.unroll(NS):
+                    for l in T.unroll(4):
+                        sfrag[tx, (mt * NS + nt) * 4 + l] = T.Select(
+                            red[tx, 2 * mt + l // 2] == NINF,
+                            ZERO,
+                            T.exp(sfrag[tx, (mt * NS + nt) * 4 + l] - red[tx, 2 * mt + l // 2]),
+                        )
+                        part[tx, 2 * mt + l // 2] = part[tx, 2 * mt + l // 2] + sfrag[tx, (mt * NS + nt) * 4 + l]
+                        # The A operand of P V (row-major 16 x 16 per pair of score tiles):
+                        # value l2 = 4*(nt % 2) + l holds (row, key) = C value l of score
+                        # tile nt.
+                        pfrag[tx, mt * NS * 4 + (nt // 2) * 8 + 4 * (nt % 2) + l] = T.Cast(
+                            dt, sfrag[tx, (mt * NS + nt) * 4 + l]
+                        )
+            for r in T.unroll(R):
+                # part[R + r] <- this thread's factor for row slot r, kept for the outputs below.
+                part[tx, R + r] = T.Select(red[tx, r] == NINF, ONE, T.exp(m_r[tx, r] - red[tx, r]))
+                m_r[tx, r] = red[tx, r]
+            for mt in T.unroll(MT):
+                for x in T.unroll(NO * 4):
+                    ofrag[tx, mt * NO * 4 + x] = ofrag[tx, mt * NO * 4 + x] * part[tx, R + 2 * mt + (x % 4) // 2]
         quad_reduce(part, red, False)
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
-            for rr in T.unroll(2):
-                l_r[tx, rr] = l_r[tx, rr] * part[tx, 2 + rr] + red[tx, rr]
+            for r in T.unroll(R):
+                l_r[tx, r] = l_r[tx, r] * part[tx, R + r] + red[tx, r]
         # 4. O += P V: k-step ks covers keys ks*16..+16, output tiles nd columns nd*8..+8,
-        # two per load.
+        # two per load, each load feeding the MT row tiles.
         for ks in T.unroll(KC // 16):
             for ndp in T.unroll(NO // 2):
                 load_kn(Vt, vfrag, ks, ndp)
-                mma(pfrag, ks * 8, vfrag, 0, ofrag, ndp * 8)
-                mma(pfrag, ks * 8, vfrag, 4, ofrag, ndp * 8 + 4)
+                for mt in T.unroll(MT):
+                    mma(pfrag, mt * NS * 4 + ks * 8, vfrag, 0, ofrag, mt * NO * 4 + ndp * 8)
+                    mma(pfrag, mt * NS * 4 + ks * 8, vfrag, 4, ofrag, mt * NO * 4 + ndp * 8 + 4)
 
     @T.macro
-    def step(Kt, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, visible, scale):
-        scores(Kt, qfrag, kfrag, sfrag)
+    def step(Kt, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, visible, scale):
+        scores(Kt, Qs, qfrag, kfrag, sfrag)
         update(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, visible, scale)
 
     @T.macro
-    def stream(QK, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, k, v, b, kvh, Tn,
+    def stream(QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, k, v, b, kvh, Tn,
                c_begin, c_end, pos_of, visible, scale):
         # Chunks c_begin <= c < c_end: chunk c's keys kk at positions pos_of(c, kk), its
-        # scores masked by visible(c, tx, l, nt). Synchronous: K and V, then both products.
-        # Async (FlashAttention-2's order, one tile each, no double buffer): V(c) loads while
-        # S = Q K(c)^T is computed, K(c + 1) while the softmax and P V(c) are.
+        # scores masked by visible(c, tx, l, nt, mt). Synchronous: K and V, then both
+        # products. Async (FlashAttention-2's order, one tile each, no double buffer):
+        # V(c) loads while S = Q K(c)^T is computed, K(c + 1) while the softmax and P V(c) are.
         if not cfg.async_copy:
             for c in T.serial(c_begin, c_end):
                 load_rows(QK, Vt, k, v, b, kvh, lambda kk: pos_of(c, kk), Tn)
-                step(QK, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red,
-                     lambda tx, l, nt: visible(c, tx, l, nt), scale)
+                step(QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red,
+                     lambda tx, l, nt, mt: visible(c, tx, l, nt, mt), scale)
         else:
             # Every warp holds its Q fragments before K overwrites their tile.
             wait_all()
@@ -487,51 +533,55 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
             for c in T.serial(c_begin, c_end):
                 wait_all()  # K(c) is in; every warp is done with V(c - 1)
                 issue_rows(Vt, v, b, kvh, lambda kk: pos_of(c, kk), Tn)
-                scores(QK, qfrag, kfrag, sfrag)
+                scores(QK, Qs, qfrag, kfrag, sfrag)
                 wait_all()  # V(c) is in; every warp is done with K(c)
                 if c + 1 < c_end:
                     issue_rows(QK, k, b, kvh, lambda kk: pos_of(c + 1, kk), Tn)
                 update(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red,
-                       lambda tx, l, nt: visible(c, tx, l, nt), scale)
+                       lambda tx, l, nt, mt: visible(c, tx, l, nt, mt), scale)
             wait_all()  # nothing in flight past the stream; its tiles are free again
 
     @T.macro
-    def start_rows(QK, qfrag, ofrag, m_r, l_r, src, b, h, src_row, sink):
-        # The block's query rows (row i from src[b, h, src_row(i)]) into the shared tile,
-        # then into registers as A fragments for every k-step of the head dim; each row's
-        # running max starts at the head's sink logit, its sum at that sink's share.
+    def start_rows(QK, Qs, qfrag, ofrag, m_r, l_r, src, b, h, src_row, sink):
+        # The block's query rows (row i from src[b, h, src_row(i)]) into their shared tile
+        # (QK, then into A fragments for every k-step of the head dim, with Q in
+        # registers; else Qs); each row's running max starts at the head's sink logit, its
+        # sum at that sink's share.
+        Qt = T.meta_var(QK if QREG else Qs)
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for x in T.serial(Q_STEPS):
                 e = T.meta_var(x * NT + tx)
                 if e < BQ * D // VEC:
                     for u in T.vectorized(VEC):
-                        QK[(e // (D // VEC)) * DP + e % (D // VEC) * VEC + u] = src[
+                        Qt[(e // (D // VEC)) * DP + e % (D // VEC) * VEC + u] = src[
                             b, h, src_row(e // (D // VEC)), e % (D // VEC) * VEC + u
                         ]
-            for rr in T.unroll(2):
-                m_r[tx, rr] = sink[h]
-                l_r[tx, rr] = T.Select(sink[h] == NINF, ZERO, ONE)
-            for x in T.unroll(NO * 4):
+            for r in T.unroll(R):
+                m_r[tx, r] = sink[h]
+                l_r[tx, r] = T.Select(sink[h] == NINF, ZERO, ONE)
+            for x in T.unroll(MT * NO * 4):
                 ofrag[tx, x] = ZERO
-        for tx in T.thread_binding(NT, thread="threadIdx.x"):
-            for ks in T.unroll(KD):
-                for l in T.unroll(8):
-                    qfrag[tx, ks * 8 + l] = QK[a_index(tx, l, ks, DP)]
+        if QREG:
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                for ks in T.unroll(KD):
+                    for l in T.unroll(8):
+                        qfrag[tx, ks * 8 + l] = Qt[a_index(tx, l, ks, DP)]
 
     @T.macro
     def finish_rows(out, lse, ofrag, m_r, l_r, b, h, dst_row, valid):
         # out = acc / l and lse = m + log l to row i's destination dst_row(i), where valid(i).
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
-            for nd in T.unroll(NO):
-                for l in T.unroll(4):
-                    if valid(c_row(tx, l)):
-                        out[b, h, dst_row(c_row(tx, l)), nd * 8 + c_col(tx, l)] = T.Cast(
-                            dt, ofrag[tx, nd * 4 + l] / l_r[tx, l // 2]
-                        )
-            for rr in T.unroll(2):
+            for mt in T.unroll(MT):
+                for nd in T.unroll(NO):
+                    for l in T.unroll(4):
+                        if valid(c_row(tx, l, mt)):
+                            out[b, h, dst_row(c_row(tx, l, mt)), nd * 8 + c_col(tx, l)] = T.Cast(
+                                dt, ofrag[tx, mt * NO * 4 + nd * 4 + l] / l_r[tx, 2 * mt + l // 2]
+                            )
+            for r in T.unroll(R):
                 if tx % 4 == 0:
-                    if valid(c_row(tx, 2 * rr)):
-                        lse[b, h, dst_row(c_row(tx, 2 * rr))] = m_r[tx, rr] + T.log(l_r[tx, rr])
+                    if valid(t_row(tx, r)):
+                        lse[b, h, dst_row(t_row(tx, r))] = m_r[tx, r] + T.log(l_r[tx, r])
 
     @T.macro
     def body(q, k, v, dil, xidx, sink, scale, out, lse, B, H, Hkv, Tn, E):
@@ -540,47 +590,50 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
             with T.sblock("flash_tc"):
                 T.reads()
                 T.writes()
-                # Q is in registers before the first key chunk arrives: Q and K share a tile.
-                QK = T.alloc_buffer((max(BQ, KC) * DP,), dt, scope=SH)
+                # With Q in registers before the first key chunk arrives, Q and K share a
+                # tile (Qs is then a stub); else Q keeps its own.
+                QK = T.alloc_buffer(((max(BQ, KC) if QREG else KC) * DP,), dt, scope=SH)
+                Qs = T.alloc_buffer((8 if QREG else BQ * DP,), dt, scope=SH)
                 Vt = T.alloc_buffer((KC * DP,), dt, scope=SH)
                 xpos_s = T.alloc_buffer((KC,), "int64", scope=SH)
                 xres_s = T.alloc_buffer((KC,), "int64", scope=SH)
                 xt_s = T.alloc_buffer((KC,), "int64", scope=SH)
-                qfrag = T.alloc_buffer((NT, KD * 8), dt, scope="local")
+                qfrag = T.alloc_buffer((NT, KD * 8 if QREG else MT * 8), dt, scope="local")
                 kfrag = T.alloc_buffer((NT, 4), dt, scope="local")
                 vfrag = T.alloc_buffer((NT, 8), dt, scope="local")
-                sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
-                pfrag = T.alloc_buffer((NT, NS * 4), dt, scope="local")
-                ofrag = T.alloc_buffer((NT, NO * 4), acc, scope="local")
-                m_r = T.alloc_buffer((NT, 2), acc, scope="local")
-                l_r = T.alloc_buffer((NT, 2), acc, scope="local")
-                first_r = T.alloc_buffer((NT, 2), "int64", scope="local")
-                last_r = T.alloc_buffer((NT, 2), "int64", scope="local")
-                part = T.alloc_buffer((NT, 4), acc, scope="local")
-                red = T.alloc_buffer((NT, 2), acc, scope="local")
+                sfrag = T.alloc_buffer((NT, MT * NS * 4), acc, scope="local")
+                pfrag = T.alloc_buffer((NT, MT * NS * 4), dt, scope="local")
+                ofrag = T.alloc_buffer((NT, MT * NO * 4), acc, scope="local")
+                m_r = T.alloc_buffer((NT, R), acc, scope="local")
+                l_r = T.alloc_buffer((NT, R), acc, scope="local")
+                first_r = T.alloc_buffer((NT, R), "int64", scope="local")
+                last_r = T.alloc_buffer((NT, R), "int64", scope="local")
+                part = T.alloc_buffer((NT, 2 * R), acc, scope="local")
+                red = T.alloc_buffer((NT, R), acc, scope="local")
 
                 b, h, beta, d, kvh, m0, r, row0, key0 = T.meta_var(item_fields(item, H, Hkv, nitems, dil, BQ, lo))
                 # Items past the end run with every key masked and write nothing (see
                 # cuda_flash: no branch around barriers).
-                start_rows(QK, qfrag, ofrag, m_r, l_r, q, b, h, lambda i: T.min(row0 + d * i, Tn - 1), sink)
+                start_rows(QK, Qs, qfrag, ofrag, m_r, l_r, q, b, h,
+                           lambda i: T.min(row0 + d * i, Tn - 1), sink)
                 # Each row's visible band interval.
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    for rr in T.unroll(2):
-                        first_r[tx, rr] = row_key_range(lo, hi, Tn, d, m0, r, c_row(tx, 2 * rr))[0]
-                        last_r[tx, rr] = row_key_range(lo, hi, Tn, d, m0, r, c_row(tx, 2 * rr))[1]
+                    for rs in T.unroll(R):
+                        first_r[tx, rs] = row_key_range(lo, hi, Tn, d, m0, r, t_row(tx, rs))[0]
+                        last_r[tx, rs] = row_key_range(lo, hi, Tn, d, m0, r, t_row(tx, rs))[1]
                 stream(
-                    QK, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, k, v, b, kvh, Tn,
+                    QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, k, v, b, kvh, Tn,
                     item_key_span(lo, hi, BQ, Tn, d, beta)[0] // KC,
                     item_key_span(lo, hi, BQ, Tn, d, beta)[1] // KC + 1,
                     lambda c, kk: key0 + d * (c * KC + kk),
-                    # visible(chunk, thread, C value, score tile): inside the row's band
-                    # interval; in a chunk every row sees whole (most of a long window's
-                    # chunks) the per-score test is skipped (|| short-circuits).
-                    lambda c, tx, l, nt: T.Or(
+                    # visible(chunk, thread, C value, score tile, row tile): inside the row's
+                    # band interval; in a chunk every row sees whole (most of a long
+                    # window's chunks) the per-score test is skipped (|| short-circuits).
+                    lambda c, tx, l, nt, mt: T.Or(
                         item_interior(lo, hi, BQ, Tn, d, m0, r, c * KC, c * KC + KC - 1),
                         T.And(
-                            c * KC + nt * 8 + c_col(tx, l) >= first_r[tx, l // 2],
-                            c * KC + nt * 8 + c_col(tx, l) <= last_r[tx, l // 2],
+                            c * KC + nt * 8 + c_col(tx, l) >= first_r[tx, 2 * mt + l // 2],
+                            c * KC + nt * 8 + c_col(tx, l) <= last_r[tx, 2 * mt + l // 2],
                         ),
                     ),
                     scale,
@@ -590,11 +643,11 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                         load_extra_positions(xpos_s, xres_s, xt_s, xidx, b, xc, d, E)
                         load_rows(QK, Vt, k, v, b, kvh, lambda kk: xpos_s[kk], Tn)
                         step(
-                            QK, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red,
-                            lambda tx, l, nt: extra_visible(
+                            QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red,
+                            lambda tx, l, nt, mt: extra_visible(
                                 lo, hi, Tn,
                                 xpos_s[nt * 8 + c_col(tx, l)], xres_s[nt * 8 + c_col(tx, l)], xt_s[nt * 8 + c_col(tx, l)],
-                                row0 + d * c_row(tx, l), m0 + c_row(tx, l), r,
+                                row0 + d * c_row(tx, l, mt), m0 + c_row(tx, l, mt), r,
                             ),
                             scale,
                         )
@@ -607,38 +660,40 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
             with T.sblock("flash_tc_global"):
                 T.reads()
                 T.writes()
-                # Q is in registers before the first key chunk arrives: Q and K share a tile.
-                QK = T.alloc_buffer((max(BQ, KC) * DP,), dt, scope=SH)
+                # As the local rows' tiles.
+                QK = T.alloc_buffer(((max(BQ, KC) if QREG else KC) * DP,), dt, scope=SH)
+                Qs = T.alloc_buffer((8 if QREG else BQ * DP,), dt, scope=SH)
                 Vt = T.alloc_buffer((KC * DP,), dt, scope=SH)
-                qfrag = T.alloc_buffer((NT, KD * 8), dt, scope="local")
+                qfrag = T.alloc_buffer((NT, KD * 8 if QREG else MT * 8), dt, scope="local")
                 kfrag = T.alloc_buffer((NT, 4), dt, scope="local")
                 vfrag = T.alloc_buffer((NT, 8), dt, scope="local")
-                sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
-                pfrag = T.alloc_buffer((NT, NS * 4), dt, scope="local")
-                ofrag = T.alloc_buffer((NT, NO * 4), acc, scope="local")
-                m_r = T.alloc_buffer((NT, 2), acc, scope="local")
-                l_r = T.alloc_buffer((NT, 2), acc, scope="local")
-                last_r = T.alloc_buffer((NT, 2), "int64", scope="local")
+                sfrag = T.alloc_buffer((NT, MT * NS * 4), acc, scope="local")
+                pfrag = T.alloc_buffer((NT, MT * NS * 4), dt, scope="local")
+                ofrag = T.alloc_buffer((NT, MT * NO * 4), acc, scope="local")
+                m_r = T.alloc_buffer((NT, R), acc, scope="local")
+                l_r = T.alloc_buffer((NT, R), acc, scope="local")
+                last_r = T.alloc_buffer((NT, R), "int64", scope="local")
                 nchunks = T.alloc_buffer((1,), "int64", scope="local")  # each thread's copy
-                part = T.alloc_buffer((NT, 4), acc, scope="local")
-                red = T.alloc_buffer((NT, 2), acc, scope="local")
+                part = T.alloc_buffer((NT, 2 * R), acc, scope="local")
+                red = T.alloc_buffer((NT, R), acc, scope="local")
 
                 b, h, g0, kvh = T.meta_var(global_fields(item, H, Hkv, nblk, BQ))
-                start_rows(QK, qfrag, ofrag, m_r, l_r, qg, b, h, lambda i: T.min(g0 + i, G - 1), sink)
-                # Row rr's last visible key (-1: a padding row past G sees none).
+                start_rows(QK, Qs, qfrag, ofrag, m_r, l_r, qg, b, h,
+                           lambda i: T.min(g0 + i, G - 1), sink)
+                # Row slot rs's last visible key (-1: a padding row past G sees none).
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    for rr in T.unroll(2):
-                        last_r[tx, rr] = global_row_last_key(gidx, b, g0 + c_row(tx, 2 * rr), G, Tn, causal)
+                    for rs in T.unroll(R):
+                        last_r[tx, rs] = global_row_last_key(gidx, b, g0 + t_row(tx, rs), G, Tn, causal)
                     # The block's key span: up to its last row's position (causal) or T. A
                     # max over the block's rows: held in a register, not re-evaluated at
                     # each use (the async stream's K(c + 1) test is one: 255 registers and
                     # a spill at bf16 D=128 when it was).
                     nchunks[0] = T.floordiv(block_last_key(gidx, b, g0, G, Tn, BQ, causal), KC) + 1
                 stream(
-                    QK, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, k, v, b, kvh, Tn,
+                    QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, k, v, b, kvh, Tn,
                     0, nchunks[0],
                     lambda c, kk: c * KC + kk,
-                    lambda c, tx, l, nt: c * KC + nt * 8 + c_col(tx, l) <= last_r[tx, l // 2],
+                    lambda c, tx, l, nt, mt: c * KC + nt * 8 + c_col(tx, l) <= last_r[tx, 2 * mt + l // 2],
                     scale,
                 )
                 finish_rows(out, lse, ofrag, m_r, l_r, b, h, lambda i: g0 + i, lambda i: g0 + i < G)

@@ -66,14 +66,16 @@ def build_libraries(out: str, arch: str) -> list[str]:
 # Tile configurations of the fused kernels to time against each other on the GPU (the
 # default is picked without one): tensor-core (warps, partners per chunk[, ldmatrix:
 # False loads the B operands read along a tile's rows with 16-bit loads instead[,
-# async_copy: the forward's K and V chunks by cp.async]]), and the CUDA-core kernel; for
-# the forward and for the two band gradient kernels. At the bf16 D=128 causal
-# W=4096 shape. Those past 48 KiB of shared memory (forward 8 x 64, backward 4 x 32 and
-# 4 x 64) take dynamic shared memory.
+# async_copy: the forward's K and V chunks by cp.async[, m_tiles: the forward's 16-row
+# tiles per warp]]]), and the CUDA-core kernel; for the forward and for the two band
+# gradient kernels. At the bf16 D=128 causal W=4096 shape. Those past 48 KiB of
+# shared memory (forward 8 x 64 and every m_tiles=2, backward 4 x 32 and 4 x 64) take
+# dynamic shared memory.
 VARIANT_SPEC = "head_dim=128,window=4095:0,dtype=bfloat16,backward"
 TC_VARIANTS = (
     (4, 64), (4, 64, False), (4, 32), (2, 64), (2, 32), (8, 64), (8, 32), (8, 16),
     (4, 64, True, True), (4, 32, True, True), (2, 64, True, True), (8, 64, True, True),
+    (4, 32, True, False, 2), (4, 32, True, True, 2), (4, 64, True, True, 2),
 )
 TC_BWD_VARIANTS = ((2, 32), (2, 32, False), (4, 32), (4, 64), (4, 16), (2, 16), (1, 32))
 
@@ -111,11 +113,12 @@ def build_variants(out: str, arch: str) -> str:
             if cfg.shared_bytes(spec.head_dim, spec.dtype) > cuda_flash.SHARED_LIMIT:
                 continue
             make = tc.flash_tc if kind == "local" else tc.flash_bwd_tc
-            async_copy = getattr(cfg, "async_copy", False)  # the forward's option
-            suffix = f"tc_w{cfg.warps}_c{cfg.chunk}" + ("" if cfg.ldmatrix else "_lds16") + ("_async" if async_copy else "")
+            async_copy, m_tiles = getattr(cfg, "async_copy", False), getattr(cfg, "m_tiles", 1)  # the forward's options
+            suffix = (f"tc_w{cfg.warps}_c{cfg.chunk}" + ("" if cfg.ldmatrix else "_lds16") + ("_async" if async_copy else "")
+                      + (f"_m{m_tiles}" if m_tiles > 1 else ""))
             add(spec, suffix, make(spec, cfg), kernel=tc.__name__.rsplit(".", 1)[1], warps=cfg.warps, chunk=cfg.chunk,
-                ldmatrix=cfg.ldmatrix, async_copy=async_copy, shared_bytes=cfg.shared_bytes(spec.head_dim, spec.dtype),
-                default=cfg == tc.default_config(spec))
+                ldmatrix=cfg.ldmatrix, async_copy=async_copy, m_tiles=m_tiles,
+                shared_bytes=cfg.shared_bytes(spec.head_dim, spec.dtype), default=cfg == tc.default_config(spec))
         make = cores.flash if kind == "local" else cores.flash_bwd
         add(spec, "cores", make(spec), kernel=cores.__name__.rsplit(".", 1)[1], config=str(cores.default_config(spec)))
     spec = kernels["local"]

@@ -89,9 +89,9 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
     for kind, got in tiles.items():
         want = {"warps": 4, "chunk": 32, "ldmatrix": True}
         if kind in ("local", "global"):
-            want.update(chunk=64, async_copy=False)
+            want.update(chunk=64, async_copy=False, m_tiles=1)
         assert got == want, (kind, got)
-    assert "tiles warps=4, chunk=64, ldmatrix=True, async_copy=False" in info.stdout, info.stdout
+    assert "tiles warps=4, chunk=64, ldmatrix=True, async_copy=False, m_tiles=1" in info.stdout, info.stdout
 
     # The generated CUDA source (written beside the library): half inputs, fp32
     # accumulation, shared-memory tiles.
@@ -149,23 +149,28 @@ def test_fused_cuda_kernels_have_the_barriers_they_need():
     for dtype in ("bfloat16", "float32"):
         for k in AttentionSpec.parse(f"head_dim=32,window=63:0,globals,backward,dtype={dtype}").kernels():
             funcs[k.name] = build.schedule_spec(k, target)
-    streamed = [KernelSpec("local", 32, "bfloat16", 63, 0, extras=True), KernelSpec("global", 32, "float16", 0, -1)]
-    for k in streamed:
-        funcs[k.name] = cuda_flash_tc.flash_tc(k, cuda_flash_tc.TCConfig(2, 32, async_copy=True))
+    # The cp.async forwards, with one and with two 16-row tiles per warp (Q's own tile).
+    local, glob = KernelSpec("local", 32, "bfloat16", 63, 0, extras=True), KernelSpec("global", 32, "float16", 0, -1)
+    streamed = []
+    for k, m_tiles in ((local, 1), (glob, 1), (local, 2)):
+        name = f"{k.name}__m{m_tiles}"
+        funcs[name] = cuda_flash_tc.flash_tc(k, cuda_flash_tc.TCConfig(2, 32, async_copy=True, m_tiles=m_tiles))
+        funcs[name] = funcs[name].with_attr("global_symbol", name)
+        streamed.append(name)
     bodies = kernel_bodies(generated_source(funcs))
     assert len(bodies) == len(funcs) + 2  # the global rows' gradients are two kernels each
     for name, body in bodies.items():
         assert "__syncthreads" in body and not dynamic(body), name
         assert races(body) == [], (name, races(body))
-    for k in streamed:
-        body = bodies[f"{k.name}_kernel"]
+    for name in streamed:
+        body = bodies[f"{name}_kernel"]
         lines = body.splitlines()
         loop = next(i for i, line in enumerate(lines) if line.strip().startswith("for (int64_t c "))
         # The stream's loop: a wait and a barrier before V's copies, again before K's.
         steps = [i for i, line in enumerate(lines) if i > loop and "swa_cp_async_wait_all();" in line][:2]
         assert len(steps) == 2 and all(lines[i + 1].strip() == "__syncthreads();" for i in steps), name
         for i in [j + d for j in steps for d in (0, 1)]:
-            assert races("\n".join(lines[:i] + lines[i + 1 :])), (k.name, lines[i])
+            assert races("\n".join(lines[:i] + lines[i + 1 :])), (name, lines[i])
 
 
 def _serial_on_cpu(func):
@@ -378,6 +383,10 @@ def test_cuda_flash_kernel_computes_the_reference(dtype, window, dilation, extra
         ("float16", (8, 9), [2, 2, 2, 2], False, (2, 32, False)),
         # A window long against the block: chunks every row sees whole skip the mask.
         ("float16", (100, 20), [1, 2, 1, 1], False, (2, 16)),
+        # Two 16-row tiles per warp (Q's A fragments re-read from its shared tile), cp.async.
+        ("float16", (8, 9), [2, 2, 2, 2], False, (2, 32, True, True, 2)),
+        # Three per warp, extras, 16-bit loads.
+        ("bfloat16", (21, 0), [1, 3, 2, 1], True, (1, 16, False, False, 3)),
     ],
 )
 def test_cuda_flash_tc_kernel_computes_the_reference(dtype, window, dilation, extras, config):
@@ -406,8 +415,9 @@ def test_cuda_flash_global_rows_compute_the_reference(kernel_kind, dtype, causal
     from swa_tvm.schedules import cuda_flash, cuda_flash_tc
 
     spec = KernelSpec("global", 32, dtype, 0, 0 if causal else -1)
-    if kernel_kind == "tc":  # the causal rows' K and V chunks by cp.async
-        func = cuda_flash_tc.flash_tc(spec, cuda_flash_tc.TCConfig(2, 16, async_copy=causal), emulate=True)
+    if kernel_kind == "tc":  # causal: K and V chunks by cp.async; else one warp of two 16-row tiles
+        cfg = cuda_flash_tc.TCConfig(2, 16, async_copy=True) if causal else cuda_flash_tc.TCConfig(1, 16, m_tiles=2)
+        func = cuda_flash_tc.flash_tc(spec, cfg, emulate=True)
     else:
         func = cuda_flash.flash(spec, cuda_flash.FlashConfig(32, 16, 64))
     kernel = _serial_on_cpu(func)[spec.name]
@@ -733,7 +743,8 @@ def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
     kernels), listed in variants.json with the kind each computes."""
     from swa_tvm import gpu_bundle
 
-    monkeypatch.setattr(gpu_bundle, "TC_VARIANTS", ((4, 64), (2, 16, False, True)))  # 16-bit loads, cp.async
+    # 16-bit loads and cp.async; two 16-row tiles per warp.
+    monkeypatch.setattr(gpu_bundle, "TC_VARIANTS", ((4, 64), (2, 16, False, True), (1, 16, True, False, 2)))
     monkeypatch.setattr(gpu_bundle, "TC_BWD_VARIANTS", ((2, 32), (4, 32)))  # 4 x 32: dynamic shared memory
     path = gpu_bundle.build_variants(str(tmp_path), "sm_90")
     meta = json.load(open(tmp_path / "lib" / "variants" / "variants.json"))
@@ -743,6 +754,7 @@ def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
     assert got == [
         ("local", "tc_w4_c64", "cuda_flash_tc", True),  # bf16 D=128's default
         ("local", "tc_w2_c16_lds16_async", "cuda_flash_tc", False),
+        ("local", "tc_w1_c16_m2", "cuda_flash_tc", False),
         ("local", "cores", "cuda_flash", None),
         ("local_dq", "tc_w2_c32", "cuda_flash_bwd_tc", True),
         ("local_dq", "tc_w4_c32", "cuda_flash_bwd_tc", False),
