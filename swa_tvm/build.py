@@ -16,7 +16,7 @@ import threading
 import warnings
 from typing import Iterable
 
-from . import library
+from . import cuda_pack, library
 from .compute import prim_func
 from .library import MANIFEST_FORMAT, X86_FEATURES, Kernel, sha256_file
 from .spec import HALF_DTYPES, KernelSpec
@@ -240,7 +240,8 @@ def compile_specs(specs: Iterable[KernelSpec], target: str | dict | None = None,
     """Compile every spec into one runtime module. Returns (module, target dict).
 
     ``records`` maps spec names to tuning records (``find_records``); specs without one
-    get the default schedule."""
+    get the default schedule. A CUDA module holds its generated source until exported
+    (``cuda_pack.export_module`` compiles it with nvcc then)."""
     import tvm
 
     target = normalize_target(target)
@@ -250,43 +251,10 @@ def compile_specs(specs: Iterable[KernelSpec], target: str | dict | None = None,
         raise ValueError("specs is empty: give at least one KernelSpec")
     records = records or {}
     funcs = {spec.name: schedule_spec(spec, tvm_target, records.get(spec.name)) for spec in specs}
-    with _nvcc_fatbin(target):
-        module = tvm.compile(tvm.IRModule(funcs), target=tvm_target)
-        if target.get("kind") == "cuda":
-            module = module.mod  # build the device code now, inside this compiler setting
+    module = tvm.compile(tvm.IRModule(funcs), target=tvm_target)
+    if target.get("kind") == "cuda":
+        module = module.mod  # the host module, importing the CUDA one
     return module, target
-
-
-class _nvcc_fatbin:
-    """While compiling a CUDA target, compile its device code with nvcc into a fatbin
-    holding the arch's machine code and its PTX (which newer GPUs JIT-compile). TVM's
-    default is NVRTC through the cuda-bindings package, which a GPU-less build machine
-    need not have; nvcc is what the CUDA toolkit always has."""
-
-    def __init__(self, target: dict):
-        self.arch = target.get("arch") if target.get("kind") == "cuda" else None
-
-    def __enter__(self):
-        if self.arch is None:
-            return self
-        import tvm_ffi
-        from tvm.support import nvcc
-
-        num = self.arch[3:]
-        gencode = ["-gencode", f"arch=compute_{num},code=[sm_{num},compute_{num}]"]
-
-        def compile_cuda(code):
-            return nvcc.compile_cuda(code, target_format="fatbin", arch=gencode, compiler="nvcc")
-
-        self.previous = tvm_ffi.get_global_func("tvm_callback_cuda_compile", allow_missing=True)
-        tvm_ffi.register_global_func("tvm_callback_cuda_compile", compile_cuda, override=True)
-        return self
-
-    def __exit__(self, *exc):
-        if self.arch is not None and self.previous is not None:
-            import tvm_ffi
-
-            tvm_ffi.register_global_func("tvm_callback_cuda_compile", self.previous, override=True)
 
 
 def cuda_source(module) -> str:
@@ -332,9 +300,9 @@ def export_library(
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     # Write to a temporary name and rename, so a crash never leaves a half library
-    # beside a manifest that vouches for it.
+    # beside a manifest that vouches for it. CUDA device code goes in compiled.
     tmp = f"{path}.tmp{os.getpid()}.so"
-    module.export_library(tmp)
+    resources = cuda_pack.export_module(module, tmp, target)
     if target.get("kind") == "cuda":
         # The generated CUDA C beside the library, for reading what the schedule made.
         with open(f"{path}.cu", "w") as f:
@@ -351,6 +319,10 @@ def export_library(
         tiles = fused_tiles(s, entry["schedule"])
         if tiles is not None:
             entry["tiles"] = tiles
+        # ptxas's count for each CUDA kernel of the spec (registers, spills, shared memory).
+        ptxas = {f: r for f, r in resources.items() if re.fullmatch(rf"{s.name}_kernel(_\d+)?", f)}
+        if ptxas:
+            entry["ptxas"] = ptxas
         if rec is not None:
             entry["tuning"] = {
                 "run_ms": round(rec.run_ms, 4),

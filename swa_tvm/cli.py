@@ -43,7 +43,14 @@ def _cmd_export(args) -> int:
     print(f"wrote {args.output} ({len(manifest['kernels'])} kernels, target {manifest['target_key']})")
     for k in manifest["kernels"]:
         print(f"  {k['name']}  ({_tuned_text(k)})")
+        for fn, r in k.get("ptxas", {}).items():
+            print(f"      {fn}: {_ptxas_text(r)}")
     return 0
+
+
+def _ptxas_text(r: dict) -> str:
+    spills = f"spills {r['spill_stores']} B stored, {r['spill_loads']} B loaded" if r.get("spill_stores") else "no spills"
+    return f"{r['registers']} registers, {spills}, {r.get('smem', 0)} B static shared memory"
 
 
 FUSED_TEXT = {
@@ -179,7 +186,14 @@ def _cmd_info(args) -> int:
     print("kernels:")
     for k in manifest["kernels"]:
         print(f"  {k['name']}  ({_tuned_text(k)})")
+        for fn, r in k.get("ptxas", {}).items():
+            print(f"      {fn}: {_ptxas_text(r)}")
     return 0
+
+
+def _ptxas_text(r: dict) -> str:
+    spills = f"spills {r['spill_stores']} B stored, {r['spill_loads']} B loaded" if r.get("spill_stores") else "no spills"
+    return f"{r['registers']} registers, {spills}, {r.get('smem', 0)} B static shared memory"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -619,23 +619,22 @@ def space_generator(spec: KernelSpec, tvm_target):
     return ms.space_generator.ScheduleFn(fn, sch_rules=[], postprocs=postprocs, mutator_probs="from-target")
 
 
-def export_shared_library(mod) -> str:
+def export_shared_library(mod, target: dict | None = None) -> str:
     """MetaSchedule builder export: a shared library (which the TVM runtime alone loads,
-    unlike the default tar, which needs a compiler to link on the measuring machine)."""
+    unlike the default tar, which needs a compiler to link on the measuring machine),
+    for CUDA with the device code compiled in (``cuda_pack.export_module``)."""
     import tempfile
 
+    from .cuda_pack import export_module
+
     path = os.path.join(tempfile.mkdtemp(prefix="swa_tvm_candidate_"), "candidate.so")
-    mod.export_library(path)
+    export_module(mod, path, target or {"kind": "llvm"})
     return path
 
 
 def init_builder_worker(target: dict) -> None:
-    """Builder worker setup: the fast tensor_intrin import, and for CUDA, device code
-    compiled by nvcc (``build._nvcc_fatbin``) for the rest of the worker's life."""
-    from .build import _nvcc_fatbin
-
+    """Builder worker setup: the fast tensor_intrin import."""
     preload_tensor_intrin()
-    _nvcc_fatbin(target).__enter__()
 
 
 def make_builder(target: dict, cores: int, shared_library: bool = False):
@@ -647,7 +646,8 @@ def make_builder(target: dict, cores: int, shared_library: bool = False):
         max_workers=cores,
         timeout_sec=300,
         initializer=functools.partial(init_builder_worker, dict(target)),
-        f_export=export_shared_library if shared_library or target.get("kind") == "cuda" else None,
+        f_export=(functools.partial(export_shared_library, target=dict(target))
+                  if shared_library or target.get("kind") == "cuda" else None),
     )
 
 

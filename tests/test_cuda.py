@@ -92,6 +92,14 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
             want.update(chunk=64, async_copy=False, m_tiles=1)
         assert got == want, (kind, got)
     assert "tiles warps=4, chunk=64, ldmatrix=True, async_copy=False, m_tiles=1" in info.stdout, info.stdout
+    # What ptxas reported for each kernel of the library (the global rows' gradients are
+    # two kernels): registers within the 255 a thread may have, the tiles' static shared
+    # memory, and no spill at head dim 32.
+    for k in manifest["kernels"]:
+        assert set(k["ptxas"]) == {f"{k['name']}_kernel"} | ({f"{k['name']}_kernel_1"} if k["spec"]["kind"] == "global_bwd" else set())
+        for r in k["ptxas"].values():
+            assert 32 <= r["registers"] <= 255 and r["spill_stores"] == 0 and 1024 < r["smem"] <= 48 * 1024, (k["name"], r)
+    assert info.stdout.count(" registers, no spills, ") == len(kernels), info.stdout
 
     # The generated CUDA source (written beside the library): half inputs, fp32
     # accumulation, shared-memory tiles.
@@ -121,6 +129,16 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
             for a in operands:
                 assert re.search(rf"swa_mma_{ptx}\({a}(_ptr)?\[", body), f"{kind}: no mma with A operand {a}"
             assert f"swa_ldsm_t_{ptx}(" in body, f"{kind}: the chunk tile's B operands should come by ldmatrix"
+
+    # The device code is in the library compiled (TVM alone would keep the source and
+    # compile it at load, through a callback only the full apache-tvm registers): one
+    # CUDA module, a fatbin holding the arch's machine code (an ELF) and its PTX.
+    from swa_tvm import cuda_pack
+
+    [(fmt, fatbin)] = cuda_pack.read_cuda_modules(cuda_pack.library_blob(str(path)))
+    assert fmt == "fatbin" and fatbin[:4] == bytes.fromhex("50ed55ba"), (fmt, fatbin[:16])
+    assert b"\x7fELF" in fatbin, "no machine code in the fatbin"
+    assert b"__global__" not in fatbin and len(fatbin) < len(src)
 
     specs = swa_tvm.load_library(path)
     assert {s.name for s in specs} == {k.name for k in kernels}
@@ -253,7 +271,7 @@ def test_cuda_tensor_core_space_computes_the_reference_and_issues_wmma(dtype, se
     from tvm import s_tir
 
     from swa_tvm import tuning
-    from swa_tvm.build import _nvcc_fatbin, cuda_source
+    from swa_tvm.build import cuda_source
     from swa_tvm.schedules import cpu, cuda
 
     tuning.preload_tensor_intrin()
@@ -267,8 +285,7 @@ def test_cuda_tensor_core_space_computes_the_reference_and_issues_wmma(dtype, se
     assert [i.kind.name for i in sch.trace.insts].count("Tensorize") == 5
     func = tuning.apply_record(spec, sch.trace, "cuda")
     target = {"kind": "cuda", "arch": "sm_90"}
-    with _nvcc_fatbin(target):
-        src = cuda_source(tvm.compile(tvm.IRModule({spec.name: func}), target=tvm.target.Target(target)).mod)
+    src = cuda_source(tvm.compile(tvm.IRModule({spec.name: func}), target=tvm.target.Target(target)).mod)
     half = {"float16": "half", "bfloat16": "nv_bfloat16"}[dtype]
     assert f"wmma::matrix_a, 16, 16, 16, {half}" in src and "wmma::mma_sync" in src
 
@@ -287,7 +304,8 @@ def test_cuda_search_space_points_with_one_thread_along_an_axis_compile(tensor_c
     from tvm import s_tir
 
     from swa_tvm import tuning
-    from swa_tvm.build import _nvcc_fatbin
+    from swa_tvm.build import cuda_source
+    from swa_tvm.cuda_pack import nvcc_fatbin
     from swa_tvm.schedules import cpu, cuda
 
     class OneThread(cpu.DefaultPoint):
@@ -304,8 +322,8 @@ def test_cuda_search_space_points_with_one_thread_along_an_axis_compile(tensor_c
     cuda.schedule(sch, spec, OneThread(), tensor_cores=tensor_cores)
     func = tuning.apply_record(spec, sch.trace, "cuda")
     target = {"kind": "cuda", "arch": "sm_80"}
-    with _nvcc_fatbin(target):
-        tvm.compile(tvm.IRModule({spec.name: func}), target=tvm.target.Target(target)).mod
+    fatbin, _ = nvcc_fatbin(cuda_source(tvm.compile(tvm.IRModule({spec.name: func}), target=tvm.target.Target(target)).mod), "sm_80")
+    assert fatbin[:4] == bytes.fromhex("50ed55ba")  # the fatbin magic
 
 
 def _pattern_inputs(dtype, window, dilation, extras, B=2, H=4, Hkv=2, T=150, D=32):
@@ -764,6 +782,9 @@ def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
         ("local_dkv", "cores", "cuda_flash_bwd", None),
     ]
     assert [v.get("shared_bytes", 0) > 48 * 1024 for v in meta["variants"] if v["kind"] == "local_dq"] == [False, True, False]
+    # ptxas's report per variant; the dynamic tiles count no static shared memory.
+    assert all(v["ptxas"]["registers"] <= 255 for v in meta["variants"]), meta["variants"]
+    assert [v["ptxas"]["smem"] > 1024 for v in meta["variants"] if v["kind"] == "local_dq"] == [True, False, True]
     # The 4 x 32 gradient kernels (52 KiB, compiled by nvcc above) take dynamic shared
     # memory; tiles within 48 KiB static.
     from swa_tvm.schedules import cuda_flash_bwd_tc, cuda_flash_tc
