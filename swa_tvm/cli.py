@@ -191,11 +191,6 @@ def _cmd_info(args) -> int:
     return 0
 
 
-def _ptxas_text(r: dict) -> str:
-    spills = f"spills {r['spill_stores']} B stored, {r['spill_loads']} B loaded" if r.get("spill_stores") else "no spills"
-    return f"{r['registers']} registers, {spills}, {r.get('smem', 0)} B static shared memory"
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="swa-tvm", description="Sliding-window attention kernels built with Apache TVM.")
     sub = p.add_subparsers(dest="command", required=True)
