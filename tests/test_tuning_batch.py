@@ -196,8 +196,13 @@ def test_cuda_batch_builds_the_search_space_and_the_fused_baseline(cuda_batch):
     fills = [{k: v for k, v in a[3].items() if k not in ("name", "output")} for a in task["args"]]
     assert fills == input_fills([a[:3] for a in task["args"]]) and fills[3] == {"fill": "ones"}
     assert [bool(a[3].get("output")) for a in task["args"]] == [False] * 5 + [True] * 2
+    # Each artifact carries its device code compiled (a fatbin), which the runtime alone
+    # loads there: TVM by itself would leave the source for a compiler at load.
+    from swa_tvm import cuda_pack
+
     for entry in [task["baseline"]] + task["candidates"]:
-        assert os.path.getsize(folder / entry["artifact"]) > 0
+        [(fmt, data)] = cuda_pack.read_cuda_modules(cuda_pack.library_blob(str(folder / entry["artifact"])))
+        assert fmt == "fatbin" and data[:4] == bytes.fromhex("50ed55ba"), (entry["artifact"], fmt)
     # The candidate is a point of schedules/cuda.py's space (its samples in the trace).
     records = json.loads((folder / "records.json").read_text())["records"]
     trace = json.dumps(records[task["candidates"][0]["id"]])
