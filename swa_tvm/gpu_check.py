@@ -190,6 +190,27 @@ def time_variants(results: dict, dev: torch.device, libs: str) -> None:
     library._load_tvm_runtime()
     module = tvm_ffi.load_module(os.path.join(libs, "variants", meta["library"]))
     results["variants"] = variant_rows(module, meta, dev)
+    results["variant_best"] = best_variants(results["variants"], getattr(torch, meta["spec"]["dtype"]))
+
+
+def best_variants(rows: list[dict], dtype) -> dict:
+    """Per kernel kind, the fastest variant whose result agreed with the default's
+    (forward within the output tolerance, gradients within the gradient tolerance of
+    ``dtype``), with its time against the default configuration's: what the defaults
+    should become."""
+    best = {}
+    for kind in dict.fromkeys(r.get("kind", "local") for r in rows):
+        tol = TOLERANCE[dtype][0] if kind == "local" else GRAD_TOLERANCE[dtype]
+        ok = [r for r in rows if r.get("kind", "local") == kind and "ms" in r and r["rel_err_vs_default"] < tol]
+        if not ok:
+            best[kind] = None
+            continue
+        fastest = min(ok, key=lambda r: r["ms"])
+        default = next((r for r in ok if r.get("default")), None)
+        best[kind] = {"function": fastest["function"], "ms": fastest["ms"], "tflops": fastest["tflops"],
+                      "default_ms": default["ms"] if default else None,
+                      "speedup_vs_default": default["ms"] / fastest["ms"] if default else None}
+    return best
 
 
 def variant_rows(module, meta: dict, dev: torch.device, shape=(1, 32, 8, 32768)) -> list[dict]:

@@ -720,6 +720,15 @@ def test_gpu_check_variant_rows_on_cpu():
     assert "error" in rows[1] and "ms" not in rows[1]
     for r in rows[:1] + rows[2:]:
         assert r["rel_err_vs_default"] < 1e-5 and r["ms"] > 0 and r["tflops"] > 0, r
+    # The summary the defaults are set from: per kind the fastest variant that agreed,
+    # never one that failed or disagreed.
+    rows += [dict(rows[0], function="fast_but_wrong", ms=rows[0]["ms"] / 10, rel_err_vs_default=0.5),
+             dict(rows[0], function="faster", ms=rows[0]["ms"] / 2, default=False)]
+    rows[0]["default"] = True
+    best = gpu_check.best_variants(rows, torch.float32)
+    assert set(best) == {"local", "local_dq", "local_dkv"}
+    assert best["local"]["function"] == "faster" and best["local"]["speedup_vs_default"] == pytest.approx(2.0)
+    assert best["local_dq"]["function"] == rows[2]["function"] and best["local_dq"]["default_ms"] is None
 
 
 @pytest.mark.parametrize("causal", [True, False])
