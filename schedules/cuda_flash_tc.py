@@ -1,10 +1,10 @@
 """The fused CUDA kernel of ``cuda_flash`` on tensor cores (float16/bfloat16 inputs,
-fp32 accumulation), FlashAttention-2 style: each warp owns 16 query rows of the item,
-its scores, probabilities and output accumulators live in registers as
+fp32 accumulation), FlashAttention-2 style: each warp owns 16 query rows of the item
+(16 * m_tiles), its scores, probabilities and output accumulators live in registers as
 ``mma.sync.m16n8k16`` fragments, and the probabilities feed the P·V product straight
 from the score fragments (the accumulator layout of one 16x8 tile pair is the operand
 layout of the next product). Only the query block (once) and the key and value chunks
-pass through shared memory.
+pass through shared memory (the chunks synchronously, or by cp.async: TCConfig).
 
 Fragment layout (PTX ISA, "Matrix Fragments for mma.m16n8k16"; the same map TVM's own
 ``tensor_intrin.cuda.ldmatrix_32x8_to_shared_16x16_layout`` encodes), lane t of a warp,
@@ -243,6 +243,67 @@ def kn_loader(warps: int, head_dim: int, dtype: str, ldmatrix: bool, emulate: bo
     return load
 
 
+# ldmatrix.x4 without .trans: lane 8m + j gives the address of row j of matrix m, and
+# lane t receives from matrix m the two values (row t // 4, columns 2*(t % 4) + i), i =
+# 0, 1, in its register m.
+LDSM_A_SOURCE = LDSM_SOURCE.replace(".x4.trans.shared", ".x4.shared")
+
+
+def ldsm_a_row(lane):
+    """(row, column) of a 16 x 16 A tile whose address lane gives to ``ldsm_a``: matrix
+    m = lane // 8 is rows 8*(m % 2) .. + 8 at columns 8*(m // 2) .. + 8, so register m
+    holds A values 2m and 2m + 1 (``a_pos``)."""
+    m = lane // 8
+    return 8 * (m % 2) + lane % 8, 8 * (m // 2)
+
+
+def ldsm_a_value(lane, slot):
+    """(lane that gave the row, column within its 8) of value ``slot`` (0..7) of lane's
+    result: the PTX ISA's ldmatrix map, no transpose."""
+    m, i = slot // 2, slot % 2
+    return 8 * m + lane // 4, 2 * (lane % 4) + i
+
+
+def a_loader(warps: int, head_dim: int, dtype: str, ldmatrix: bool, emulate: bool):
+    """A T.macro ``load(At, afrag, a0, row0, ks)``: the A operand (values a0 .. a0 + 7
+    of each thread's afrag) of the 16 x 16 tile at rows row0(tx) .. + 16, k-step ks, of
+    a row-major shared tile of rows padded to head_dim + 8: one ``ldmatrix.x4`` per warp
+    (``ldmatrix``), else eight 16-bit loads per thread. ``emulate`` runs ldmatrix's map
+    (``ldsm_a_row``, ``ldsm_a_value``) lane by lane."""
+    nt, DP = 32 * warps, head_dim + 8
+    name = f"swa_ldsm_a_{PTX_TYPE[dtype]}"
+    source = LDSM_A_SOURCE.format(name=name, t=C_TYPE[dtype])
+
+    def row_index(tx, lane, ks, row0):
+        row, col = ldsm_a_row(lane)
+        return (row0(tx) + row) * DP + ks * 16 + col
+
+    @T.macro
+    def load(At, afrag, a0, row0, ks):
+        if not ldmatrix:
+            for tx in T.thread_binding(nt, thread="threadIdx.x"):
+                for l in T.unroll(8):
+                    afrag[tx, a0 + l] = At[(row0(tx) + a_pos(tx % 32, l)[0]) * DP + ks * 16 + a_pos(tx % 32, l)[1]]
+        elif emulate:
+            for w, lane, x in T.grid(warps, 32, 8):
+                afrag[w * 32 + lane, a0 + x] = At[
+                    row_index(w * 32, ldsm_a_value(lane, x)[0], ks, row0) + ldsm_a_value(lane, x)[1]
+                ]
+        else:
+            for tx in T.thread_binding(nt, thread="threadIdx.x"):
+                T.evaluate(
+                    T.cuda.func_call(
+                        name,
+                        At.access_ptr("r", offset=row_index(tx, tx % 32, ks, row0), extent=8),
+                        afrag[tx, a0], afrag[tx, a0 + 1], afrag[tx, a0 + 2], afrag[tx, a0 + 3],
+                        afrag[tx, a0 + 4], afrag[tx, a0 + 5], afrag[tx, a0 + 6], afrag[tx, a0 + 7],
+                        source_code=source,
+                    )
+                )
+
+    return load
+
+
 # cp.async (sm_80+): a 16-byte global-to-shared copy the issuing thread does not wait
 # for. commit closes the thread's group of copies; wait_group 0 waits for all of its
 # groups, and only a barrier after it makes every thread's copies visible to the block.
@@ -298,7 +359,7 @@ def async_loader(threads: int, head_dim: int, rows: int, emulate: bool):
 
 @dataclass(frozen=True)
 class TCConfig:
-    warps: int = 4  # 16 query rows each: block_q = 16 * warps
+    warps: int = 4  # 16 * m_tiles query rows each: block_q = 16 * warps * m_tiles
     chunk: int = 64  # keys per online-softmax step (a multiple of 16)
     ldmatrix: bool = True  # V's B operands by ldmatrix.trans (else 16-bit loads)
     # K and V chunks by cp.async, each load overlapping the other tile's product (else
@@ -395,12 +456,9 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
     def c_col(tx, l):
         return c_pos(tx % 32, l)[1]
 
-    def a_tile_index(tx, l, ks, mt):
-        """Value l of the A operand of tile mt, k-step ks, in Q's shared tile."""
-        return a_index(tx, l, ks, DP) + ((tx // 32) * (MT - 1) + mt) * 16 * DP
-
     mma = mma_macro(NW, dt, emulate)
     load_kn = kn_loader(NW, D, dt, cfg.ldmatrix, emulate)
+    load_a = a_loader(NW, D, dt, cfg.ldmatrix, emulate)
 
     @T.macro
     def quad_reduce(part, red, op_max):
@@ -439,10 +497,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 sfrag[tx, x] = ZERO
         for ks in T.unroll(KD):
             if not QREG:
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    for mt in T.unroll(MT):
-                        for l in T.unroll(8):
-                            qfrag[tx, mt * 8 + l] = Qs[a_tile_index(tx, l, ks, mt)]
+                for mt in T.unroll(MT):
+                    load_a(Qs, qfrag, mt * 8, lambda tx: ((tx // 32) * MT + mt) * 16, ks)
             for nt in T.unroll(NS):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     for l in T.unroll(4):

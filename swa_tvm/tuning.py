@@ -632,7 +632,7 @@ def export_shared_library(mod, target: dict | None = None) -> str:
     return path
 
 
-def init_builder_worker(target: dict) -> None:
+def init_builder_worker() -> None:
     """Builder worker setup: the fast tensor_intrin import."""
     preload_tensor_intrin()
 
@@ -645,7 +645,7 @@ def make_builder(target: dict, cores: int, shared_library: bool = False):
     return ms.builder.LocalBuilder(
         max_workers=cores,
         timeout_sec=300,
-        initializer=functools.partial(init_builder_worker, dict(target)),
+        initializer=init_builder_worker,
         f_export=(functools.partial(export_shared_library, target=dict(target))
                   if shared_library or target.get("kind") == "cuda" else None),
     )

@@ -500,6 +500,17 @@ def test_mma_fragment_maps_are_the_hardware_layout():
                 row, col0 = ldsm_row(src, ks, ndp)
                 k, n = b_pos(lane, slot % 4)
                 assert (row, col0 + col) == (16 * ks + k, 8 * (2 * ndp + slot // 4) + n), (lane, slot)
+    # ldmatrix.x4 (no transpose) of a row-major 16 x 16 tile (Q's A operand with two
+    # 16-row tiles per warp): lane t gives row t % 16, column 8 * (t // 16) (TVM's
+    # A-operand ldmatrix offset), and every value lands where the A fragment wants it.
+    from swa_tvm.schedules.cuda_flash_tc import ldsm_a_row, ldsm_a_value
+
+    for lane in range(32):
+        assert ldsm_a_row(lane) == (lane % 16, 8 * (lane // 16))
+        for slot in range(8):
+            src, col = ldsm_a_value(lane, slot)
+            row, col0 = ldsm_a_row(src)
+            assert (row, col0 + col) == a_pos(lane, slot), (lane, slot)
     # Every position of each operand is held exactly once.
     assert len({a_pos(t, l) for t in range(32) for l in range(8)}) == 256
     assert len({b_pos(t, l) for t in range(32) for l in range(4)}) == 128
