@@ -25,7 +25,7 @@ import subprocess
 import tempfile
 
 BLOB_SYMBOL = "__tvm_ffi__library_bin"
-FATBIN_MAGIC = 0xBA55ED50
+FATBIN_MAGIC = struct.pack("<I", 0xBA55ED50)
 
 
 def nvcc_fatbin(code: str, arch: str) -> tuple[bytes, str]:
@@ -124,9 +124,9 @@ def _cuda_payload(payload: bytes) -> tuple[bytes, bytes, bytes]:
         (n,) = struct.unpack_from("<Q", payload, end_of_table)
         if end_of_table + 8 + n == len(payload):
             # The earliest such offset could be inside the table by chance; the data of
-            # a source module starts as TVM's generated source does.
+            # a source module starts as TVM's generated source does, a fatbin with its magic.
             data = payload[end_of_table + 8 :]
-            if fmt != b"cuda" or data.lstrip().startswith(b"#"):
+            if {b"cuda": data.lstrip().startswith(b"#"), b"fatbin": data[:4] == FATBIN_MAGIC}.get(fmt, True):
                 return fmt, payload[table_start:end_of_table], data
     raise ValueError("CUDA module payload: no data field found")
 
