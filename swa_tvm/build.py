@@ -341,6 +341,8 @@ def export_library(
         "machine": platform.machine(),
         "cpu_features": _cpu_features(tvm.target.Target(target)) if target.get("kind") == "llvm" else [],
         "cuda_arch": target.get("arch") if target.get("kind") == "cuda" else None,
+        # How the device code is packed (cuda_pack): compiled, loadable by the runtime alone.
+        **({"cuda_device_code": "fatbin"} if target.get("kind") == "cuda" else {}),
         "kernels": [kernel_entry(s) for s in specs],
         "sha256": sha256_file(tmp),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -267,6 +267,14 @@ def check_manifest(lib_path: str, manifest: dict) -> None:
             "rebuild it with `swa-tvm export`"
         )
     target = manifest.get("target", {})
+    if target.get("kind") == "cuda" and manifest.get("cuda_device_code") != "fatbin":
+        # Exported before device code was packed compiled (cuda_pack): the library holds
+        # CUDA source that TVM's runtime would compile at the first call, through a
+        # compiler callback only the full apache-tvm registers.
+        raise LibraryError(
+            f"{lib_path}: its CUDA device code is source, not compiled (exported by an older swa_tvm); "
+            "export it again with `swa-tvm export`"
+        )
     if target.get("kind") == "llvm":
         arch = manifest.get("machine")
         if arch and arch != platform.machine():

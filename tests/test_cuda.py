@@ -139,6 +139,14 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
     assert fmt == "fatbin" and fatbin[:4] == bytes.fromhex("50ed55ba"), (fmt, fatbin[:16])
     assert b"\x7fELF" in fatbin, "no machine code in the fatbin"
     assert b"__global__" not in fatbin and len(fatbin) < len(src)
+    # The manifest says so, and a CUDA library whose manifest does not (exported before
+    # the packing: source inside) is refused with a clear error, not at its first call.
+    assert manifest["cuda_device_code"] == "fatbin"
+    old = tmp_path / "old.so"
+    old.write_bytes(path.read_bytes())
+    (tmp_path / "old.so.json").write_text(json.dumps({k: v for k, v in manifest.items() if k != "cuda_device_code"}))
+    with pytest.raises(library.LibraryError, match="CUDA device code is source.*export it again"):
+        swa_tvm.load_library(old)
 
     specs = swa_tvm.load_library(path)
     assert {s.name for s in specs} == {k.name for k in kernels}
