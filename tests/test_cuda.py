@@ -435,8 +435,9 @@ def test_cuda_flash_tc_kernel_computes_the_reference(dtype, window, dilation, ex
 )
 def test_cuda_flash_global_rows_compute_the_reference(kernel_kind, dtype, causal):
     """Global rows on the fused kernels (serial on the CPU; the tensor-core one emulated):
-    a block of 32 rows (two warps' on tensor cores) and a padded one, unsorted positions;
-    GQA; learned sinks; keys in chunks up to the block's last position."""
+    a block of 32 rows (on tensor cores two warps, or one warp of two 16-row tiles) and a
+    padded one, unsorted positions; GQA; learned sinks; keys in chunks up to the block's
+    last position."""
     from swa_tvm.reference import sliding_window_attention_ref
     from swa_tvm.schedules import cuda_flash, cuda_flash_tc
 
