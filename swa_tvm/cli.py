@@ -41,11 +41,17 @@ def _cmd_export(args) -> int:
     for w in caught:
         print(f"swa-tvm export: warning: {w.message}", file=sys.stderr)
     print(f"wrote {args.output} ({len(manifest['kernels'])} kernels, target {manifest['target_key']})")
+    _print_kernels(manifest)
+    return 0
+
+
+def _print_kernels(manifest: dict) -> None:
+    """A line per kernel (which schedule, tuned or not, its tiles), then ptxas's report
+    for each of its CUDA kernels."""
     for k in manifest["kernels"]:
         print(f"  {k['name']}  ({_tuned_text(k)})")
         for fn, r in k.get("ptxas", {}).items():
             print(f"      {fn}: {_ptxas_text(r)}")
-    return 0
 
 
 def _ptxas_text(r: dict) -> str:
@@ -184,10 +190,7 @@ def _cmd_info(args) -> int:
     except Exception as e:  # noqa: BLE001 - report, do not fail `info`
         print(f"loadable     no: {e}")
     print("kernels:")
-    for k in manifest["kernels"]:
-        print(f"  {k['name']}  ({_tuned_text(k)})")
-        for fn, r in k.get("ptxas", {}).items():
-            print(f"      {fn}: {_ptxas_text(r)}")
+    _print_kernels(manifest)
     return 0
 
 
