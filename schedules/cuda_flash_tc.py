@@ -202,6 +202,13 @@ def ldsm_value(lane, slot):
     return 8 * m + 2 * (lane % 4) + i, lane // 4
 
 
+def ldsm_call(name, source, tile, offset, frag, tx, base):
+    """The call of an ldmatrix.x4 macro (``LDSM_SOURCE``'s): thread tx gives the address
+    of tile[offset] and receives values frag[tx, base .. base + 7]."""
+    values = [frag[tx, base + i] for i in range(8)]
+    return T.cuda.func_call(name, tile.access_ptr("r", offset=offset, extent=8), *values, source_code=source)
+
+
 def kn_loader(warps: int, head_dim: int, dtype: str, ldmatrix: bool, emulate: bool):
     """A T.macro ``load(Ct, bfrag, ks, ndp)``: the B operands B[k][n] = Ct[row 16*ks + k]
     [column 8*nd + n] of output tiles nd = 2*ndp and 2*ndp + 1 (values 0..3 and 4..7 of
@@ -230,15 +237,7 @@ def kn_loader(warps: int, head_dim: int, dtype: str, ldmatrix: bool, emulate: bo
                 ]
         else:
             for tx in T.thread_binding(nt, thread="threadIdx.x"):
-                T.evaluate(
-                    T.cuda.func_call(
-                        name,
-                        Ct.access_ptr("r", offset=row_index(tx % 32, ks, ndp), extent=8),
-                        bfrag[tx, 0], bfrag[tx, 1], bfrag[tx, 2], bfrag[tx, 3],
-                        bfrag[tx, 4], bfrag[tx, 5], bfrag[tx, 6], bfrag[tx, 7],
-                        source_code=source,
-                    )
-                )
+                T.evaluate(ldsm_call(name, source, Ct, row_index(tx % 32, ks, ndp), bfrag, tx, 0))
 
     return load
 
@@ -291,15 +290,7 @@ def a_loader(warps: int, head_dim: int, dtype: str, ldmatrix: bool, emulate: boo
                 ]
         else:
             for tx in T.thread_binding(nt, thread="threadIdx.x"):
-                T.evaluate(
-                    T.cuda.func_call(
-                        name,
-                        At.access_ptr("r", offset=row_index(tx, tx % 32, ks, row0), extent=8),
-                        afrag[tx, a0], afrag[tx, a0 + 1], afrag[tx, a0 + 2], afrag[tx, a0 + 3],
-                        afrag[tx, a0 + 4], afrag[tx, a0 + 5], afrag[tx, a0 + 6], afrag[tx, a0 + 7],
-                        source_code=source,
-                    )
-                )
+                T.evaluate(ldsm_call(name, source, At, row_index(tx, tx % 32, ks, row0), afrag, tx, a0))
 
     return load
 
