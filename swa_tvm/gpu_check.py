@@ -46,6 +46,17 @@ TOLERANCE = {torch.float16: (3e-3, 2e-3), torch.bfloat16: (2e-2, 2e-3), torch.fl
 GRAD_TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 3e-2, torch.float32: 1e-4}
 
 
+# time.monotonic() past which nothing more is timed (main's --budget-s): the device
+# tool stops a run at its limit, and what a stage cut short had measured is kept.
+_deadline = float("inf")
+
+
+def _out_of_time() -> bool:
+    return time.monotonic() > _deadline
+
+
+OUT_OF_TIME = "skipped: the run's time budget was spent"
+
 # The float inputs of a call that have gradients (besides q, k, v).
 GRAD_INPUTS = ("q_global", "k_global", "v_global", "sink_logits")
 
@@ -248,6 +259,9 @@ def variant_rows(module, meta: dict, dev: torch.device, shape=(1, 32, 8, 32768))
     for entry in meta["variants"]:
         row = dict(entry)
         kind = entry.get("kind", "local")
+        if _out_of_time():
+            rows.append(dict(row, error=OUT_OF_TIME))
+            continue
         try:
             fn = module[entry["function"]]
             if kind == "local":
@@ -290,7 +304,7 @@ def measure_tune_batch(results: dict, dev: torch.device, batch: str, out: str) -
     if built_for != dev.type:
         results["tuning"] = f"skipped: the batch is for {built_for}, this run is on {dev.type}"
         return
-    measured = measure_batch.measure(batch, dev.type)
+    measured = measure_batch.measure(batch, dev.type, deadline=_deadline)
     with open(os.path.join(out, measure_batch.MEASURED_FILE), "w") as f:
         json.dump(measured, f, indent=1)
     rows = measured["results"]
@@ -348,6 +362,9 @@ def bench(results: dict, dev: torch.device, quick: bool) -> None:
     configs = [("causal", 1, 0), ("dilation 2", 2, 0), ("64 globals", 1, 64)]
     rows = []
     for name, d, G in configs:
+        if _out_of_time():
+            rows.append({"config": name, "error": OUT_OF_TIME})
+            continue
         q = torch.randn(B, H, T, D, device=dev, dtype=dtype)
         k = torch.randn(B, Hkv, T, D, device=dev, dtype=dtype)
         v = torch.randn(B, Hkv, T, D, device=dev, dtype=dtype)
@@ -388,6 +405,9 @@ def bench(results: dict, dev: torch.device, quick: bool) -> None:
         peers["sdpa_banded_mask"] = lambda: torch.nn.functional.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)  # noqa: E731
         peers["sdpa_causal_full"] = lambda: torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=True)  # noqa: E731
         for pname, fn in peers.items():
+            if _out_of_time():
+                row[f"{pname}_error"] = OUT_OF_TIME
+                continue
             try:
                 po = fn()
                 if pname != "sdpa_causal_full" and "ours_ms" in row:
@@ -410,6 +430,9 @@ def bench(results: dict, dev: torch.device, quick: bool) -> None:
     scaling = []
     for T2 in (8192, 16384, 32768, 65536, 131072):
         if (quick or dev.type != "cuda") and T2 > 16384:
+            break
+        if _out_of_time():
+            scaling.append({"T": T2, "error": OUT_OF_TIME})
             break
         try:
             q = torch.randn(B, H, T2, D, device=dev, dtype=dtype)
@@ -456,6 +479,9 @@ def time_training(results: dict, dev: torch.device, flex, T: int, W: int, shape=
     runs["sdpa_banded_mask"] = lambda: torch.nn.functional.scaled_dot_product_attention(q, kr(k), kr(v), attn_mask=mask)
     ours_grads = None
     for name, fn in runs.items():
+        if _out_of_time():
+            row[f"{name}_error"] = OUT_OF_TIME
+            continue
         try:
             g = grads(fn)
             if name == "ours":
@@ -484,7 +510,19 @@ def main(argv=None) -> int:
                    help="tuning batch to measure (skipped when absent)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu: a smoke run of this harness with the CPU kernels (float32, tiny shapes)")
+    p.add_argument("--budget-s", type=float, default=480.0,
+                   help="seconds after which nothing more is timed (the stages left write what they skipped), "
+                        "so that the run ends inside the device tool's limit with its results written")
     args = p.parse_args(argv)
+    global _deadline
+    _deadline = time.monotonic() + args.budget_s
+    try:
+        return _run(args)
+    finally:
+        _deadline = float("inf")  # the budget is this run's, not the next caller's of these functions
+
+
+def _run(args) -> int:
     import swa_tvm
 
     dev = torch.device(args.device)
@@ -529,6 +567,10 @@ def main(argv=None) -> int:
                       ("tuning", lambda: measure_tune_batch(results, dev, args.batch, args.out))):
         print(f"== {stage}", flush=True)
         t0 = time.time()
+        if _out_of_time() and stage != "correctness":
+            results[stage] = OUT_OF_TIME
+            ok = False
+            continue
         try:
             r = fn()
             if r is False:

@@ -92,7 +92,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def measure(batch_dir: str, device: str = "cuda", number: int = 3, repeat: int = 5, warmup: int = 2,
-            progress=print) -> dict:
+            progress=print, deadline: float | None = None) -> dict:
+    """Measure every candidate of the batch in ``batch_dir`` (the baseline of each task
+    first, candidates checked against it); past ``deadline`` (a ``time.monotonic()``
+    value) the rest are rows with an error, never timed."""
     import tvm_ffi
 
     from .library import _load_tvm_runtime, cuda_unavailable_reason, sha256_file
@@ -118,6 +121,8 @@ def measure(batch_dir: str, device: str = "cuda", number: int = 3, repeat: int =
             row = {"id": entry["id"], "task": task["name"]}
             path = os.path.join(batch_dir, entry["artifact"])
             try:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError("not measured: the run's time budget was spent")
                 if entry is not task["baseline"] and reference is None:
                     raise RuntimeError("the baseline failed: nothing to check this candidate against")
                 row["sha256"] = sha256_file(path)

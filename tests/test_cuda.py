@@ -589,9 +589,12 @@ def test_gpu_check_harness_on_cpu(tmp_path, fresh_registry):
     # and the stages still run.
     (tmp_path / "libs").mkdir()
     (tmp_path / "libs" / "broken.so").write_bytes(b"not a library")
-    rc = gpu_check.main(["--device", "cpu", "--libs", str(tmp_path / "libs"), "--out", str(tmp_path), "--skip-bench"])
+    # A spent time budget (0 s) skips every stage after correctness, and says so.
+    rc = gpu_check.main(["--device", "cpu", "--libs", str(tmp_path / "libs"), "--out", str(tmp_path), "--skip-bench",
+                         "--budget-s", "0"])
     results = json.load(open(tmp_path / "gpu_results.json"))
     assert rc == 1 and results["ok"] is False
+    assert [results[s] for s in ("bench", "variants", "tuning")] == [gpu_check.OUT_OF_TIME] * 3
     [broken] = results["libraries"]
     assert broken["path"].endswith("broken.so") and "broken.so" in broken["error"], broken
     assert len(results["correctness"]) == 6 and all(r["ok"] and r["out_rel_err"] < 1e-5 for r in results["correctness"])
@@ -715,7 +718,7 @@ def test_gpu_check_training_timing_on_cpu():
     assert row["sdpa_banded_mask_grads_vs_ours_rel_err"] < 1e-4
 
 
-def test_gpu_check_variant_rows_on_cpu():
+def test_gpu_check_variant_rows_on_cpu(monkeypatch):
     """The GPU check's variant stage (GPU-only there) on CPU kernels: each variant's
     arguments (forward; dq; dk/dv per query head) and its comparison with the default
     kernels' output and autograd's gradients; a failing variant gets an error row and
@@ -749,6 +752,10 @@ def test_gpu_check_variant_rows_on_cpu():
     assert set(best) == {"local", "local_dq", "local_dkv"}
     assert best["local"]["function"] == "faster" and best["local"]["speedup_vs_default"] == pytest.approx(2.0)
     assert best["local_dq"]["function"] == rows[2]["function"] and best["local_dq"]["default_ms"] is None
+    # Past the run's time budget no variant is called: each says it was skipped.
+    monkeypatch.setattr(gpu_check, "_deadline", 0.0)
+    late = gpu_check.variant_rows(module, meta, torch.device("cpu"), shape=(1, 4, 2, 50))
+    assert [r["error"] for r in late] == [gpu_check.OUT_OF_TIME] * 4 and not any("ms" in r for r in late)
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -160,6 +160,9 @@ def test_measure_rejects_a_candidate_that_computes_something_else(cpu_batch, tmp
     assert rows[victim["id"]]["max_rel_err"] > 0.01
     other = meta["tasks"][0]["candidates"][1]["id"]
     assert "run_secs" in rows[other]
+    # Past the deadline (the GPU check's time budget) nothing more is loaded or timed.
+    late = measure(str(copy), "cpu", number=1, repeat=1, progress=lambda m: None, deadline=0.0)["results"]
+    assert len(late) == 3 and all("run_secs" not in r and "time budget" in r["error"] for r in late)
 
 
 @pytest.fixture(scope="module")
