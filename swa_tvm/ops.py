@@ -102,10 +102,15 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, dilation, global_idx, q_global, k_global, v_global, sink_logits, out, lse)
     ctx.num_sinks, ctx.scale, ctx.window = num_sinks, scale, (left, right)
     ctx.given = tuple(x is not None for x in (q_global, k_global, v_global, sink_logits))
+    # An output the loss does not use gets None, not a zero tensor: the usual case, lse
+    # unused, then skips a [B, H, T] fill and subtraction.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, dilation, global_idx, q_global, k_global, v_global, sink_logits, out, lse = ctx.saved_tensors
+    if dout is None:  # only lse reaches the loss
+        dout = torch.zeros_like(out)
     grads = torch.ops.swa_tvm.attention_backward(
         dout, dlse, q, k, v, dilation, global_idx, q_global, k_global, v_global,
         ctx.num_sinks, sink_logits, ctx.scale, *ctx.window, out, lse,
