@@ -38,11 +38,16 @@ CONFIGS = {
     "W=512 + 16 globals": dict(window=(511, 0), dilation=1, G=16),
 }
 METHODS = ["swa_tvm tuned", "swa_tvm default", "FlexAttention", "sliding chunks", "SDPA + mask"]
+DTYPES = ("float32", "bfloat16", "float16")
+# A peer's output agrees with ours within this relative error (both rounded to the dtype
+# once; peers that compute in the input dtype add their own rounding).
+AGREE = {"float32": 1e-3, "bfloat16": 3e-2, "float16": 1e-2}
 DENSE_MAX_T = 16384  # SDPA's T x T boolean mask: 4 GiB at T=65536
 
 
-def spec_strings() -> list[str]:
-    """The shipped spec set: what the benchmark exports and the committed logs tune."""
+def spec_strings(dtype: str = "float32") -> list[str]:
+    """The shipped spec set: what the benchmark exports and the committed logs tune
+    (float32; ``dtype`` for the benchmark's other dtypes)."""
     out = []
     for cfg in CONFIGS.values():
         left, right = cfg["window"]
@@ -51,6 +56,8 @@ def spec_strings() -> list[str]:
             s += f",dilation={cfg['dilation']}"
         if cfg["G"]:
             s += ",globals"
+        if dtype != "float32":
+            s += f",dtype={dtype}"
         out.append(s)
     return out
 
@@ -292,21 +299,26 @@ def _rss_kb(field: str) -> int:
     return 0
 
 
-def _memory_child(method: str, config: str, T: int, libs: dict) -> dict:
+def _inputs(T: int, dtype: str = "float32"):
+    """Fresh random q, k, v [B, H, T, D] in ``dtype``."""
+    return tuple(torch.randn(B, H, T, D).to(getattr(torch, dtype)) for _ in range(3))
+
+
+def _memory_child(method: str, config: str, T: int, libs: dict, dtype: str = "float32") -> dict:
     """In a fresh process: bytes the call needs beyond the process at rest, inputs and
     output included (peak RSS with the high-water mark reset after a warm-up)."""
     cfg = CONFIGS[config]
     gi = global_positions(T, cfg["G"]) if cfg["G"] else None
     _load_libs(libs)
     fn = make_method(method, T, cfg, gi, libs)
-    q, k, v = (torch.randn(B, H, T, D) for _ in range(3))
+    q, k, v = _inputs(T, dtype)
     fn(q, k, v)  # warm-up: compiles, allocates caches
     del q, k, v
     gc.collect()
     base = _rss_kb("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
-    q, k, v = (torch.randn(B, H, T, D) for _ in range(3))
+    q, k, v = _inputs(T, dtype)
     out = fn(q, k, v)
     peak = _rss_kb("VmHWM")
     qkvo = 4 * q.numel() * q.element_size()
@@ -314,15 +326,16 @@ def _memory_child(method: str, config: str, T: int, libs: dict) -> dict:
     return {"peak_bytes": (peak - base) * 1024, "qkvo_bytes": qkvo, "ratio": (peak - base) * 1024 / qkvo}
 
 
-def memory_in_subprocess(method: str, config: str, T: int, libs: dict, timeout: int = 900) -> dict | None:
+def memory_in_subprocess(method: str, config: str, T: int, libs: dict, timeout: int = 900,
+                         dtype: str = "float32") -> dict | None:
     code = (
         "import json, sys; from swa_tvm import bench; "
         "print('RESULT' + json.dumps(bench._memory_child(sys.argv[1], sys.argv[2], int(sys.argv[3]), "
-        "json.loads(sys.argv[4]))))"
+        "json.loads(sys.argv[4]), sys.argv[5])))"
     )
     try:
         p = subprocess.run(
-            [sys.executable, "-c", code, method, config, str(T), json.dumps(libs)],
+            [sys.executable, "-c", code, method, config, str(T), json.dumps(libs), dtype],
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -345,15 +358,16 @@ def _load_libs(libs: dict) -> None:
         swa_tvm.load_library(path)
 
 
-def build_libraries(out_dir: str, logs: str | None, reuse: bool = False) -> dict:
+def build_libraries(out_dir: str, logs: str | None, reuse: bool = False, dtype: str = "float32") -> dict:
     import warnings
 
     import swa_tvm
     from swa_tvm.build import DEFAULT_LOGS, UntunedKernelWarning
     from swa_tvm.spec import AttentionSpec
 
-    specs = [AttentionSpec.parse(s) for s in spec_strings()]
-    libs = {"tuned": os.path.join(out_dir, "swa_bench_tuned.so"), "default": os.path.join(out_dir, "swa_bench_default.so")}
+    specs = [AttentionSpec.parse(s) for s in spec_strings(dtype)]
+    tag = "" if dtype == "float32" else f"_{dtype}"
+    libs = {kind: os.path.join(out_dir, f"swa_bench_{kind}{tag}.so") for kind in ("tuned", "default")}
     if reuse and all(os.path.exists(p) for p in libs.values()):
         try:
             _load_libs(libs)  # checks hashes, TVM version and CPU
@@ -393,6 +407,9 @@ def main(argv=None) -> int:
     p.add_argument("--memory-T", type=int, default=None, help="T of the peak-memory runs (default: largest T)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--reuse-libs", action="store_true", help="reuse OUT's libraries from an earlier run if they load")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="input dtype (float16/bfloat16: our kernels accumulate in float32; the tuning records are "
+                        "float32's, so both of our methods run default schedules); results go to results_<dtype>.json")
     args = p.parse_args(argv)
     if args.runs < 5:
         print("swa-tvm bench: --runs below 5 gives medians too noisy to quote", file=sys.stderr)
@@ -400,7 +417,7 @@ def main(argv=None) -> int:
 
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
-    libs, tuned = build_libraries(args.out, args.logs, args.reuse_libs)
+    libs, tuned = build_libraries(args.out, args.logs, args.reuse_libs, args.dtype)
     print(f"libraries built in {time.time() - t0:.0f}s; tuned kernels: {sum(tuned.values())}/{len(tuned)}")
     _load_libs(libs)
     threads = torch.get_num_threads()
@@ -408,13 +425,15 @@ def main(argv=None) -> int:
     print(f"torch.matmul 4096^2 fp32 on {threads} threads: {peak:.1f} GFLOP/s (the peak below)")
     print(f"swa_tvm kernels on {library.tvm_pool_threads()} threads")
 
+    stem = "results" if args.dtype == "float32" else f"results_{args.dtype}"
+
     def save(rows, memory, growth=()) -> dict:
         """Write results.json after every step, so an interrupted run keeps what it measured."""
         result = _result(args, argv, tuned, threads, peak, rows, memory, growth)
-        tmp = os.path.join(args.out, "results.json.tmp")
+        tmp = os.path.join(args.out, f"{stem}.json.tmp")
         with open(tmp, "w") as f:
             json.dump(result, f, indent=2)
-        os.replace(tmp, os.path.join(args.out, "results.json"))
+        os.replace(tmp, os.path.join(args.out, f"{stem}.json"))
         return result
 
     rows = []
@@ -423,7 +442,7 @@ def main(argv=None) -> int:
         for T in args.T:
             gi = global_positions(T, cfg["G"]) if cfg["G"] else None
             torch.manual_seed(T)
-            q, k, v = (torch.randn(B, H, T, D) for _ in range(3))
+            q, k, v = _inputs(T, args.dtype)
             pairs = visible_pairs(T, cfg)
             flop = 4.0 * B * H * pairs * D
             ref = None
@@ -445,8 +464,8 @@ def main(argv=None) -> int:
                     ref = out
                 err = None
                 if ref is not None:
-                    err = float((out - ref).norm() / ref.norm())
-                    if err > 1e-3:
+                    err = float((out.float() - ref.float()).norm() / ref.float().norm())
+                    if err > AGREE[args.dtype]:
                         print(f"  {config} T={T} {method}: disagrees with swa_tvm (rel err {err:.2e}); not timed")
                         rows.append(dict(config=config, T=T, method=method, rel_err=err, skipped="wrong result"))
                         continue
@@ -467,7 +486,7 @@ def main(argv=None) -> int:
     if len(args.T) >= 2 and "swa_tvm tuned" in args.methods:
         small, large = sorted(args.T)[-2:]
         for config in args.configs:
-            growth.append(time_growth(config, small, large, libs, args.runs))
+            growth.append(time_growth(config, small, large, libs, args.runs, args.dtype))
             g = growth[-1]
             print(f"  growth {config:22s} t({large})/t({small}) = {g['ratio']:.2f} "
                   f"({g['ms_large']:.1f} / {g['ms_small']:.1f} ms, the two timed round-robin)")
@@ -479,7 +498,7 @@ def main(argv=None) -> int:
             for method in args.methods:
                 if method == "SDPA + mask" and mT > DENSE_MAX_T:
                     continue
-                r = memory_in_subprocess(method, config, mT, libs)
+                r = memory_in_subprocess(method, config, mT, libs, dtype=args.dtype)
                 memory.append(dict(config=config, T=mT, method=method, **(r or {})))
                 if r and "ratio" in r:
                     print(f"  memory {config:22s} T={mT} {method:16s} {r['peak_bytes'] / 2**20:8.0f} MiB "
@@ -488,18 +507,18 @@ def main(argv=None) -> int:
                     print(f"  memory {config} {method}: {r}")
             save(rows, memory, growth)
     result = save(rows, memory, growth)
-    plot(result, os.path.join(args.out, "scaling.png"))
+    plot(result, os.path.join(args.out, "scaling.png" if args.dtype == "float32" else f"scaling_{args.dtype}.png"))
     print(markdown_table(result))
     if growth:
         print(growth_table(result))
-    print(f"wrote {args.out}/results.json and {args.out}/scaling.png in {time.time() - t0:.0f}s")
+    print(f"wrote {args.out}/{stem}.json and its plot in {time.time() - t0:.0f}s")
     return 0
 
 
 GROWTH_ROUNDS = 11
 
 
-def time_growth(config: str, small: int, large: int, libs: dict, runs: int) -> dict:
+def time_growth(config: str, small: int, large: int, libs: dict, runs: int, dtype: str = "float32") -> dict:
     """t(large)/t(small) of the tuned kernel of one pattern, the two lengths timed
     round-robin: the per-shape table times its lengths minutes apart, and this shared
     machine's speed drifts by more than the linearity bar's margin in that time."""
@@ -508,7 +527,7 @@ def time_growth(config: str, small: int, large: int, libs: dict, runs: int) -> d
     for T in (small, large):
         gi = global_positions(T, cfg["G"]) if cfg["G"] else None
         fn = make_method("swa_tvm tuned", T, cfg, gi, libs)
-        q, k, v = (torch.randn(B, H, T, D) for _ in range(3))
+        q, k, v = _inputs(T, dtype)
         fns[T] = lambda fn=fn, q=q, k=k, v=v: fn(q, k, v)
     # At least GROWTH_ROUNDS rounds: one ratio of two medians of 5 moved by 20% between runs.
     rounds = max(runs, GROWTH_ROUNDS)
@@ -525,7 +544,7 @@ def _result(args, argv, libs_tuned, threads, peak, rows, memory, growth=()) -> d
         "command": "swa-tvm bench " + " ".join(argv),
         "machine": {"cpu": _cpu_name(), "machine": platform.machine(), "threads": threads, "tvm_threads": library.tvm_pool_threads()},
         "versions": {"torch": torch.__version__, "tvm": swa_tvm.library.tvm_version(), "swa_tvm": swa_tvm.__version__},
-        "shape": {"B": B, "H": H, "D": D, "dtype": "float32"},
+        "shape": {"B": B, "H": H, "D": D, "dtype": args.dtype},
         "matmul_peak_gflops": peak,
         "tuned_kernels": libs_tuned,
         "rows": rows,

@@ -19,7 +19,7 @@ from typing import Iterable
 from . import cuda_pack, library
 from .compute import prim_func
 from .library import MANIFEST_FORMAT, X86_FEATURES, Kernel, sha256_file
-from .spec import HALF_DTYPES, KernelSpec
+from .spec import KernelSpec
 
 class UntunedKernelWarning(UserWarning):
     """An exported kernel had no tuning record for its target class."""
@@ -129,8 +129,6 @@ def schedule_spec(spec: KernelSpec, tvm_target, record=None):
     kind = tvm_target.kind.name
     if kind not in ("llvm", "cuda"):
         raise NotImplementedError(f"no schedule for target kind {kind!r}")
-    if kind == "llvm" and spec.dtype in HALF_DTYPES:
-        raise ValueError(f"kernel {spec.name}: {spec.dtype} kernels are built for CUDA targets; the CPU serves float32/float64")
     if record is not None and record.trace is not None:
         return _postprocess(spec, kind, apply_record(spec, record.trace, kind))
     fused = default_schedule(spec, kind)

@@ -10,9 +10,12 @@ import torch
 from . import library
 from .spec import BACKWARD_KINDS, DEFAULT_BLOCK_Q, KernelSpec
 
-# Devices and dtypes the kernels serve: float16/bfloat16 (fp32 accumulation) on CUDA only.
+# Devices and dtypes the kernels serve; float16/bfloat16 accumulate in float32.
 SERVED_DEVICES = ("cpu", "cuda")
-SERVED_DTYPES = {"cpu": (torch.float32, torch.float64), "cuda": (torch.float16, torch.bfloat16, torch.float32)}
+SERVED_DTYPES = {
+    "cpu": (torch.float16, torch.bfloat16, torch.float32, torch.float64),
+    "cuda": (torch.float16, torch.bfloat16, torch.float32),
+}
 
 
 def _check_tensor(name: str, x, rank: int) -> None:

@@ -100,6 +100,28 @@ def test_float32_larger_shapes():
         check_grads(qkv, dict(kw, window_size=window, dilation=dil, num_sinks=1), tol=2e-5)
 
 
+# Half precision on the CPU (float32 accumulation, one rounding to the input dtype):
+# the tolerances are the GPU check's, the rounding of out and of each gradient.
+HALF_CASES = ("everything", "dilation_per_head", "causal_gqa", "unbounded")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", HALF_CASES)
+def test_half_precision_on_cpu(name, dtype):
+    from swa_tvm.gpu_check import GRAD_TOLERANCE, TOLERANCE
+
+    window, shape, extra = CASES[name]
+    qkv, kw = _case(seed=7, dtype=dtype, **{"B": 2, "H": 4, "Hkv": 4, "T": 40, "D": 16, **shape})
+    if "sink_logits" in kw:  # learned sink logits stay float32, as a model's parameters would
+        kw["sink_logits"] = kw["sink_logits"].detach().float().requires_grad_()
+    kw.update(extra, window_size=window)
+    out, lse = swa_tvm.sliding_window_attention(*qkv, return_lse=True, **kw)
+    r_out, r_lse = ref(*qkv, **kw)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert rel_err(out, r_out) < TOLERANCE[dtype][0] and (lse.double() - r_lse).abs().max() < 1e-4
+    check_grads(qkv, kw, tol=GRAD_TOLERANCE[dtype])
+
+
 def test_integer_inputs_need_no_grad():
     # Only the float tensors require grad; dilation and global_idx are int32 tables.
     qkv, kw = _make("globals_shared")

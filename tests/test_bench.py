@@ -45,6 +45,10 @@ def test_spec_strings_cover_every_config():
     kernels = {k.name for s in bench.spec_strings() for k in AttentionSpec.parse(s).kernels()}
     assert len(bench.spec_strings()) == len(bench.CONFIGS)
     assert any(n.startswith("swa_global") for n in kernels)
+    # --dtype bfloat16 exports the same patterns in bfloat16 (the float32 set unchanged).
+    half = [AttentionSpec.parse(s) for s in bench.spec_strings("bfloat16")]
+    assert [h.dtype for h in half] == ["bfloat16"] * len(bench.CONFIGS)
+    assert [s.replace(",dtype=bfloat16", "") for s in bench.spec_strings("bfloat16")] == bench.spec_strings()
 
 
 def test_cli_bench_help():
@@ -52,7 +56,7 @@ def test_cli_bench_help():
     import sys
 
     r = subprocess.run([sys.executable, "-m", "swa_tvm.cli", "bench", "--help"], capture_output=True, text=True)
-    assert r.returncode == 0 and "--reuse-libs" in r.stdout and "--T" in r.stdout
+    assert r.returncode == 0 and "--reuse-libs" in r.stdout and "--T" in r.stdout and "--dtype" in r.stdout
 
 
 @pytest.mark.parametrize("config", ["causal W=512", "W=512 + 16 globals"])

@@ -37,16 +37,6 @@ def test_cuda_targets():
             normalize_target("cuda")
 
 
-def test_half_precision_is_cuda_only(tmp_path):
-    with pytest.raises(ValueError, match="float16 kernels are built for CUDA targets"):
-        build.export_library([KernelSpec("local", 16, "float16", 3, 0)], tmp_path / "x.so", target="llvm", logs=None)
-    q = rand(1, 2, 40, 16).to(torch.bfloat16)
-    with pytest.raises(TypeError, match="q has dtype torch.bfloat16; on cpu the kernels support"):
-        swa_tvm.sliding_window_attention(q, q, q, window_size=(3, 0))
-    with pytest.raises(ValueError, match="bfloat16 kernels are built for CUDA targets"):
-        build.export_library([KernelSpec("local_dq", 16, "bfloat16", 3, 0)], tmp_path / "y.so", target="llvm", logs=None)
-
-
 @needs_nvcc
 @pytest.mark.parametrize(
     "arch,spec_text",

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from conftest import rel_err
 
 import swa_tvm
 from swa_tvm import library
@@ -153,6 +154,30 @@ def test_cli_info_and_errors(lib):
     assert r.returncode == 1 and "window must look like LEFT:RIGHT" in r.stderr
     r = subprocess.run([sys.executable, "-m", "swa_tvm.cli", "bogus"], capture_output=True, text=True)
     assert r.returncode == 2
+
+
+def test_half_precision_cpu_library(tmp_path, fresh_registry):
+    """A bfloat16 CPU library (float32 accumulation): exported, loaded through its
+    manifest, serving the forward and the gradients against the float64 reference."""
+    from swa_tvm.gpu_check import GRAD_TOLERANCE, TOLERANCE
+    from swa_tvm.reference import sliding_window_attention_ref
+
+    specs = AttentionSpec.parse("head_dim=16,window=5:0,dtype=bfloat16,backward").kernels()
+    path = tmp_path / "bf16.so"
+    manifest = swa_tvm.export_library(specs, path, logs=None)
+    assert {k["spec"]["dtype"] for k in manifest["kernels"]} == {"bfloat16"} and manifest["target"]["kind"] == "llvm"
+    swa_tvm.load_library(path)
+    q, k, v = (torch.randn(2, 3, 50, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = swa_tvm.sliding_window_attention(q, k, v, window_size=(5, 0))
+    ref, _ = sliding_window_attention_ref(q, k, v, window_size=(5, 0))
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) < TOLERANCE[torch.bfloat16][0]
+    d_out = torch.randn_like(ref)
+    got = torch.autograd.grad((out.double() * d_out).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * d_out).sum(), (q, k, v))
+    assert all(rel_err(a, b) < GRAD_TOLERANCE[torch.bfloat16] for a, b in zip(got, want))
+    # The library's kernels served it: a float32 call finds none of its kind.
+    with pytest.raises(ValueError, match="no kernel in the loaded libraries"):
+        swa_tvm.sliding_window_attention(q.detach().float(), k.detach().float(), v.detach().float(), window_size=(5, 0))
 
 
 def test_jit_disk_cache_is_reused(tmp_path):
