@@ -389,6 +389,10 @@ def sliding_window_attention(
     Shapes: ``q`` [B, H, T, D]; ``k``, ``v`` [B, H_kv, T, D] with H % H_kv == 0 (GQA/MQA:
     query head h reads k/v head h // (H // H_kv)). Returns ``out`` [B, H, T, D] in q's
     dtype, or ``(out, lse)`` with ``lse`` [B, H, T] float32 (float64 for float64 inputs).
+    Dtypes: float16, bfloat16, float32 and float64 on the CPU; float16, bfloat16 and
+    float32 on CUDA. float16/bfloat16 scores, softmax and products accumulate in float32
+    and ``out`` is rounded once; every float input shares q's dtype, except
+    ``sink_logits``, which may be any float dtype.
 
     Which keys row i (query position i) sees, for head h:
 
@@ -422,8 +426,8 @@ def sliding_window_attention(
     sink_logits, through both out and lse (GQA: dk/dv summed over each group);
     dilation, global_idx and num_sinks are integer inputs without gradient. The
     backward saves only the inputs, out and lse, and costs O(T * (W + G)) like the
-    forward. CPU: float32/float64; CUDA: float16, bfloat16 and float32, accumulated in
-    float32 and rounded once to each input's dtype (a GQA group's heads and the global
+    forward. CPU: float16, bfloat16, float32 and float64; CUDA: float16, bfloat16 and
+    float32. float16/bfloat16 are accumulated in float32 and rounded once to each input's dtype (a GQA group's heads and the global
     and sink terms are summed first).
 
     Inputs may be non-contiguous, or contiguous views at any offset (the kernels get
