@@ -26,6 +26,14 @@ def test_opcheck_forward():
         )
 
 
+def test_opcheck_bfloat16_with_autograd():
+    """The op in bfloat16 on the CPU, autograd registration and AOT dispatch included
+    (the fake implementations give out in q's dtype, lse in float32)."""
+    q, k, v = (rand(1, 4, 40, D).to(torch.bfloat16).requires_grad_() for _ in range(3))
+    args = (q, k, v, torch.tensor([1, 2, 1, 2], dtype=torch.int32), None, None, None, None, 1, None, 0.25, 5, 0)
+    torch.library.opcheck(torch.ops.swa_tvm.attention.default, args)
+
+
 def test_fake_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
