@@ -64,8 +64,8 @@ def local_dq(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
     """dq [B,H,T,D] of the local kernel.
 
     Arguments: q, k, v, dilation, [extra_idx], dout, lse, delta, scale, dq. Rows that
-    the caller hands to the global kernel carry lse = +inf and dout = delta = 0, so
-    they contribute nothing here.
+    the caller hands to the global kernel carry lse = +inf (and delta = 0): each of
+    their probabilities is exactly 0, so they contribute nothing here.
     """
     assert spec.kind == "local_dq"
     B, H, Hkv, T, E = _dims(shapes, "B H Hkv T E")

@@ -308,22 +308,22 @@ def attention_backward(
         dsink = -(p_sink * delta).sum((0, 2)).to(sink_logits.dtype)
 
     G = global_idx.shape[1] if global_idx is not None else 0
-    dout_l, lse_l, delta_l = dout, lse, delta
+    lse_l, delta_l = lse, delta
     if G:
         gi = global_idx.long()
         dout_g, idx4 = _global_rows(dout, gi)
         lse_g, idx3 = _global_rows(lse, gi)
         delta_g = _global_rows(delta, gi)[0]
-        # Global rows are the global kernel's: the local kernels see them as rows with
-        # no gradient and lse = +inf, so every one of their probabilities is 0.
-        dout_l = dout.scatter(2, idx4, 0.0)
+        # Global rows are the global kernel's: the local kernels see them with lse = +inf,
+        # so every one of their probabilities is exactly 0 and so is each term p * (...)
+        # they add (dout stays as it is: zeroing it would copy [B, H, T, D] for nothing).
         lse_l = lse.scatter(2, idx3, float("inf"))
         delta_l = delta.scatter(2, idx3, 0.0)
 
     extra = _extra_positions(global_idx, num_sinks, B, q.device)
     fwd = _local_spec(q, left, right, dil, extra)
     kernels = {s.kind: _kernel(s, device) for s in fwd.backward_kernels()}
-    common = [q, k, v, dil] + ([extra] if extra is not None else []) + [dout_l, _dense(lse_l), _dense(delta_l), float(scale)]
+    common = [q, k, v, dil] + ([extra] if extra is not None else []) + [dout, _dense(lse_l), _dense(delta_l), float(scale)]
     dq = torch.empty_like(q)
     _launch(kernels["local_dq"], q.device, *common, dq)
     # Key gradients per query head come in the accumulation dtype: a GQA group and the
