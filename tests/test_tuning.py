@@ -125,6 +125,28 @@ def tuned_logs(tmp_path_factory):
     return logs
 
 
+def test_sampled_schedule_of_a_bfloat16_kernel_is_correct():
+    """The CPU search space of a bfloat16 kernel (float32 inside): a sampled point,
+    replayed on the symbolic kernel, against the float64 reference."""
+    import tvm
+    from tvm import s_tir
+
+    from swa_tvm.build import _vector_lanes
+    from swa_tvm.schedules import cpu
+
+    spec = KernelSpec("local", 16, "bfloat16", 5, 0, 1, False, 16)
+    sch = s_tir.Schedule(tuning.tuning_workload(spec), seed=4)
+    cpu.schedule(sch, spec, _vector_lanes(tvm.target.Target(host_target())), cpu.Sampled())
+    assert any(i.kind.name in ("SamplePerfectTile", "SampleCategorical") for i in sch.trace.insts)
+    f = _compile_one(tuning.apply_record(spec, sch.trace))[spec.name]
+    B, H, T, D = 2, 3, 77, 16
+    q, k, v = (torch.randn(B, H, T, D).to(torch.bfloat16) for _ in range(3))
+    out, lse = torch.empty(B, H, T, D, dtype=torch.bfloat16), torch.empty(B, H, T)
+    f(q, k, v, torch.ones(H, dtype=torch.int32), torch.full((H,), float("-inf")), D**-0.5, out, lse)
+    ref, ref_lse = sliding_window_attention_ref(q, k, v, window_size=(5, 0))
+    assert rel_err(out, ref) < 2e-2 and (lse.double() - ref_lse).abs().max() < 1e-4
+
+
 def test_interrupt_keeps_records_and_exits_130(tmp_path):
     folder = tuning.log_dir(str(tmp_path / "logs"), host_target())
     p = subprocess.Popen(_tune_cmd(tmp_path / "logs", tmp_path / "work", 6, 2),
