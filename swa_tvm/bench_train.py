@@ -28,19 +28,20 @@ METHODS = ["swa_tvm", "FlexAttention", "sliding chunks", "SDPA + mask"]
 DENSE_MAX_T = 4096  # SDPA's backward keeps T x T probabilities and their gradient per head
 
 
-def spec_strings(configs=CONFIGS) -> list[str]:
-    """The training spec set (forward + backward kernels); the committed logs tune it."""
-    strings = dict(zip(bench.CONFIGS, bench.spec_strings()))
+def spec_strings(configs=CONFIGS, dtype: str = "float32") -> list[str]:
+    """The training spec set (forward + backward kernels); the committed logs tune it
+    (float32)."""
+    strings = dict(zip(bench.CONFIGS, bench.spec_strings(dtype)))
     return [strings[c] + ",backward" for c in configs]
 
 
-def build_library(out_dir: str, configs, logs: str | None) -> str:
+def build_library(out_dir: str, configs, logs: str | None, dtype: str = "float32") -> str:
     import swa_tvm
     from swa_tvm.build import DEFAULT_LOGS, UntunedKernelWarning
     from swa_tvm.spec import AttentionSpec
 
-    specs = [AttentionSpec.parse(s) for s in spec_strings(configs)]
-    path = os.path.join(out_dir, "swa_bench_training.so")
+    specs = [AttentionSpec.parse(s) for s in spec_strings(configs, dtype)]
+    path = os.path.join(out_dir, "swa_bench_training.so" if dtype == "float32" else f"swa_bench_training_{dtype}.so")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UntunedKernelWarning)
         swa_tvm.export_library(specs, path, logs=logs or DEFAULT_LOGS)
@@ -78,23 +79,26 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=int, default=5, help="timed runs per measurement (median reported)")
     p.add_argument("--out", default="bench", help="folder for training.json and the library")
     p.add_argument("--logs", help="tuning log root (default: the committed tuning_logs/)")
+    p.add_argument("--dtype", choices=bench.DTYPES, default="float32",
+                   help="input dtype (as swa-tvm bench --dtype); results go to training_<dtype>.json")
     args = p.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
 
     import swa_tvm
 
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
-    swa_tvm.load_library(build_library(args.out, args.configs, args.logs))
+    swa_tvm.load_library(build_library(args.out, args.configs, args.logs, args.dtype))
     print(f"library built in {time.time() - t0:.0f}s")
     rows = []
-    path = os.path.join(args.out, "training.json")
+    path = os.path.join(args.out, "training.json" if args.dtype == "float32" else f"training_{args.dtype}.json")
     for config in args.configs:
         cfg = bench.CONFIGS[config]
         for T in args.T:
             gi = bench.global_positions(T, cfg["G"]) if cfg["G"] else None
             torch.manual_seed(T)
-            q, k, v = (torch.randn(bench.B, bench.H, T, bench.D, requires_grad=True) for _ in range(3))
-            dout = torch.randn(bench.B, bench.H, T, bench.D)
+            q, k, v = (torch.randn(bench.B, bench.H, T, bench.D).to(dtype).requires_grad_() for _ in range(3))
+            dout = torch.randn(bench.B, bench.H, T, bench.D).to(dtype)
             ref = None
             timed = {}  # method -> (forward, forward + backward, gradients' rel err)
             for method in args.methods:
@@ -117,8 +121,8 @@ def main(argv=None) -> int:
                     continue
                 if ref is None:
                     ref = grads
-                err = max(float((a - b).norm() / b.norm()) for a, b in zip(grads, ref))
-                if err > 1e-3:
+                err = max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(grads, ref))
+                if err > bench.AGREE[args.dtype]:
                     print(f"  {config} T={T} {method}: gradients disagree with swa_tvm (rel err {err:.2e}); not timed")
                     rows.append(dict(row, rel_err=err, skipped="wrong gradients"))
                     continue
@@ -140,13 +144,13 @@ def main(argv=None) -> int:
                                  ratio=train / fwd, rel_err=err))
                 print(f"  {config:20s} T={T:6d} {method:15s} fwd {fwd:9.1f} ms  fwd+bwd {train:9.1f} ms  "
                       f"({train / fwd:.2f}x)")
-            result = _result(argv, rows)
+            result = _result(argv, rows, args.dtype)
             with open(path + ".tmp", "w") as f:
                 json.dump(result, f, indent=2)
             os.replace(path + ".tmp", path)
             del q, k, v, dout, timed, fns
             gc.collect()
-    result = _result(argv, rows)
+    result = _result(argv, rows, args.dtype)
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
     print(markdown_table(result))
@@ -154,7 +158,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _result(argv, rows) -> dict:
+def _result(argv, rows, dtype: str = "float32") -> dict:
     import swa_tvm
 
     return {
@@ -162,7 +166,7 @@ def _result(argv, rows) -> dict:
         "command": "swa-tvm bench --training " + " ".join(argv or []),
         "machine": {"cpu": bench._cpu_name(), "threads": torch.get_num_threads(), "tvm_threads": swa_tvm.library.tvm_pool_threads()},
         "versions": {"torch": torch.__version__, "tvm": swa_tvm.library.tvm_version(), "swa_tvm": swa_tvm.__version__},
-        "shape": {"B": bench.B, "H": bench.H, "D": bench.D, "dtype": "float32"},
+        "shape": {"B": bench.B, "H": bench.H, "D": bench.D, "dtype": dtype},
         "rows": rows,
     }
 

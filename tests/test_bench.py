@@ -49,6 +49,10 @@ def test_spec_strings_cover_every_config():
     half = [AttentionSpec.parse(s) for s in bench.spec_strings("bfloat16")]
     assert [h.dtype for h in half] == ["bfloat16"] * len(bench.CONFIGS)
     assert [s.replace(",dtype=bfloat16", "") for s in bench.spec_strings("bfloat16")] == bench.spec_strings()
+    from swa_tvm import bench_train
+
+    train = [AttentionSpec.parse(s) for s in bench_train.spec_strings(dtype="bfloat16")]
+    assert all(t.backward and t.dtype == "bfloat16" for t in train) and len(train) == len(bench_train.CONFIGS)
 
 
 def test_cli_bench_help():
