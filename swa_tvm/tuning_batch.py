@@ -268,8 +268,17 @@ def import_measurements(batch_dir: str, measured_path: str, logs_root: str, prog
             raise ValueError(f"{measured_path}: {row['id']} has no positive run time")
         measured_rows.append((task, entry, run_secs))
     counts = {"records": 0, "baselines": 0, "failed": len(measured["results"]) - len(measured_rows)}
+    if batch["device"] == "cuda":
+        from .schedules.cuda import register_intrinsics
+
+        register_intrinsics()  # a tensor-core record names the bfloat16 wmma intrinsics
+    # Every record is decoded before anything is written: one that cannot be read leaves
+    # the log as it was.
+    parsed = {name: Workload.from_json(wl) for name, wl in saved["workloads"].items()}
+    decoded = {entry["id"]: TuningRecord.from_json(saved["records"][entry["id"]], parsed[task["name"]])
+               for task, entry, _ in measured_rows if entry is not task["baseline"]}
     db = open_log(folder)
-    workloads = {name: db.commit_workload(Workload.from_json(wl).mod) for name, wl in saved["workloads"].items()}
+    workloads = {name: db.commit_workload(wl.mod) for name, wl in parsed.items()}
     baselines = {}
     for task, entry, run_secs in measured_rows:
         if entry is task["baseline"]:
@@ -279,7 +288,7 @@ def import_measurements(batch_dir: str, measured_path: str, logs_root: str, prog
             }
             counts["baselines"] += 1
             continue
-        rec = TuningRecord.from_json(saved["records"][entry["id"]], workloads[task["name"]])
+        rec = decoded[entry["id"]]
         db.commit_tuning_record(TuningRecord(rec.trace, workloads[task["name"]], convert(run_secs), rec.target, rec.args_info))
         counts["records"] += 1
     update_baselines(folder, baselines)

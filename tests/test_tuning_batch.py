@@ -133,6 +133,23 @@ def test_import_refuses_what_it_cannot_vouch_for(cpu_batch, tmp_path, edit, mess
     assert not records.exists() or records.read_text() == ""  # nothing half-imported
 
 
+def test_a_record_that_cannot_be_read_writes_nothing(cpu_batch, tmp_path):
+    """Every record is decoded before the log is touched (the first GPU batch's import,
+    2026-12-04, failed on a bfloat16 tensor intrinsic nobody had registered after it had
+    written the workloads)."""
+    batch, measured_path = cpu_batch
+    copy = tmp_path / "batch"
+    shutil.copytree(batch, copy)
+    saved = json.loads((copy / "records.json").read_text())
+    victim = sorted(saved["records"])[-1]
+    saved["records"][victim] = [[["NoSuchInstruction", [], [], []]], []]
+    (copy / "records.json").write_text(json.dumps(saved))
+    logs = tmp_path / "logs"
+    with pytest.raises(Exception):
+        tuning_batch.import_measurements(str(copy), str(measured_path), str(logs))
+    assert not any((logs / target_key(host_target())).glob("database_*.json"))
+
+
 def test_measure_rejects_a_candidate_that_computes_something_else(cpu_batch, tmp_path):
     """A candidate whose outputs differ from the baseline's (here: a kernel of another
     window, same arguments) is reported as an error with no time, so it never becomes a
