@@ -426,9 +426,9 @@ def sliding_window_attention(
     sink_logits, through both out and lse (GQA: dk/dv summed over each group);
     dilation, global_idx and num_sinks are integer inputs without gradient. The
     backward saves only the inputs, out and lse, and costs O(T * (W + G)) like the
-    forward. CPU: float16, bfloat16, float32 and float64; CUDA: float16, bfloat16 and
-    float32. float16/bfloat16 are accumulated in float32 and rounded once to each input's dtype (a GQA group's heads and the global
-    and sink terms are summed first).
+    forward. Each gradient comes in its input's dtype; float16/bfloat16 gradients are
+    accumulated in float32 and rounded once (a GQA group's heads and the global and sink
+    terms are summed first).
 
     Inputs may be non-contiguous, or contiguous views at any offset (the kernels get
     a 64-byte aligned copy of those, as of non-contiguous ones). Bad input raises

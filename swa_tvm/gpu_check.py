@@ -185,23 +185,30 @@ def time_variants(results: dict, dev: torch.device, libs: str) -> None:
     each checked first against the registered library's default (the forward's output;
     autograd's dq, dk, dv): which configuration the default should be is a GPU
     measurement."""
-    import tvm_ffi
-
-    from swa_tvm import library
-
-    meta_path = os.path.join(libs, "variants", "variants.json")
-    if not os.path.exists(meta_path):
+    if not os.path.exists(os.path.join(libs, "variants", "variants.json")):
         results["variants"] = "none built"
         return
     if dev.type != "cuda":
         results["variants"] = "skipped: CUDA functions need a GPU"
         return
-    with open(meta_path) as f:
-        meta = json.load(f)
-    library._load_tvm_runtime()
-    module = tvm_ffi.load_module(os.path.join(libs, "variants", meta["library"]))
+    meta, module = load_variants(libs)
     results["variants"] = variant_rows(module, meta, dev)
     results["variant_best"] = best_variants(results["variants"], getattr(torch, meta["spec"]["dtype"]))
+
+
+def load_variants(libs: str):
+    """(variants.json's contents, the variants' module) of ``<libs>/variants``, loaded
+    through the TVM runtime alone (its CUDA part included)."""
+    import tvm_ffi
+
+    from swa_tvm import library
+
+    folder = os.path.join(libs, "variants")
+    with open(os.path.join(folder, "variants.json")) as f:
+        meta = json.load(f)
+    library._load_tvm_runtime()
+    library.cuda_unavailable_reason()  # also loads libtvm_runtime_cuda, which CUDA modules need
+    return meta, tvm_ffi.load_module(os.path.join(folder, meta["library"]))
 
 
 def best_variants(rows: list[dict], dtype) -> dict:

@@ -1,7 +1,8 @@
 """Launch one fused forward variant of the GPU bundle a few times, for a profiler
 (``ncu``) to watch: the GPU check's timing shape (bf16 B=1 H=32 H_kv=8 D=128 T=32768,
-causal W=4096), the runtime alone (no TVM, as on the GPU machine).
+causal W=4096), the runtime alone (no TVM, as on the GPU machine):
 
+    . examples/gpu_env.sh
     ncu --clock-control none --set full -k regex:tc_w4_c64_kernel -c 1 -o prof \\
         python3 -m swa_tvm.gpu_profile --function tc_w4_c64
 """
@@ -9,7 +10,6 @@ causal W=4096), the runtime alone (no TVM, as on the GPU machine).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
@@ -25,15 +25,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import tvm_ffi
 
-    from swa_tvm import library
+    from swa_tvm.gpu_check import load_variants
     from swa_tvm.spec import KernelSpec
 
-    folder = os.path.join(args.libs, "variants")
-    with open(os.path.join(folder, "variants.json")) as f:
-        meta = json.load(f)
-    library._load_tvm_runtime()
-    library.cuda_unavailable_reason()  # loads libtvm_runtime_cuda
-    module = tvm_ffi.load_module(os.path.join(folder, meta["library"]))
+    meta, module = load_variants(args.libs)
     spec = KernelSpec.from_dict(meta["spec"])
     B, H, Hkv, T, D = 1, 32, 8, args.T, spec.head_dim
     dev = torch.device("cuda")

@@ -708,7 +708,7 @@ def test_gpu_check_training_timing_on_cpu():
     assert row["sdpa_banded_mask_grads_vs_ours_rel_err"] < 1e-4
 
 
-def test_gpu_check_variant_rows_on_cpu(monkeypatch):
+def test_gpu_check_variant_rows_on_cpu(monkeypatch, tmp_path):
     """The GPU check's variant stage (GPU-only there) on CPU kernels: each variant's
     arguments (forward; dq; dk/dv per query head) and its comparison with the default
     kernels' output and autograd's gradients; a failing variant gets an error row and
@@ -726,8 +726,14 @@ def test_gpu_check_variant_rows_on_cpu(monkeypatch):
         funcs[name] = schedule_spec(kernels[kind], target).with_attr("global_symbol", name)
         entries.append({"function": name, "kind": kind})
     entries.insert(1, {"function": "absent__x", "kind": "local_dq"})
-    module = tvm.compile(tvm.IRModule(funcs), target=target).mod
-    meta = {"spec": kernels["local"].to_dict(), "variants": entries}
+    # Written as the bundle writes lib/variants, and read back by the GPU check's loader.
+    folder = tmp_path / "variants"
+    folder.mkdir()
+    tvm.compile(tvm.IRModule(funcs), target=target).mod.export_library(str(folder / "variants_cpu.so"))
+    (folder / "variants.json").write_text(json.dumps(
+        {"spec": kernels["local"].to_dict(), "library": "variants_cpu.so", "variants": entries}))
+    meta, module = gpu_check.load_variants(str(tmp_path))
+    assert meta["variants"] == entries
     rows = gpu_check.variant_rows(module, meta, torch.device("cpu"), shape=(1, 4, 2, 50))
     assert [r["kind"] for r in rows] == ["local", "local_dq", "local_dq", "local_dkv"]
     assert "error" in rows[1] and "ms" not in rows[1]
