@@ -43,7 +43,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from swa_tvm.compute import extra_visible, item_interior, item_key_span, row_key_range
+from swa_tvm.compute import extra_visible, item_inner_span, item_interior, item_key_span, row_key_range
 from swa_tvm.spec import KernelSpec, accum_dtype
 
 # Static shared memory of one block. More needs TVM's dynamic shared memory, whose
@@ -440,6 +440,17 @@ def block_last_key(gidx, b, g0, G, Tn, rows: int, causal: bool):
     return functools.reduce(T.max, [global_row_last_key(gidx, b, g0 + row, G, Tn, True) for row in range(rows)])
 
 
+def block_inner_last_key(gidx, b, g0, G, Tn, rows: int, causal: bool):
+    """The last key every valid row (< G) of a block of ``rows`` global rows from ``g0``
+    sees, all keys up to it: the smallest of their ``global_row_last_key`` (T - 1 when
+    not causal). Row g0 is valid in every block."""
+    if not causal:
+        return Tn - 1
+    return functools.reduce(
+        T.min, [T.Select(g0 + row < G, global_row_last_key(gidx, b, g0 + row, G, Tn, True), Tn - 1) for row in range(rows)]
+    )
+
+
 def global_fields(item, H, Hkv, nblk, block: int):
     """A global-rows work item's coordinates: batch b, head h, the block's first global
     row g0, kv head."""
@@ -465,6 +476,46 @@ def item_fields(item, H, Hkv, nitems, dil, block: int, lo: int):
     row0 = m0 * d + r
     key0 = (row0 - lo * d) if lo >= 0 else r
     return b, h, beta, d, kvh, m0, r, row0, key0
+
+
+# The slots of a work item's scalars (``item_scalars``).
+ITEM_SCALARS = 13
+
+
+def item_scalars(threads: int, block: int, lo: int, hi: int, chunk: int):
+    """A T.macro ``store(fld, item, H, Hkv, nitems, dil, Tn)`` that computes a work
+    item's scalars once into each thread's ``fld`` (a local int64 buffer of
+    ITEM_SCALARS), and ``load(fld)``, the tuple of their loads: ``item_fields``'s b, h,
+    beta, d, kvh, m0, r, row0, key0; the chunks c_begin <= c < c_end (of ``chunk`` band
+    keys) that meet the item's key span; the band indices inner_lo..inner_hi every row
+    sees (``item_inner_span``).
+
+    Why: left as index expressions of blockIdx, they are re-evaluated where used, in the
+    chunk loop: int64 divisions by H*nitems, nitems and the runtime dilation as often as
+    the tensor-core products, in the H200 profile of bench/gpu."""
+
+    @T.macro
+    def store(fld, item, H, Hkv, nitems, dil, Tn):
+        f = T.meta_var(item_fields(item, H, Hkv, nitems, dil, block, lo))
+        for tx in T.thread_binding(threads, thread="threadIdx.x"):
+            fld[0] = f[0]
+            fld[1] = f[1]
+            fld[2] = f[2]
+            fld[3] = f[3]
+            fld[4] = f[4]
+            fld[5] = f[5]
+            fld[6] = f[6]
+            fld[7] = f[7]
+            fld[8] = f[8]
+            fld[9] = T.floordiv(item_key_span(lo, hi, block, Tn, fld[3], fld[2])[0], chunk)
+            fld[10] = T.floordiv(item_key_span(lo, hi, block, Tn, fld[3], fld[2])[1], chunk) + 1
+            fld[11] = item_inner_span(lo, hi, block, Tn, fld[3], fld[5], fld[6])[0]
+            fld[12] = item_inner_span(lo, hi, block, Tn, fld[3], fld[5], fld[6])[1]
+
+    def load(fld):
+        return tuple(fld[i] for i in range(ITEM_SCALARS))
+
+    return store, load
 
 
 def local_kernel(body, D: int, dt: str, acc: str, extras: bool):

@@ -86,12 +86,14 @@ def default_config(spec: KernelSpec) -> BwdConfig | None:
 
 
 
-def stats_loader(threads: int, count: int, acc: str):
-    """A T.macro ``load(lse_t, delta_t, lse, delta, b, h, pos_of, n)``: lse and delta of
-    rows i < ``count`` from positions pos_of(i) into shared tables; a position outside
-    [0, n) gets lse = +inf and delta = 0, so all its probabilities are 0."""
+def stats_loader(threads: int, count: int, acc: str, lse_scale=None):
+    """A T.macro ``load(lse_t, delta_t, lse, delta, b, h, pos_of, n)``: lse (times
+    ``lse_scale``, if given) and delta of rows i < ``count`` from positions pos_of(i)
+    into shared tables; a position outside [0, n) gets lse = +inf and delta = 0, so all
+    its probabilities are 0."""
     steps = -(-count // threads)
     INF, ZERO = tirx.const(float("inf"), acc), tirx.const(0.0, acc)
+    factor = tirx.const(1.0, acc) if lse_scale is None else lse_scale
 
     @T.macro
     def load(lse_t, delta_t, lse, delta, b, h, pos_of, n):
@@ -99,9 +101,9 @@ def stats_loader(threads: int, count: int, acc: str):
             for x in T.serial(steps):
                 i = T.meta_var(x * threads + tx)
                 if i < count:
-                    ok = T.meta_var(T.And(pos_of(i) >= 0, pos_of(i) < n))
-                    j = T.meta_var(T.max(T.min(pos_of(i), n - 1), T.int64(0)))
-                    lse_t[i] = T.Select(ok, lse[b, h, j], INF)
+                    ok = T.meta_var(T.And(pos_of(i) >= 0, pos_of(i) < T.Cast(str(pos_of(i).ty), n)))
+                    j = T.meta_var(T.max(T.min(pos_of(i), T.Cast(str(pos_of(i).ty), n) - 1), 0))
+                    lse_t[i] = T.Select(ok, lse[b, h, j] * factor, INF)
                     delta_t[i] = T.Select(ok, delta[b, h, j], ZERO)
 
     return load

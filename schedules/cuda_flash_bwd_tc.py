@@ -27,6 +27,7 @@ on the CPU (see ``cuda_flash_tc``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -34,19 +35,30 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from swa_tvm.compute import extra_visible, item_interior, item_key_span, row_key_range
+from swa_tvm.compute import extra_visible, row_key_range
 from swa_tvm.spec import KernelSpec
 
 from .cuda_flash import (
+    ITEM_SCALARS,
     block_last_key,
     extra_positions_loader,
     global_fields,
     global_row_last_key,
-    item_fields,
+    item_scalars,
     largest_fitting,
 )
 from .cuda_flash_bwd import KINDS, _dkv_kernel, _dq_kernel, _dx_kernel, _global_kernel, last_keys_loader, stats_loader
-from .cuda_flash_tc import PTX_TYPE, a_index, b_index_nk, c_pos, kn_loader, mma_macro, pair_loader, tile_scope
+from .cuda_flash_tc import (
+    PTX_TYPE,
+    a_loader,
+    c_pos,
+    chunk_mask,
+    kn_loader,
+    mma_macro,
+    nk_loader,
+    pair_loader,
+    tile_scope,
+)
 
 
 class Frags(NamedTuple):
@@ -68,7 +80,7 @@ class Frags(NamedTuple):
 class TCBwdConfig:
     warps: int = 2  # 16 item rows each: block = 16 * warps
     chunk: int = 32  # partners per step (a multiple of 16)
-    ldmatrix: bool = True  # the chunk tiles' B operands of dq/dk/dv by ldmatrix.trans
+    ldmatrix: bool = True  # every operand read from shared memory by ldmatrix(.trans) (else 16-bit loads)
 
     @property
     def block(self) -> int:
@@ -116,10 +128,18 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
     DP = D + 8  # padded rows, as in cuda_flash_tc
     INF = tirx.const(float("inf"), acc)
     ZERO, ONE = tirx.const(0.0, acc), tirx.const(1.0, acc)
+    # Probabilities as exp2 of scores and lse in log2 units (scale * log2 e): one FFMA
+    # and the hardware's ex2 per score (see cuda_flash_tc).
+    LOG2E = tirx.const(math.log2(math.e), acc)
     mma = mma_macro(NW, dt, emulate)
     load_kn = kn_loader(NW, D, dt, cfg.ldmatrix, emulate)
+    load_a = a_loader(NW, D, dt, cfg.ldmatrix, emulate)
+    load_nk = nk_loader(NW, D, dt, cfg.ldmatrix, emulate)
+    store_item, load_item_scalars = item_scalars(NT, BR, lo, hi, KC)
+    store_key_item, load_key_item_scalars = item_scalars(NT, BR, hi, lo, KC)  # the transposed band (dk/dv)
+    chunk_inside, chunk_bounds, chunk_visible = chunk_mask(NT, 2, KC)
     load_item, load_chunk = pair_loader(NT, D, BR), pair_loader(NT, D, KC)
-    load_chunk_stats = stats_loader(NT, KC, acc)
+    load_chunk_stats = stats_loader(NT, KC, acc, lse_scale=LOG2E)
     load_extra_positions = extra_positions_loader(NT, KC)
     load_last_keys = last_keys_loader(NT, KC, causal)
 
@@ -144,17 +164,15 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 sfrag[tx, x] = ZERO
                 dpfrag[tx, x] = ZERO
         for ks in T.unroll(KD):
-            for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                for l in T.unroll(8):
-                    afrag[tx, l] = A[a_index(tx, l, ks, DP)]
-                    a2frag[tx, l] = A2[a_index(tx, l, ks, DP)]
-            for nt in T.unroll(NS):
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    for l in T.unroll(4):
-                        bfrag[tx, l] = Bt[b_index_nk(tx, l, nt, ks, DP)]
-                        b2frag[tx, l] = B2[b_index_nk(tx, l, nt, ks, DP)]
-                mma(afrag, 0, bfrag, 0, sfrag, nt * 4)
-                mma(a2frag, 0, b2frag, 0, dpfrag, nt * 4)
+            load_a(A, afrag, 0, lambda tx: (tx // 32) * 16, ks)
+            load_a(A2, a2frag, 0, lambda tx: (tx // 32) * 16, ks)
+            for ntp in T.unroll(NS // 2):
+                load_nk(Bt, bfrag, ntp, ks)
+                load_nk(B2, b2frag, ntp, ks)
+                mma(afrag, 0, bfrag, 0, sfrag, 2 * ntp * 4)
+                mma(afrag, 0, bfrag, 4, sfrag, (2 * ntp + 1) * 4)
+                mma(a2frag, 0, b2frag, 0, dpfrag, 2 * ntp * 4)
+                mma(a2frag, 0, b2frag, 4, dpfrag, (2 * ntp + 1) * 4)
 
     @T.macro
     def accumulate(wfrag, Ct, bfrag, cacc):
@@ -184,52 +202,77 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
 
     @T.macro
     def row_stats(lse_r, delta_r, lse, delta, b, h, pos_of, n):
-        # Each thread's two rows' lse and delta (a row past n: +inf and 0, so P = 0).
+        # Each thread's two rows' lse (log2 units) and delta (a row past n: +inf and 0, so P = 0).
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for rr in T.unroll(2):
-                lse_r[tx, rr] = T.Select(pos_of(c_row(tx, 2 * rr)) < n, lse[b, h, T.min(pos_of(c_row(tx, 2 * rr)), n - 1)], INF)
+                lse_r[tx, rr] = T.Select(
+                    pos_of(c_row(tx, 2 * rr)) < n, lse[b, h, T.min(pos_of(c_row(tx, 2 * rr)), n - 1)] * LOG2E, INF
+                )
                 delta_r[tx, rr] = T.Select(
                     pos_of(c_row(tx, 2 * rr)) < n, delta[b, h, T.min(pos_of(c_row(tx, 2 * rr)), n - 1)], ZERO
                 )
 
     @T.macro
-    def dq_step(Qs, dOs, Kt, Vt, fr, lse_r, delta_r, dqacc, visible, scale):
-        products(Qs, dOs, Kt, Vt, fr)
-        bfrag, sfrag, dpfrag, dsfrag = T.meta_var((fr.b, fr.s, fr.dp, fr.ds))
+    def dq_scores(fr, lse_r, delta_r, visible, scale2):
+        # dS = P (dP - delta), 0 where masked (visible(tx, l, nt); None: every score is
+        # visible); a row with lse = +inf, padding or past the end, gets P = 0.
+        sfrag, dpfrag, dsfrag = T.meta_var((fr.s, fr.dp, fr.ds))
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for nt in T.unroll(NS):
                 for l in T.unroll(4):
-                    # dS = P (dP - delta), 0 where masked (a row with lse = +inf, padding
-                    # or past the end, gets P = 0).
-                    dsfrag[tx, a_slot(nt, l)] = T.Cast(
-                        dt,
-                        T.Select(
-                            visible(tx, l, nt),
-                            T.exp(sfrag[tx, nt * 4 + l] * scale - lse_r[tx, l // 2])
+                    if visible is None:
+                        dsfrag[tx, a_slot(nt, l)] = T.Cast(
+                            dt,
+                            T.exp2(sfrag[tx, nt * 4 + l] * scale2 - lse_r[tx, l // 2])
                             * (dpfrag[tx, nt * 4 + l] - delta_r[tx, l // 2]),
-                            ZERO,
-                        ),
-                    )
-        accumulate(dsfrag, Kt, bfrag, dqacc)
+                        )
+                    else:
+                        dsfrag[tx, a_slot(nt, l)] = T.Cast(
+                            dt,
+                            T.Select(
+                                visible(tx, l, nt),
+                                T.exp2(sfrag[tx, nt * 4 + l] * scale2 - lse_r[tx, l // 2])
+                                * (dpfrag[tx, nt * 4 + l] - delta_r[tx, l // 2]),
+                                ZERO,
+                            ),
+                        )
 
     @T.macro
-    def dkv_step(Ks, Vs, Qt, dOt, fr, lse_c, delta_c, kacc, vacc, visible, scale):
-        # Rows are keys, columns the chunk's queries: P^T and dS^T, then dv += P^T dO and
-        # dk += dS^T Q.
-        products(Ks, Vs, Qt, dOt, fr)
-        bfrag, sfrag, dpfrag, pfrag, dsfrag = T.meta_var((fr.b, fr.s, fr.dp, fr.p, fr.ds))
+    def dq_step(Qs, dOs, Kt, Vt, fr, lse_r, delta_r, dqacc, visible, scale2):
+        products(Qs, dOs, Kt, Vt, fr)
+        dq_scores(fr, lse_r, delta_r, visible, scale2)
+        accumulate(fr.ds, Kt, fr.b, dqacc)
+
+    @T.macro
+    def dkv_scores(fr, lse_c, delta_c, visible, scale2):
+        # Rows are keys, columns the chunk's queries: P^T and dS^T (masked as dq_scores;
+        # lse_c in log2 units).
+        sfrag, dpfrag, pfrag, dsfrag = T.meta_var((fr.s, fr.dp, fr.p, fr.ds))
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for nt in T.unroll(NS):
                 for l in T.unroll(4):
-                    sfrag[tx, nt * 4 + l] = T.Select(
-                        visible(tx, l, nt), T.exp(sfrag[tx, nt * 4 + l] * scale - lse_c[nt * 8 + c_col(tx, l)]), ZERO
-                    )
+                    if visible is None:
+                        sfrag[tx, nt * 4 + l] = T.exp2(sfrag[tx, nt * 4 + l] * scale2 - lse_c[nt * 8 + c_col(tx, l)])
+                    else:
+                        sfrag[tx, nt * 4 + l] = T.Select(
+                            visible(tx, l, nt), T.exp2(sfrag[tx, nt * 4 + l] * scale2 - lse_c[nt * 8 + c_col(tx, l)]), ZERO
+                        )
                     pfrag[tx, a_slot(nt, l)] = T.Cast(dt, sfrag[tx, nt * 4 + l])
                     dsfrag[tx, a_slot(nt, l)] = T.Cast(
                         dt, sfrag[tx, nt * 4 + l] * (dpfrag[tx, nt * 4 + l] - delta_c[nt * 8 + c_col(tx, l)])
                     )
-        accumulate(pfrag, dOt, bfrag, vacc)
-        accumulate(dsfrag, Qt, bfrag, kacc)
+
+    @T.macro
+    def dkv_accumulate(dOt, Qt, fr, kacc, vacc):
+        # dv += P^T dO and dk += dS^T Q.
+        accumulate(fr.p, dOt, fr.b, vacc)
+        accumulate(fr.ds, Qt, fr.b, kacc)
+
+    @T.macro
+    def dkv_step(Ks, Vs, Qt, dOt, fr, lse_c, delta_c, kacc, vacc, visible, scale2):
+        products(Ks, Vs, Qt, dOt, fr)
+        dkv_scores(fr, lse_c, delta_c, visible, scale2)
+        dkv_accumulate(dOt, Qt, fr, kacc, vacc)
 
     def chunk_col(c, tx, l, nt):
         """Band index (in the item's partner space) of C value l of score tile nt in chunk c."""
@@ -252,7 +295,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 afrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 a2frag = T.alloc_buffer((NT, 8), dt, scope="local")
                 bfrag = T.alloc_buffer((NT, 8), dt, scope="local")
-                b2frag = T.alloc_buffer((NT, 4), dt, scope="local")
+                b2frag = T.alloc_buffer((NT, 8), dt, scope="local")
                 sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
                 dpfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
                 dsfrag = T.alloc_buffer((NT, NS * 4), dt, scope="local")
@@ -261,9 +304,15 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 delta_r = T.alloc_buffer((NT, 2), acc, scope="local")
                 first_r = T.alloc_buffer((NT, 2), "int64", scope="local")
                 last_r = T.alloc_buffer((NT, 2), "int64", scope="local")
+                rel = T.alloc_buffer((NT, 4), "int32", scope="local")
+                fld = T.alloc_buffer((ITEM_SCALARS,), "int64", scope="local")
                 fr = T.meta_var(Frags(afrag, a2frag, bfrag, b2frag, sfrag, dpfrag, None, dsfrag))
 
-                b, h, beta, d, kvh, m0, r, row0, key0 = T.meta_var(item_fields(item, H, Hkv, nitems, dil, BR, lo))
+                store_item(fld, item, H, Hkv, nitems, dil, Tn)
+                b, h, beta, d, kvh, m0, r, row0, key0, c_begin, c_end, inner_lo, inner_hi = T.meta_var(
+                    load_item_scalars(fld)
+                )
+                scale2 = T.meta_var(scale * LOG2E)
                 # 1. Rows: queries and output gradients, lse and delta, band intervals.
                 load_item(Qs, dOs, q, dout, b, h, lambda i: row0 + d * i, Tn)
                 row_stats(lse_r, delta_r, lse, delta, b, h, lambda i: row0 + d * i, Tn)
@@ -273,19 +322,16 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                         last_r[tx, rr] = row_key_range(lo, hi, Tn, d, m0, r, c_row(tx, 2 * rr))[1]
                 zero(dqacc)
                 # 2. The band chunks that meet the item's span, then the extra keys.
-                for c in T.serial(
-                    item_key_span(lo, hi, BR, Tn, d, beta)[0] // KC,
-                    item_key_span(lo, hi, BR, Tn, d, beta)[1] // KC + 1,
-                ):
-                    load_chunk(Kt, Vt, k, v, b, kvh, lambda kk: key0 + d * (c * KC + kk), Tn)
-                    dq_step(
-                        Qs, dOs, Kt, Vt, fr, lse_r, delta_r, dqacc,
-                        lambda tx, l, nt: T.Or(
-                            item_interior(lo, hi, BR, Tn, d, m0, r, c * KC, c * KC + KC - 1),
-                            T.And(chunk_col(c, tx, l, nt) >= first_r[tx, l // 2], chunk_col(c, tx, l, nt) <= last_r[tx, l // 2]),
-                        ),
-                        scale,
-                    )
+                # (Positions in int32, the chunk's first once: see cuda_flash_tc.)
+                for c in T.serial(c_begin, c_end):
+                    load_chunk(Kt, Vt, k, v, b, kvh, lambda kk: T.Cast("int32", key0 + d * c * KC) + T.Cast("int32", d) * kk, Tn)
+                    products(Qs, dOs, Kt, Vt, fr)
+                    if chunk_inside(c, inner_lo, inner_hi):
+                        dq_scores(fr, lse_r, delta_r, None, scale2)
+                    else:
+                        chunk_bounds(rel, first_r, last_r, c)
+                        dq_scores(fr, lse_r, delta_r, lambda tx, l, nt: chunk_visible(rel, tx, l, nt, l // 2), scale2)
+                    accumulate(dsfrag, Kt, bfrag, dqacc)
                 if extras:
                     for xc in T.serial((E + (KC - 1)) // KC):
                         load_extra_positions(xpos_s, xres_s, xt_s, xidx, b, xc, d, E)
@@ -297,7 +343,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                                 xpos_s[nt * 8 + c_col(tx, l)], xres_s[nt * 8 + c_col(tx, l)], xt_s[nt * 8 + c_col(tx, l)],
                                 row0 + d * c_row(tx, l), m0 + c_row(tx, l), r,
                             ),
-                            scale,
+                            scale2,
                         )
                 # 3. dq = scale * dS K.
                 write_rows(dq, dqacc, b, h, lambda i: row0 + d * i, Tn, scale)
@@ -321,7 +367,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 afrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 a2frag = T.alloc_buffer((NT, 8), dt, scope="local")
                 bfrag = T.alloc_buffer((NT, 8), dt, scope="local")
-                b2frag = T.alloc_buffer((NT, 4), dt, scope="local")
+                b2frag = T.alloc_buffer((NT, 8), dt, scope="local")
                 sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
                 dpfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
                 pfrag = T.alloc_buffer((NT, NS * 4), dt, scope="local")
@@ -330,10 +376,16 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 vacc = T.alloc_buffer((NT, NO * 4), acc, scope="local")
                 first_r = T.alloc_buffer((NT, 2), "int64", scope="local")
                 last_r = T.alloc_buffer((NT, 2), "int64", scope="local")
+                rel = T.alloc_buffer((NT, 4), "int32", scope="local")
+                fld = T.alloc_buffer((ITEM_SCALARS,), "int64", scope="local")
                 fr = T.meta_var(Frags(afrag, a2frag, bfrag, b2frag, sfrag, dpfrag, pfrag, dsfrag))
 
                 # row0: the item's first key; key0: the position of band (query) index 0.
-                b, h, beta, d, kvh, m0, r, row0, key0 = T.meta_var(item_fields(item, H, Hkv, nitems, dil, BR, tlo))
+                store_key_item(fld, item, H, Hkv, nitems, dil, Tn)
+                b, h, beta, d, kvh, m0, r, row0, key0, c_begin, c_end, inner_lo, inner_hi = T.meta_var(
+                    load_key_item_scalars(fld)
+                )
+                scale2 = T.meta_var(scale * LOG2E)
                 # 1. Keys and values; the query interval that sees each key.
                 load_item(Ks, Vs, k, v, b, kvh, lambda i: row0 + d * i, Tn)
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
@@ -343,20 +395,17 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 zero(kacc)
                 zero(vacc)
                 # 2. The queries that see the item, chunk by chunk.
-                for c in T.serial(
-                    item_key_span(tlo, thi, BR, Tn, d, beta)[0] // KC,
-                    item_key_span(tlo, thi, BR, Tn, d, beta)[1] // KC + 1,
-                ):
-                    load_chunk(Qt, dOt, q, dout, b, h, lambda kk: key0 + d * (c * KC + kk), Tn)
-                    load_chunk_stats(lse_c, delta_c, lse, delta, b, h, lambda kk: key0 + d * (c * KC + kk), Tn)
-                    dkv_step(
-                        Ks, Vs, Qt, dOt, fr, lse_c, delta_c, kacc, vacc,
-                        lambda tx, l, nt: T.Or(
-                            item_interior(tlo, thi, BR, Tn, d, m0, r, c * KC, c * KC + KC - 1),
-                            T.And(chunk_col(c, tx, l, nt) >= first_r[tx, l // 2], chunk_col(c, tx, l, nt) <= last_r[tx, l // 2]),
-                        ),
-                        scale,
-                    )
+                for c in T.serial(c_begin, c_end):
+                    load_chunk(Qt, dOt, q, dout, b, h, lambda kk: T.Cast("int32", key0 + d * c * KC) + T.Cast("int32", d) * kk, Tn)
+                    load_chunk_stats(lse_c, delta_c, lse, delta, b, h,
+                                     lambda kk: T.Cast("int32", key0 + d * c * KC) + T.Cast("int32", d) * kk, Tn)
+                    products(Ks, Vs, Qt, dOt, fr)
+                    if chunk_inside(c, inner_lo, inner_hi):
+                        dkv_scores(fr, lse_c, delta_c, None, scale2)
+                    else:
+                        chunk_bounds(rel, first_r, last_r, c)
+                        dkv_scores(fr, lse_c, delta_c, lambda tx, l, nt: chunk_visible(rel, tx, l, nt, l // 2), scale2)
+                    dkv_accumulate(dOt, Qt, fr, kacc, vacc)
                 # 3. dk = scale * dS^T Q and dv = P^T dO (per query head).
                 write_rows(dk, kacc, b, h, lambda i: row0 + d * i, Tn, scale)
                 write_rows(dv, vacc, b, h, lambda i: row0 + d * i, Tn, ONE)
@@ -375,7 +424,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 afrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 a2frag = T.alloc_buffer((NT, 8), dt, scope="local")
                 bfrag = T.alloc_buffer((NT, 8), dt, scope="local")
-                b2frag = T.alloc_buffer((NT, 4), dt, scope="local")
+                b2frag = T.alloc_buffer((NT, 8), dt, scope="local")
                 sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
                 dpfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
                 dsfrag = T.alloc_buffer((NT, NS * 4), dt, scope="local")
@@ -399,7 +448,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                     dq_step(
                         Qs, dOs, Kt, Vt, fr, lse_r, delta_r, dqacc,
                         lambda tx, l, nt: chunk_col(c, tx, l, nt) <= last_r[tx, l // 2],
-                        scale,
+                        scale * LOG2E,
                     )
                 write_rows(dqg, dqacc, b, h, lambda i: g0 + i, G, scale)
 
@@ -420,7 +469,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 afrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 a2frag = T.alloc_buffer((NT, 8), dt, scope="local")
                 bfrag = T.alloc_buffer((NT, 8), dt, scope="local")
-                b2frag = T.alloc_buffer((NT, 4), dt, scope="local")
+                b2frag = T.alloc_buffer((NT, 8), dt, scope="local")
                 sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
                 dpfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
                 pfrag = T.alloc_buffer((NT, NS * 4), dt, scope="local")
@@ -441,7 +490,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                     dkv_step(
                         Ks, Vs, Qt, dOt, fr, lse_c, delta_c, kacc, vacc,
                         lambda tx, l, nt: j0 + c_row(tx, l) <= gpos_c[nt * 8 + c_col(tx, l)],
-                        scale,
+                        scale * LOG2E,
                     )
                 write_rows(dkg, kacc, b, h, lambda i: j0 + i, Tn, scale)
                 write_rows(dvg, vacc, b, h, lambda i: j0 + i, Tn, ONE)
@@ -467,7 +516,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 afrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 a2frag = T.alloc_buffer((NT, 8), dt, scope="local")
                 bfrag = T.alloc_buffer((NT, 8), dt, scope="local")
-                b2frag = T.alloc_buffer((NT, 4), dt, scope="local")
+                b2frag = T.alloc_buffer((NT, 8), dt, scope="local")
                 sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
                 dpfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
                 pfrag = T.alloc_buffer((NT, NS * 4), dt, scope="local")
@@ -494,7 +543,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                             chunk_col(c, tx, l, nt), T.floordiv(chunk_col(c, tx, l, nt), d),
                             T.floormod(chunk_col(c, tx, l, nt), d),
                         ),
-                        scale,
+                        scale * LOG2E,
                     )
                 write_rows(dkx, kacc, b, h, lambda i: e0 + i, E, scale)
                 write_rows(dvx, vacc, b, h, lambda i: e0 + i, E, ONE)

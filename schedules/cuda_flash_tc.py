@@ -22,25 +22,28 @@ against the reference. The instructions themselves are checked by the GPU check.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from swa_tvm.compute import extra_visible, item_interior, item_key_span, row_key_range
+from swa_tvm.compute import extra_visible, row_key_range
 from swa_tvm.spec import KernelSpec
 
 from .cuda_flash import (
+    ITEM_SCALARS,
     SHARED_BUDGET,
     largest_fitting,
     shared_scope,
+    block_inner_last_key,
     block_last_key,
     extra_positions_loader,
     global_fields,
     global_kernel,
     global_row_last_key,
-    item_fields,
+    item_scalars,
     local_kernel,
 )
 
@@ -148,6 +151,12 @@ def mma_macro(warps: int, dtype: str, emulate: bool):
     return mma
 
 
+def clamp_row(pos, n):
+    """Position ``pos`` clamped to [0, n), in pos's own dtype (int32 positions clamp in
+    two instructions, int64 ones in eight)."""
+    return T.max(T.min(pos, T.Cast(str(pos.ty), n) - 1), tirx.const(0, str(pos.ty)))
+
+
 def pair_loader(threads: int, head_dim: int, rows: int):
     """A T.macro ``load(A, B, src_a, src_b, b, hh, pos_of, n)``: rows i < ``rows`` of two
     shared tiles (rows padded by 8 values) from src_a/src_b[b, hh, pos_of(i)], the
@@ -162,7 +171,7 @@ def pair_loader(threads: int, head_dim: int, rows: int):
             for x in T.serial(steps):
                 e = T.meta_var(x * threads + tx)
                 if e < rows * D // VEC:
-                    j = T.meta_var(T.max(T.min(pos_of(e // (D // VEC)), n - 1), T.int64(0)))
+                    j = T.meta_var(clamp_row(pos_of(e // (D // VEC)), n))
                     for u in T.vectorized(VEC):
                         A[(e // (D // VEC)) * DP + e % (D // VEC) * VEC + u] = src_a[b, hh, j, e % (D // VEC) * VEC + u]
                     for u in T.vectorized(VEC):
@@ -295,6 +304,46 @@ def a_loader(warps: int, head_dim: int, dtype: str, ldmatrix: bool, emulate: boo
     return load
 
 
+def ldsm_nk_row(lane, ntp, ks):
+    """(row, column) of a K tile (rows n, columns k) whose address lane gives to
+    ``nk_loader``'s ldmatrix.x4: matrix m = lane // 8 is rows 16*ntp + 8*(m // 2) .. + 8
+    (score tile 2*ntp + m // 2) at columns 16*ks + 8*(m % 2) .. + 8 (the k-step's half),
+    so registers 0, 1 are the B operand of score tile 2*ntp and 2, 3 of tile 2*ntp + 1."""
+    m = lane // 8
+    return 16 * ntp + 8 * (m // 2) + lane % 8, 16 * ks + 8 * (m % 2)
+
+
+def nk_loader(warps: int, head_dim: int, dtype: str, ldmatrix: bool, emulate: bool):
+    """A T.macro ``load(Kt, bfrag, ntp, ks)``: the B operands B[k][n] = Kt[row 8*nt + n]
+    [column 16*ks + k] of score tiles nt = 2*ntp and 2*ntp + 1 (values 0..3 and 4..7 of
+    each thread's bfrag), from a shared tile of rows padded to head_dim + 8: one
+    ``ldmatrix.x4`` per warp (``ldmatrix``, ``ldsm_nk_row``: B's pairs k, k + 1 are
+    adjacent in a row of K, so no transpose), else eight 16-bit loads per thread.
+    ``emulate`` runs ldmatrix's map (``ldsm_a_value``) lane by lane."""
+    nt, DP = 32 * warps, head_dim + 8
+    name = f"swa_ldsm_a_{PTX_TYPE[dtype]}"
+    source = LDSM_A_SOURCE.format(name=name, t=C_TYPE[dtype])
+
+    def row_index(lane, ntp, ks):
+        row, col = ldsm_nk_row(lane, ntp, ks)
+        return row * DP + col
+
+    @T.macro
+    def load(Kt, bfrag, ntp, ks):
+        if not ldmatrix:
+            for tx in T.thread_binding(nt, thread="threadIdx.x"):
+                for x in T.unroll(8):
+                    bfrag[tx, x] = Kt[b_index_nk(tx, x % 4, 2 * ntp + x // 4, ks, DP)]
+        elif emulate:
+            for w, lane, x in T.grid(warps, 32, 8):
+                bfrag[w * 32 + lane, x] = Kt[row_index(ldsm_a_value(lane, x)[0], ntp, ks) + ldsm_a_value(lane, x)[1]]
+        else:
+            for tx in T.thread_binding(nt, thread="threadIdx.x"):
+                T.evaluate(ldsm_call(name, source, Kt, row_index(tx % 32, ntp, ks), bfrag, tx, 0))
+
+    return load
+
+
 # cp.async (sm_80+): a 16-byte global-to-shared copy the issuing thread does not wait
 # for. commit closes the thread's group of copies; wait_group 0 waits for all of its
 # groups, and only a barrier after it makes every thread's copies visible to the block.
@@ -322,7 +371,7 @@ def async_loader(threads: int, head_dim: int, rows: int, emulate: bool):
             for x in T.serial(steps):
                 e = T.meta_var(x * threads + tx)
                 if e < rows * D // VEC:
-                    j = T.meta_var(T.max(T.min(pos_of(e // (D // VEC)), n - 1), T.int64(0)))
+                    j = T.meta_var(clamp_row(pos_of(e // (D // VEC)), n))
                     if emulate:
                         for u in T.vectorized(VEC):
                             A[(e // (D // VEC)) * DP + e % (D // VEC) * VEC + u] = src[b, hh, j, e % (D // VEC) * VEC + u]
@@ -348,11 +397,37 @@ def async_loader(threads: int, head_dim: int, rows: int, emulate: bool):
     return issue, wait_all
 
 
+def chunk_mask(threads: int, slots: int, chunk: int):
+    """The band mask of one chunk, for kernels whose threads hold C values of ``slots``
+    rows each (row slot s, with band interval first_r[tx, s]..last_r[tx, s]) and whose
+    chunk c's key kk has band index c*chunk + kk: ``inside(c, inner_lo, inner_hi)``,
+    whether every row sees the chunk whole (then no mask at all); else the T.macro
+    ``bounds(rel, first_r, last_r, c)`` puts each interval, once per chunk, into int32
+    bounds relative to the thread's columns (C value l of score tile nt is column
+    8*nt + 2*(lane % 4) + l % 2) clamped to the chunk, and ``visible(rel, tx, l, nt,
+    s)`` is then two compares with a constant per score."""
+
+    def inside(c, inner_lo, inner_hi):
+        return T.And(c * chunk >= inner_lo, c * chunk + (chunk - 1) <= inner_hi)
+
+    @T.macro
+    def bounds(rel, first_r, last_r, c):
+        for tx in T.thread_binding(threads, thread="threadIdx.x"):
+            for r in T.unroll(slots):
+                rel[tx, r] = T.Cast("int32", T.max(T.min(first_r[tx, r] - c * chunk - 2 * (tx % 4), chunk), 0))
+                rel[tx, slots + r] = T.Cast("int32", T.max(T.min(last_r[tx, r] - c * chunk - 2 * (tx % 4), chunk - 1), -1))
+
+    def visible(rel, tx, l, nt, s):
+        return T.And(nt * 8 + l % 2 >= rel[tx, s], nt * 8 + l % 2 <= rel[tx, slots + s])
+
+    return inside, bounds, visible
+
+
 @dataclass(frozen=True)
 class TCConfig:
     warps: int = 4  # 16 * m_tiles query rows each: block_q = 16 * warps * m_tiles
     chunk: int = 64  # keys per online-softmax step (a multiple of 16)
-    ldmatrix: bool = True  # V's B operands by ldmatrix.trans (else 16-bit loads)
+    ldmatrix: bool = True  # K's and V's B operands by ldmatrix(.trans) (else 16-bit loads)
     # K and V chunks by cp.async, each load overlapping the other tile's product (else
     # synchronous 16-byte loads, K and V together before the chunk's products).
     async_copy: bool = False
@@ -431,8 +506,12 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
     VEC = 8  # 16-bit values per 16-byte global load (D % 16 == 0, rows of DP keep 16-byte alignment)
     Q_STEPS = -(-BQ * D // VEC // NT)
     load_extra_positions = extra_positions_loader(NT, KC)
+    store_item, load_item = item_scalars(NT, BQ, lo, hi, KC)
     NINF = tirx.const(float("-inf"), acc)
     ZERO, ONE = tirx.const(0.0, acc), tirx.const(1.0, acc)
+    # Scores in log2 units (scale * log2 e), so each probability is one exp2 (the
+    # hardware's ex2; exp would scale again); lse is brought back to natural log units.
+    LOG2E, LN2 = tirx.const(math.log2(math.e), acc), tirx.const(math.log(2.0), acc)
 
     # Warp w = tx // 32 owns the item's 16-row tiles MT*w .. MT*w + MT - 1; a thread holds
     # C values of two rows of each, its row slots r = 2*mt + (0 or 1).
@@ -450,6 +529,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
     mma = mma_macro(NW, dt, emulate)
     load_kn = kn_loader(NW, D, dt, cfg.ldmatrix, emulate)
     load_a = a_loader(NW, D, dt, cfg.ldmatrix, emulate)
+    load_nk = nk_loader(NW, D, dt, cfg.ldmatrix, emulate)
 
     @T.macro
     def quad_reduce(part, red, op_max):
@@ -482,7 +562,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
     def scores(Kt, Qs, qfrag, kfrag, sfrag):
         # 1. S = Q K^T: score tile nt (keys nt*8..+8) of row tile mt, value l at
         # sfrag[(mt*NS + nt)*4 + l], over the k-steps of the head dim; each K operand
-        # read feeds the MT row tiles.
+        # read feeds the MT row tiles, two score tiles per load.
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for x in T.unroll(MT * NS * 4):
                 sfrag[tx, x] = ZERO
@@ -490,31 +570,37 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
             if not QREG:
                 for mt in T.unroll(MT):
                     load_a(Qs, qfrag, mt * 8, lambda tx: ((tx // 32) * MT + mt) * 16, ks)
-            for nt in T.unroll(NS):
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    for l in T.unroll(4):
-                        kfrag[tx, l] = Kt[b_index_nk(tx, l, nt, ks, DP)]
+            for ntp in T.unroll(NS // 2):
+                load_nk(Kt, kfrag, ntp, ks)
                 for mt in T.unroll(MT):
                     if QREG:
-                        mma(qfrag, ks * 8, kfrag, 0, sfrag, nt * 4)
+                        mma(qfrag, ks * 8, kfrag, 0, sfrag, 2 * ntp * 4)
+                        mma(qfrag, ks * 8, kfrag, 4, sfrag, (2 * ntp + 1) * 4)
                     else:
-                        mma(qfrag, mt * 8, kfrag, 0, sfrag, (mt * NS + nt) * 4)
+                        mma(qfrag, mt * 8, kfrag, 0, sfrag, (mt * NS + 2 * ntp) * 4)
+                        mma(qfrag, mt * 8, kfrag, 4, sfrag, (mt * NS + 2 * ntp + 1) * 4)
 
     @T.macro
-    def update(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, visible, scale):
-        # 2. Scale, mask (visible(tx, l, nt, mt)), and the rows' new running max (per
-        # thread, then over its group).
+    def mask_max(sfrag, m_r, part, red, visible, scale2):
+        # 2. Scale (to log2 units), mask (visible(tx, l, nt, mt); None: every score is
+        # visible), and the rows' new running max (per thread, then over its group).
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for r in T.unroll(R):
                 part[tx, r] = m_r[tx, r]
             for mt in T.unroll(MT):
                 for nt in T.unroll(NS):
                     for l in T.unroll(4):
-                        sfrag[tx, (mt * NS + nt) * 4 + l] = T.Select(
-                            visible(tx, l, nt, mt), sfrag[tx, (mt * NS + nt) * 4 + l] * scale, NINF
-                        )
+                        if visible is None:
+                            sfrag[tx, (mt * NS + nt) * 4 + l] = sfrag[tx, (mt * NS + nt) * 4 + l] * scale2
+                        else:
+                            sfrag[tx, (mt * NS + nt) * 4 + l] = T.Select(
+                                visible(tx, l, nt, mt), sfrag[tx, (mt * NS + nt) * 4 + l] * scale2, NINF
+                            )
                         part[tx, 2 * mt + l // 2] = T.max(part[tx, 2 * mt + l // 2], sfrag[tx, (mt * NS + nt) * 4 + l])
         quad_reduce(part, red, True)
+
+    @T.macro
+    def softmax_pv(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red):
         # 3. Probabilities, their row sums, and the fade of the old sums and outputs. A row
         # with no visible key yet keeps max -inf: factor 1, probabilities 0.
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
@@ -526,7 +612,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                         sfrag[tx, (mt * NS + nt) * 4 + l] = T.Select(
                             red[tx, 2 * mt + l // 2] == NINF,
                             ZERO,
-                            T.exp(sfrag[tx, (mt * NS + nt) * 4 + l] - red[tx, 2 * mt + l // 2]),
+                            T.exp2(sfrag[tx, (mt * NS + nt) * 4 + l] - red[tx, 2 * mt + l // 2]),
                         )
                         part[tx, 2 * mt + l // 2] = part[tx, 2 * mt + l // 2] + sfrag[tx, (mt * NS + nt) * 4 + l]
                         # The A operand of P V (row-major 16 x 16 per pair of score tiles):
@@ -537,11 +623,14 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                         )
             for r in T.unroll(R):
                 # part[R + r] <- this thread's factor for row slot r, kept for the outputs below.
-                part[tx, R + r] = T.Select(red[tx, r] == NINF, ONE, T.exp(m_r[tx, r] - red[tx, r]))
+                part[tx, R + r] = T.Select(red[tx, r] == NINF, ONE, T.exp2(m_r[tx, r] - red[tx, r]))
                 m_r[tx, r] = red[tx, r]
             for mt in T.unroll(MT):
-                for x in T.unroll(NO * 4):
-                    ofrag[tx, mt * NO * 4 + x] = ofrag[tx, mt * NO * 4 + x] * part[tx, R + 2 * mt + (x % 4) // 2]
+                # Skipped where neither row's max moved (factors exactly 1), as in most of a
+                # long window's chunks: NO*4 multiplies per row tile.
+                if T.Or(part[tx, R + 2 * mt] != ONE, part[tx, R + 2 * mt + 1] != ONE):
+                    for x in T.unroll(NO * 4):
+                        ofrag[tx, mt * NO * 4 + x] = ofrag[tx, mt * NO * 4 + x] * part[tx, R + 2 * mt + (x % 4) // 2]
         quad_reduce(part, red, False)
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for r in T.unroll(R):
@@ -555,23 +644,31 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                     mma(pfrag, mt * NS * 4 + ks * 8, vfrag, 0, ofrag, mt * NO * 4 + ndp * 8)
                     mma(pfrag, mt * NS * 4 + ks * 8, vfrag, 4, ofrag, mt * NO * 4 + ndp * 8 + 4)
 
-    @T.macro
-    def step(Kt, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, visible, scale):
-        scores(Kt, Qs, qfrag, kfrag, sfrag)
-        update(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, visible, scale)
+    chunk_inside, chunk_bounds, chunk_visible = chunk_mask(NT, R, KC)
 
     @T.macro
-    def stream(QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, k, v, b, kvh, Tn,
-               c_begin, c_end, pos_of, visible, scale):
-        # Chunks c_begin <= c < c_end: chunk c's keys kk at positions pos_of(c, kk), its
-        # scores masked by visible(c, tx, l, nt, mt). Synchronous: K and V, then both
-        # products. Async (FlashAttention-2's order, one tile each, no double buffer):
-        # V(c) loads while S = Q K(c)^T is computed, K(c + 1) while the softmax and P V(c) are.
+    def band_mask_max(c, sfrag, m_r, part, red, rel, first_r, last_r, inner_lo, inner_hi, scale2):
+        # Step 2 for band chunk c (``chunk_mask``): a chunk every row sees whole (most of a
+        # long window's) takes no mask at all.
+        if chunk_inside(c, inner_lo, inner_hi):
+            mask_max(sfrag, m_r, part, red, None, scale2)
+        else:
+            chunk_bounds(rel, first_r, last_r, c)
+            mask_max(sfrag, m_r, part, red, lambda tx, l, nt, mt: chunk_visible(rel, tx, l, nt, 2 * mt + l // 2), scale2)
+
+    @T.macro
+    def stream(QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
+               c_begin, c_end, pos_of, first_r, last_r, inner_lo, inner_hi, scale2):
+        # Band chunks c_begin <= c < c_end: chunk c's keys kk at positions pos_of(c, kk),
+        # masked by band_mask_max. Synchronous: K and V, then both products. Async
+        # (FlashAttention-2's order, one tile each, no double buffer): V(c) loads while
+        # S = Q K(c)^T is computed, K(c + 1) while the softmax and P V(c) are.
         if not cfg.async_copy:
             for c in T.serial(c_begin, c_end):
                 load_rows(QK, Vt, k, v, b, kvh, lambda kk: pos_of(c, kk), Tn)
-                step(QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red,
-                     lambda tx, l, nt, mt: visible(c, tx, l, nt, mt), scale)
+                scores(QK, Qs, qfrag, kfrag, sfrag)
+                band_mask_max(c, sfrag, m_r, part, red, rel, first_r, last_r, inner_lo, inner_hi, scale2)
+                softmax_pv(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red)
         else:
             # Every warp holds its Q fragments before K overwrites their tile.
             wait_all()
@@ -584,16 +681,16 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 wait_all()  # V(c) is in; every warp is done with K(c)
                 if c + 1 < c_end:
                     issue_rows(QK, k, b, kvh, lambda kk: pos_of(c + 1, kk), Tn)
-                update(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red,
-                       lambda tx, l, nt, mt: visible(c, tx, l, nt, mt), scale)
+                band_mask_max(c, sfrag, m_r, part, red, rel, first_r, last_r, inner_lo, inner_hi, scale2)
+                softmax_pv(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red)
             wait_all()  # nothing in flight past the stream; its tiles are free again
 
     @T.macro
     def start_rows(QK, Qs, qfrag, ofrag, m_r, l_r, src, b, h, src_row, sink):
         # The block's query rows (row i from src[b, h, src_row(i)]) into their shared tile
         # (QK, then into A fragments for every k-step of the head dim, with Q in
-        # registers; else Qs); each row's running max starts at the head's sink logit, its
-        # sum at that sink's share.
+        # registers; else Qs); each row's running max starts at the head's sink logit
+        # (log2 units), its sum at that sink's share.
         Qt = T.meta_var(QK if QREG else Qs)
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for x in T.serial(Q_STEPS):
@@ -604,7 +701,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                             b, h, src_row(e // (D // VEC)), e % (D // VEC) * VEC + u
                         ]
             for r in T.unroll(R):
-                m_r[tx, r] = sink[h]
+                m_r[tx, r] = sink[h] * LOG2E
                 l_r[tx, r] = T.Select(sink[h] == NINF, ZERO, ONE)
             for x in T.unroll(MT * NO * 4):
                 ofrag[tx, x] = ZERO
@@ -616,7 +713,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
 
     @T.macro
     def finish_rows(out, lse, ofrag, m_r, l_r, b, h, dst_row, valid):
-        # out = acc / l and lse = m + log l to row i's destination dst_row(i), where valid(i).
+        # out = acc / l and lse = (m + log2 l) * ln 2 to row i's destination dst_row(i),
+        # where valid(i).
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for mt in T.unroll(MT):
                 for nd in T.unroll(NO):
@@ -628,7 +726,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
             for r in T.unroll(R):
                 if tx % 4 == 0:
                     if valid(t_row(tx, r)):
-                        lse[b, h, dst_row(t_row(tx, r))] = m_r[tx, r] + T.log(l_r[tx, r])
+                        lse[b, h, dst_row(t_row(tx, r))] = (m_r[tx, r] + T.log2(l_r[tx, r])) * LN2
 
     @T.macro
     def body(q, k, v, dil, xidx, sink, scale, out, lse, B, H, Hkv, Tn, E):
@@ -642,11 +740,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 QK = T.alloc_buffer(((max(BQ, KC) if QREG else KC) * DP,), dt, scope=SH)
                 Qs = T.alloc_buffer((8 if QREG else BQ * DP,), dt, scope=SH)
                 Vt = T.alloc_buffer((KC * DP,), dt, scope=SH)
-                xpos_s = T.alloc_buffer((KC,), "int64", scope=SH)
-                xres_s = T.alloc_buffer((KC,), "int64", scope=SH)
-                xt_s = T.alloc_buffer((KC,), "int64", scope=SH)
                 qfrag = T.alloc_buffer((NT, KD * 8 if QREG else MT * 8), dt, scope="local")
-                kfrag = T.alloc_buffer((NT, 4), dt, scope="local")
+                kfrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 vfrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 sfrag = T.alloc_buffer((NT, MT * NS * 4), acc, scope="local")
                 pfrag = T.alloc_buffer((NT, MT * NS * 4), dt, scope="local")
@@ -655,10 +750,17 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 l_r = T.alloc_buffer((NT, R), acc, scope="local")
                 first_r = T.alloc_buffer((NT, R), "int64", scope="local")
                 last_r = T.alloc_buffer((NT, R), "int64", scope="local")
+                rel = T.alloc_buffer((NT, 2 * R), "int32", scope="local")
                 part = T.alloc_buffer((NT, 2 * R), acc, scope="local")
                 red = T.alloc_buffer((NT, R), acc, scope="local")
+                xpos_s = T.alloc_buffer((KC,), "int64", scope=SH)
+                xres_s = T.alloc_buffer((KC,), "int64", scope=SH)
+                xt_s = T.alloc_buffer((KC,), "int64", scope=SH)
+                fld = T.alloc_buffer((ITEM_SCALARS,), "int64", scope="local")
 
-                b, h, beta, d, kvh, m0, r, row0, key0 = T.meta_var(item_fields(item, H, Hkv, nitems, dil, BQ, lo))
+                store_item(fld, item, H, Hkv, nitems, dil, Tn)
+                b, h, beta, d, kvh, m0, r, row0, key0, c_begin, c_end, inner_lo, inner_hi = T.meta_var(load_item(fld))
+                scale2 = T.meta_var(scale * LOG2E)
                 # Items past the end run with every key masked and write nothing (see
                 # cuda_flash: no branch around barriers).
                 start_rows(QK, Qs, qfrag, ofrag, m_r, l_r, q, b, h,
@@ -669,35 +771,27 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                         first_r[tx, rs] = row_key_range(lo, hi, Tn, d, m0, r, t_row(tx, rs))[0]
                         last_r[tx, rs] = row_key_range(lo, hi, Tn, d, m0, r, t_row(tx, rs))[1]
                 stream(
-                    QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, k, v, b, kvh, Tn,
-                    item_key_span(lo, hi, BQ, Tn, d, beta)[0] // KC,
-                    item_key_span(lo, hi, BQ, Tn, d, beta)[1] // KC + 1,
-                    lambda c, kk: key0 + d * (c * KC + kk),
-                    # visible(chunk, thread, C value, score tile, row tile): inside the row's
-                    # band interval; in a chunk every row sees whole (most of a long
-                    # window's chunks) the per-score test is skipped (|| short-circuits).
-                    lambda c, tx, l, nt, mt: T.Or(
-                        item_interior(lo, hi, BQ, Tn, d, m0, r, c * KC, c * KC + KC - 1),
-                        T.And(
-                            c * KC + nt * 8 + c_col(tx, l) >= first_r[tx, 2 * mt + l // 2],
-                            c * KC + nt * 8 + c_col(tx, l) <= last_r[tx, 2 * mt + l // 2],
-                        ),
-                    ),
-                    scale,
+                    QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
+                    # In int32 (a sequence shorter than 2^31), the chunk's first position once.
+                    c_begin, c_end, lambda c, kk: T.Cast("int32", key0 + d * c * KC) + T.Cast("int32", d) * kk,
+                    first_r, last_r, inner_lo, inner_hi,
+                    scale2,
                 )
                 if extras:
                     for xc in T.serial((E + (KC - 1)) // KC):
                         load_extra_positions(xpos_s, xres_s, xt_s, xidx, b, xc, d, E)
                         load_rows(QK, Vt, k, v, b, kvh, lambda kk: xpos_s[kk], Tn)
-                        step(
-                            QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red,
+                        scores(QK, Qs, qfrag, kfrag, sfrag)
+                        mask_max(
+                            sfrag, m_r, part, red,
                             lambda tx, l, nt, mt: extra_visible(
                                 lo, hi, Tn,
                                 xpos_s[nt * 8 + c_col(tx, l)], xres_s[nt * 8 + c_col(tx, l)], xt_s[nt * 8 + c_col(tx, l)],
                                 row0 + d * c_row(tx, l, mt), m0 + c_row(tx, l, mt), r,
                             ),
-                            scale,
+                            scale2,
                         )
+                        softmax_pv(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red)
                 finish_rows(out, lse, ofrag, m_r, l_r, b, h, lambda i: row0 + d * i, lambda i: row0 + d * i < Tn)
 
     @T.macro
@@ -712,36 +806,43 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 Qs = T.alloc_buffer((8 if QREG else BQ * DP,), dt, scope=SH)
                 Vt = T.alloc_buffer((KC * DP,), dt, scope=SH)
                 qfrag = T.alloc_buffer((NT, KD * 8 if QREG else MT * 8), dt, scope="local")
-                kfrag = T.alloc_buffer((NT, 4), dt, scope="local")
+                kfrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 vfrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 sfrag = T.alloc_buffer((NT, MT * NS * 4), acc, scope="local")
                 pfrag = T.alloc_buffer((NT, MT * NS * 4), dt, scope="local")
                 ofrag = T.alloc_buffer((NT, MT * NO * 4), acc, scope="local")
                 m_r = T.alloc_buffer((NT, R), acc, scope="local")
                 l_r = T.alloc_buffer((NT, R), acc, scope="local")
+                first_r = T.alloc_buffer((NT, R), "int64", scope="local")
                 last_r = T.alloc_buffer((NT, R), "int64", scope="local")
-                nchunks = T.alloc_buffer((1,), "int64", scope="local")  # each thread's copy
+                rel = T.alloc_buffer((NT, 2 * R), "int32", scope="local")
                 part = T.alloc_buffer((NT, 2 * R), acc, scope="local")
                 red = T.alloc_buffer((NT, R), acc, scope="local")
+                # b, h, g0, kvh; the chunk count; the keys every valid row sees, 0..inner_hi
+                # (each thread's copy: held in registers, not re-evaluated at each use).
+                fld = T.alloc_buffer((6,), "int64", scope="local")
 
-                b, h, g0, kvh = T.meta_var(global_fields(item, H, Hkv, nblk, BQ))
+                f = T.meta_var(global_fields(item, H, Hkv, nblk, BQ))
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    fld[0] = f[0]
+                    fld[1] = f[1]
+                    fld[2] = f[2]
+                    fld[3] = f[3]
+                    # The block's key span: up to its last row's position (causal) or T.
+                    fld[4] = T.floordiv(block_last_key(gidx, fld[0], fld[2], G, Tn, BQ, causal), KC) + 1
+                    fld[5] = block_inner_last_key(gidx, fld[0], fld[2], G, Tn, BQ, causal)
+                b, h, g0, kvh = T.meta_var((fld[0], fld[1], fld[2], fld[3]))
+                scale2 = T.meta_var(scale * LOG2E)
                 start_rows(QK, Qs, qfrag, ofrag, m_r, l_r, qg, b, h,
                            lambda i: T.min(g0 + i, G - 1), sink)
-                # Row slot rs's last visible key (-1: a padding row past G sees none).
+                # Row slot rs sees keys 0..its last (-1: a padding row past G sees none).
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     for rs in T.unroll(R):
+                        first_r[tx, rs] = T.int64(0)
                         last_r[tx, rs] = global_row_last_key(gidx, b, g0 + t_row(tx, rs), G, Tn, causal)
-                    # The block's key span: up to its last row's position (causal) or T. A
-                    # max over the block's rows: held in a register, not re-evaluated at
-                    # each use (the async stream's K(c + 1) test is one: 255 registers and
-                    # a spill at bf16 D=128 when it was).
-                    nchunks[0] = T.floordiv(block_last_key(gidx, b, g0, G, Tn, BQ, causal), KC) + 1
                 stream(
-                    QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, k, v, b, kvh, Tn,
-                    0, nchunks[0],
-                    lambda c, kk: c * KC + kk,
-                    lambda c, tx, l, nt, mt: c * KC + nt * 8 + c_col(tx, l) <= last_r[tx, 2 * mt + l // 2],
-                    scale,
+                    QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
+                    0, fld[4], lambda c, kk: T.Cast("int32", c * KC) + kk, first_r, last_r, T.int64(0), fld[5], scale2,
                 )
                 finish_rows(out, lse, ofrag, m_r, l_r, b, h, lambda i: g0 + i, lambda i: g0 + i < G)
 

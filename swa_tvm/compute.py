@@ -218,14 +218,21 @@ def row_key_range(lo: int, hi: int, T, d, m0, r, qi):
     return tirx.Select(past_end, one, i64(first)), tirx.Select(past_end, zero, i64(last))
 
 
+def item_inner_span(lo: int, hi: int, block: int, T, d, m0, r):
+    """(first, last): the band indices every row of an item that is not past the end
+    sees, all of [first, last] (empty when first > last); a kernel may skip the mask
+    there (rows past the end write nothing). Both ends of ``row_key_range`` are
+    non-decreasing in the row, so that is [first of the last row (past the end or not),
+    last of row 0]."""
+    first_max = tirx.max(tirx.const(block - 1, "int64"), lo - m0) if lo >= 0 else tirx.const(0, "int64")
+    return first_max, row_key_range(lo, hi, T, d, m0, r, 0)[1]
+
+
 def item_interior(lo: int, hi: int, block: int, T, d, m0, r, k0, k1):
     """Whether every row of an item that is not past the end sees every band index in
-    [k0, k1]: then a kernel may skip the mask there (rows past the end write nothing).
-    Both ends of ``row_key_range`` are non-decreasing in the row, so that holds iff
-    [k0, k1] lies within [first of the last row (past the end or not), last of row 0]."""
-    first_max = tirx.max(tirx.const(block - 1, "int64"), lo - m0) if lo >= 0 else tirx.const(0, "int64")
-    last_min = row_key_range(lo, hi, T, d, m0, r, 0)[1]
-    return tirx.all(k0 >= first_max, k1 <= last_min)
+    [k0, k1] (``item_inner_span``)."""
+    first, last = item_inner_span(lo, hi, block, T, d, m0, r)
+    return tirx.all(k0 >= first, k1 <= last)
 
 
 def item_key_span(lo: int, hi: int, block: int, T, d, beta):

@@ -189,6 +189,39 @@ def test_fused_cuda_kernels_have_the_barriers_they_need():
             assert races("\n".join(lines[:i] + lines[i + 1 :])), (name, lines[i])
 
 
+def _braced(text: str, start: int) -> str:
+    """The text of the brace-delimited block that opens at or after ``start``."""
+    depth, first = 0, text.index("{", start)
+    for i in range(first, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[first : i + 1]
+    raise AssertionError("unbalanced braces")
+
+
+def test_tensor_core_chunk_loops_divide_nothing():
+    """The band chunk loops of the tensor-core kernels (forward, dq, dk/dv), with a
+    runtime dilation, divide by nothing and hardly use int64: the work item's fields,
+    chunk range and interior span are computed once per block, key positions in int32.
+    Left as index expressions of blockIdx they were re-evaluated per chunk and per
+    score (int64 divisions by H*nitems, nitems and the dilation as often as the mma in
+    the H200 profile of bench/gpu); this fails on that code."""
+    import tvm
+
+    from swa_tvm.cuda_races import generated_source, kernel_bodies
+
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    spec = AttentionSpec.parse("head_dim=32,window=63:0,dilation=2,globals,sinks,backward,dtype=bfloat16")
+    funcs = {k.name: build.schedule_spec(k, target) for k in spec.kernels() if k.kind in ("local", "local_dq", "local_dkv")}
+    bodies = kernel_bodies(generated_source(funcs))
+    assert len(bodies) == 3
+    for name, body in bodies.items():
+        loop = _braced(body, body.index("for (int64_t c = "))
+        assert "swa_mma_bf16(" in loop, name
+        assert re.findall(r"[^/*]/[^/*]|%", loop) == [], name
+        assert loop.count("int64_t") < 80, (name, loop.count("int64_t"))
+
+
 def _serial_on_cpu(func):
     """The CUDA-scheduled PrimFunc with its thread bindings made serial loops and its
     shared/local buffers global, compiled for the CPU. Every thread then does its part
@@ -510,6 +543,18 @@ def test_mma_fragment_maps_are_the_hardware_layout():
             src, col = ldsm_a_value(lane, slot)
             row, col0 = ldsm_a_row(src)
             assert (row, col0 + col) == a_pos(lane, slot), (lane, slot)
+    # ldmatrix.x4 (no transpose) of K's rows (n) for the B operands of Q K^T: every
+    # value lands where the B fragment of its score tile (first or second of the pair)
+    # wants it.
+    from swa_tvm.schedules.cuda_flash_tc import ldsm_nk_row
+
+    for ntp, ks in ((0, 0), (3, 5)):
+        for lane in range(32):
+            for slot in range(8):
+                src, col = ldsm_a_value(lane, slot)
+                row, col0 = ldsm_nk_row(src, ntp, ks)
+                k, n = b_pos(lane, slot % 4)
+                assert (row, col0 + col) == (8 * (2 * ntp + slot // 4) + n, 16 * ks + k), (lane, slot)
     # Every position of each operand is held exactly once.
     assert len({a_pos(t, l) for t in range(32) for l in range(8)}) == 256
     assert len({b_pos(t, l) for t in range(32) for l in range(4)}) == 128
