@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install --upgrade pip
 	$(VPY) -m pip install $(TORCH)
-	$(VPY) -m pip install -e '.[test,bench]'
+	$(VPY) -m pip install -e '.[test,bench,sass]'
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -32,14 +32,21 @@ def nvcc_fatbin(code: str, arch: str) -> tuple[bytes, str]:
     """(fatbin, nvcc's report) of CUDA source ``code`` for ``arch`` ("sm_90"): the
     command of ``tvm.support.nvcc.compile_cuda`` (its flags, its ptxas options, whose
     ``-v`` report it discards and this keeps), with the arch's machine code and PTX."""
+    return nvcc_compile(code, arch, "fatbin")
+
+
+def nvcc_compile(code: str, arch: str, output: str) -> tuple[bytes, str]:
+    """``nvcc_fatbin``'s command, for output "fatbin" or "cubin" (the machine code
+    alone, as ``swa_tvm.sass`` disassembles it)."""
     from tvm.support import nvcc
 
     num = arch[3:]
     with tempfile.TemporaryDirectory(prefix="swa_tvm_nvcc_") as tmp:
-        src, out = os.path.join(tmp, "kernels.cu"), os.path.join(tmp, "kernels.fatbin")
+        src, out = os.path.join(tmp, "kernels.cu"), os.path.join(tmp, f"kernels.{output}")
         with open(src, "w") as f:
             f.write(code)
-        cmd = ["nvcc", "--fatbin", "-O3", "-gencode", f"arch=compute_{num},code=[sm_{num},compute_{num}]"]
+        codes = f"[sm_{num},compute_{num}]" if output == "fatbin" else f"sm_{num}"
+        cmd = ["nvcc", f"--{output}", "-O3", "-gencode", f"arch=compute_{num},code={codes}"]
         cmd += [f"-U__CUDA_NO_{x}__" for x in ("HALF_OPERATORS", "HALF_CONVERSIONS", "BFLOAT16_OPERATORS",
                                                "BFLOAT16_CONVERSIONS", "BFLOAT162_OPERATORS", "BFLOAT162_CONVERSIONS")]
         cmd += ["--expt-relaxed-constexpr", "--expt-extended-lambda"]

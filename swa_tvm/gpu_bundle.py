@@ -132,6 +132,14 @@ def build_variants(out: str, arch: str) -> str:
     resources = export_module(module, path, target)
     for entry in entries:  # registers and spills: part of what a timing means
         entry["ptxas"] = resources.get(f"{entry['function']}_kernel")
+    # And each one's hot loop, statically (swa_tvm.sass; skipped without nvdisasm).
+    from . import sass
+
+    if sass.nvdisasm() is not None:
+        machine = sass.analyze(funcs, arch)
+        for entry in entries:
+            found = machine.get(f"{entry['function']}_kernel", {})
+            entry["sass"] = {key: found.get(key) for key in ("loop_instructions", "loop_mma", "loop_per_mma")}
     with open(os.path.join(folder, "variants.json"), "w") as f:
         json.dump({"spec": spec.to_dict(), "library": os.path.basename(path), "arch": arch, "variants": entries}, f,
                   indent=2)

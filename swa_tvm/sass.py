@@ -1,0 +1,160 @@
+"""The machine code of the CUDA kernels, read without a GPU: each kernel's registers and
+spills, and the instruction mix of its hot loop (the loop holding the most tensor-core
+products), from the cubin nvcc makes of the generated source (``cuda_pack``'s command)
+disassembled by nvdisasm (pip: nvidia-cuda-nvdisasm).
+
+    python -m swa_tvm.sass --spec head_dim=128,window=4095:0,dtype=bfloat16,backward
+    python -m swa_tvm.sass --spec head_dim=128,window=4095:0,dtype=bfloat16 --forward-tiles 4,32,1,1,2
+
+Why: the H200 profile (bench/gpu/ncu_details_*.txt) found the forward issue-bound, one
+mma per eleven other instructions, most of them integer index work. What a kernel asks
+of the instruction issue is fixed by its machine code, so the static count of the hot
+loop's instructions per mma is a measure this machine can take between GPU runs (the
+times themselves need the GPU). Static: each instruction counted once, branches both
+ways (a loop's masked and unmasked paths both count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+# A tensor-core product: HMMA on sm_80/sm_90 (mma.sync).
+MMA = "HMMA"
+
+
+def nvdisasm() -> str | None:
+    """The nvdisasm binary: on PATH, else the nvidia-cuda-nvdisasm wheel's; None if neither."""
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for path in sorted(glob.glob(os.path.join(root, "*", "bin", "nvdisasm"))):
+            if os.access(path, os.X_OK):
+                return path
+    return None
+
+
+def disassemble(cubin: bytes) -> str:
+    tool = nvdisasm()
+    if tool is None:
+        raise RuntimeError("nvdisasm not found: pip install nvidia-cuda-nvdisasm (or put CUDA's bin on PATH)")
+    with tempfile.TemporaryDirectory(prefix="swa_tvm_sass_") as tmp:
+        path = os.path.join(tmp, "kernels.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return subprocess.run([tool, "-c", path], capture_output=True, text=True, check=True).stdout
+
+
+SECTION = re.compile(r"^//-+ \.text\.(\w+) -+$", re.M)
+INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)[^;]*;")
+LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+BRANCH_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+
+
+def kernel_instructions(sass: str) -> dict[str, list[tuple[str, str]]]:
+    """{kernel: [(opcode without modifiers, line)]} and each kernel's labels, in order."""
+    parts = SECTION.split(sass)
+    kernels = {}
+    for name, text in zip(parts[1::2], parts[2::2]):
+        insts, labels = [], {}
+        for line in text.splitlines():
+            m = LABEL.match(line)
+            if m:
+                labels[m.group(1)] = len(insts)
+                continue
+            m = INSTRUCTION.match(line)
+            if m:
+                insts.append((m.group(1).split(".")[0], line))
+        kernels[name] = (insts, labels)
+    return kernels
+
+
+def hot_loop(insts, labels) -> tuple[int, int]:
+    """[start, end) of the loop (a backward branch's range) holding the most MMA, or the
+    whole kernel when no loop holds one."""
+    best, best_count = (0, len(insts)), 0
+    for i, (op, line) in enumerate(insts):
+        m = BRANCH_TARGET.search(line) if op == "BRA" else None
+        if m and labels.get(m.group(1), i + 1) <= i:
+            start = labels[m.group(1)]
+            count = sum(o == MMA for o, _ in insts[start : i + 1])
+            if count > best_count:
+                best, best_count = (start, i + 1), count
+    return best
+
+
+def summarize(insts, labels) -> dict:
+    """Instruction counts of a kernel and of its hot loop (per mma, and the top opcodes)."""
+    start, end = hot_loop(insts, labels)
+    loop = collections.Counter(op for op, _ in insts[start:end])
+    mma, n = loop[MMA], sum(loop.values())
+    return {
+        "instructions": len(insts),
+        "loop_instructions": n,
+        "loop_mma": mma,
+        "loop_per_mma": round(n / mma, 2) if mma else None,
+        "loop_opcodes": dict(loop.most_common(12)),
+    }
+
+
+def analyze(funcs: dict, arch: str = "sm_90") -> dict[str, dict]:
+    """{kernel: ptxas's registers/spills + ``summarize``} for PrimFuncs ``funcs`` ({name:
+    func}) built for ``arch``."""
+    from .cuda_pack import nvcc_compile, ptxas_resources
+    from .cuda_races import generated_source
+
+    cubin, report = nvcc_compile(generated_source(funcs, arch), arch, "cubin")
+    resources = ptxas_resources(report)
+    return {
+        name: {**resources.get(name, {}), **summarize(*parts)}
+        for name, parts in kernel_instructions(disassemble(cubin)).items()
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m swa_tvm.sass", description=__doc__.split("\n\n")[0])
+    p.add_argument("--spec", action="append", required=True, help="an AttentionSpec (as swa-tvm export takes); repeatable")
+    p.add_argument("--arch", default="sm_90")
+    p.add_argument("--forward-tiles", help="the tensor-core forward's TCConfig fields instead of its default, e.g. 4,32,1,1,2")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = p.parse_args(argv)
+    import json
+
+    import tvm
+
+    from .build import schedule_spec
+    from .schedules import cuda_flash_tc
+    from .spec import AttentionSpec
+
+    target = tvm.target.Target({"kind": "cuda", "arch": args.arch})
+    funcs = {}
+    for text in args.spec:
+        for k in AttentionSpec.parse(text).kernels():
+            if args.forward_tiles and cuda_flash_tc.supports(k):
+                cfg = cuda_flash_tc.TCConfig(*(int(x) for x in args.forward_tiles.split(",")))
+                funcs[k.name] = cuda_flash_tc.flash_tc(k, cfg)
+            else:
+                funcs[k.name] = schedule_spec(k, target)
+    result = analyze(funcs, args.arch)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    for name, r in result.items():
+        print(f"{name}: {r.get('registers')} registers, {r.get('spill_stores', 0)} bytes spilled; "
+              f"hot loop {r['loop_instructions']} instructions, {r['loop_mma']} mma, {r['loop_per_mma']} per mma")
+        print("    " + ", ".join(f"{op} {n}" for op, n in r["loop_opcodes"].items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
