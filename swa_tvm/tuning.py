@@ -207,6 +207,13 @@ def _make_tuning_log_class():
             # Decoding a record into TVM objects costs ~15 ms (its trace), so a lookup
             # (``only``: the workload keys wanted) decodes just those workloads' records;
             # the whole committed log took ~8 s to decode.
+            if os.path.basename(os.path.normpath(folder)).startswith("cuda"):
+                # A tensor-core bf16 record names our wmma intrinsics, which decoding it
+                # looks up: without them any bf16 CUDA export failed in a fresh process.
+                from .schedules.cuda import register_intrinsics
+
+                preload_tensor_intrin()
+                register_intrinsics()
             workloads = []
             for row in _read_lines(wl_path):
                 wanted = only is None or row[0] in only

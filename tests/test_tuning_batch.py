@@ -282,3 +282,24 @@ def test_measuring_a_cuda_batch_without_a_gpu_says_so(cuda_batch):
         measure(str(folder), "cuda", progress=lambda m: None)
     with pytest.raises(ValueError, match="is for cuda"):
         measure(str(folder), "cpu", progress=lambda m: None)
+
+
+def test_committed_bf16_cuda_records_read_in_a_fresh_process():
+    """tuning_logs/cuda-sm_90 holds the H200 batch's bf16 records, tensor-core ones among
+    them, which name this package's bfloat16 wmma intrinsics: looking them up (what every
+    bf16 CUDA export does first) works in a process that registered nothing. It failed
+    there (`make gpu-bundle` stopped at its bf16 library); pytest's own process has them
+    registered by other tests, hence a subprocess."""
+    from swa_tvm.tuning import default_logs_root
+
+    assert os.path.exists(os.path.join(default_logs_root(), "cuda-sm_90"))
+    code = (
+        "from swa_tvm import build\n"
+        "from swa_tvm.spec import AttentionSpec\n"
+        "specs = [k for k in AttentionSpec.parse('head_dim=128,window=4095:0,dtype=bfloat16').kernels() if k.kind == 'local']\n"
+        "found = build.find_records(specs, build.normalize_target('cuda -arch=sm_90'))\n"
+        "print(sorted(k for k, v in found.items() if v is not None))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "['swa_local_d128_bf16_l4095_r0_md1_x0_bq32']", run.stdout
