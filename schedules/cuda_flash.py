@@ -43,7 +43,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from swa_tvm.compute import extra_visible, item_inner_span, item_interior, item_key_span, row_key_range
+from swa_tvm.compute import extra_visible, item_inner_span, item_key_span, row_key_range
 from swa_tvm.spec import KernelSpec, accum_dtype
 
 # Static shared memory of one block. More needs TVM's dynamic shared memory, whose
@@ -154,6 +154,7 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
     DP, SP = D + _pad(dt), KC + 1
     Q_STEPS, KV_STEPS = -(-BQ * D // NT), -(-KC * D // NT)
     load_extra_positions = extra_positions_loader(NT, KC)
+    store_item, load_item = item_scalars(NT, BQ, lo, hi, KC)
     SH = "shared"
     NINF = tirx.const(float("-inf"), acc)
     ZERO, ONE = tirx.const(0.0, acc), tirx.const(1.0, acc)
@@ -171,7 +172,7 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
                 if e < KC * D:
                     kk = T.meta_var(e // D)
                     col = T.meta_var(e % D)
-                    j = T.meta_var(T.max(T.min(pos_of(kk), Tn - 1), T.int64(0)))
+                    j = T.meta_var(clamp_row(pos_of(kk), Tn))
                     Kt[(kk) * DP + col] = src_k[b, kvh, j, col]
                     Vt[kk, col] = src_v[b, kvh, j, col]
 
@@ -273,8 +274,10 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
                 sacc = T.alloc_buffer((NT, RS * CS), acc, scope="local")
                 oacc = T.alloc_buffer((NT, RS * CA), acc, scope="local")
                 red = T.alloc_buffer((NT, 2), acc, scope="local")
+                fld = T.alloc_buffer((ITEM_SCALARS,), "int64", scope="local")
 
-                b, h, beta, d, kvh, m0, r, row0, key0 = T.meta_var(item_fields(item, H, Hkv, nitems, dil, BQ, lo))
+                store_item(fld, item, H, Hkv, nitems, dil, Tn)
+                b, h, beta, d, kvh, m0, r, row0, key0, c_begin, c_end, inner_lo, inner_hi = T.meta_var(load_item(fld))
                 # Items past the end (residue classes the head's dilation lacks) run with
                 # every key masked and write nothing: a branch around the phases would put
                 # barriers under a condition, which TVM rightly refuses.
@@ -295,11 +298,8 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
                         for jj in T.unroll(CA):
                             oacc[tx, ii * CA + jj] = ZERO
                 # 2. The band, chunk by chunk, over the chunks that meet the item's span.
-                for c in T.serial(
-                    item_key_span(lo, hi, BQ, Tn, d, beta)[0] // KC,
-                    item_key_span(lo, hi, BQ, Tn, d, beta)[1] // KC + 1,
-                ):
-                    load_rows(Kt, Vt, k, v, b, kvh, lambda kk: key0 + d * (c * KC + kk), Tn)
+                for c in T.serial(c_begin, c_end):
+                    load_rows(Kt, Vt, k, v, b, kvh, lambda kk: T.Cast("int32", key0 + d * c * KC) + T.Cast("int32", d) * kk, Tn)
                     scores(
                         Qs,
                         Kt,
@@ -307,7 +307,7 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
                         sacc,
                         # Chunks every row sees whole skip the per-score test (|| short-circuits).
                         lambda row, col: T.Or(
-                            item_interior(lo, hi, BQ, Tn, d, m0, r, c * KC, c * KC + KC - 1),
+                            chunk_inside(c, KC, inner_lo, inner_hi),
                             T.And(c * KC + col >= first_s[row], c * KC + col <= last_s[row]),
                         ),
                         scale,
@@ -459,6 +459,18 @@ def global_fields(item, H, Hkv, nblk, block: int):
     return b, h, T.truncmod(item, nblk) * block, T.truncdiv(h, T.truncdiv(H, Hkv))
 
 
+def clamp_row(pos, n):
+    """Position ``pos`` clamped to [0, n), in pos's own dtype (int32 positions clamp in
+    two instructions, int64 ones in eight)."""
+    return T.max(T.min(pos, T.Cast(str(pos.ty), n) - 1), tirx.const(0, str(pos.ty)))
+
+
+def chunk_inside(c, chunk: int, inner_lo, inner_hi):
+    """Whether every row of an item sees all of its band chunk c (band indices
+    c*chunk .. + chunk - 1 within the item's inner span, ``item_scalars``): no mask there."""
+    return T.And(c * chunk >= inner_lo, c * chunk + (chunk - 1) <= inner_hi)
+
+
 def item_fields(item, H, Hkv, nitems, dil, block: int, lo: int):
     """The work item's coordinates, as index expressions: batch b, head h, item beta,
     dilation d (int64), kv head, m0 (the item's first row in residue space), residue r,
@@ -594,3 +606,27 @@ def global_kernel(body, D: int, dt: str, acc: str):
         body(qg, k, v, gidx, sink, scale, out, lse, B, H, Hkv, Tn, G)
 
     return kernel_g
+
+
+def global_split_kernel(body, D: int, dt: str, acc: str):
+    """``global_kernel``'s PrimFunc with the arguments of ``library.GLOBAL_WORKSPACE``
+    after lse; ``body`` gets them and S after the shape vars."""
+
+    @T.prim_func(s_tir=True)
+    def kernel_gs(
+        q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, sink_h: T.handle,
+        scale: T.float32, out_h: T.handle, lse_h: T.handle, ws_o_h: T.handle, ws_lse_h: T.handle,
+    ):
+        B, H, Hkv, Tn, G, S = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        qg = T.match_buffer(q_h, (B, H, G, D), dt)
+        k = T.match_buffer(k_h, (B, Hkv, Tn, D), dt)
+        v = T.match_buffer(v_h, (B, Hkv, Tn, D), dt)
+        gidx = T.match_buffer(g_h, (B, G), "int32")
+        sink = T.match_buffer(sink_h, (H,), acc)
+        out = T.match_buffer(out_h, (B, H, G, D), dt)
+        lse = T.match_buffer(lse_h, (B, H, G), acc)
+        ws_o = T.match_buffer(ws_o_h, (B, H, S, G, D), "float32")
+        ws_lse = T.match_buffer(ws_lse_h, (B, H, S, G), "float32")
+        body(qg, k, v, gidx, sink, scale, out, lse, ws_o, ws_lse, B, H, Hkv, Tn, G, S)
+
+    return kernel_gs

@@ -39,7 +39,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from swa_tvm.compute import extra_visible, item_interior, item_key_span, row_key_range
+from swa_tvm.compute import extra_visible, row_key_range
 from swa_tvm.schedules.cuda_flash import (
     SHARED_BUDGET,
     _pad,
@@ -47,7 +47,10 @@ from swa_tvm.schedules.cuda_flash import (
     extra_positions_loader,
     global_fields,
     global_row_last_key,
-    item_fields,
+    ITEM_SCALARS,
+    chunk_inside,
+    clamp_row,
+    item_scalars,
     largest_fitting,
     thread_cols,
 )
@@ -102,7 +105,7 @@ def stats_loader(threads: int, count: int, acc: str, lse_scale=None):
                 i = T.meta_var(x * threads + tx)
                 if i < count:
                     ok = T.meta_var(T.And(pos_of(i) >= 0, pos_of(i) < T.Cast(str(pos_of(i).ty), n)))
-                    j = T.meta_var(T.max(T.min(pos_of(i), T.Cast(str(pos_of(i).ty), n) - 1), 0))
+                    j = T.meta_var(clamp_row(pos_of(i), n))
                     lse_t[i] = T.Select(ok, lse[b, h, j] * factor, INF)
                     delta_t[i] = T.Select(ok, delta[b, h, j], ZERO)
 
@@ -150,6 +153,8 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
     DP, SP = D + _pad(dt), KC + 1  # padded rows of the tiles
     R_STEPS, C_STEPS = -(-BR * D // NT), -(-KC * D // NT)  # tile copies
     load_extra_positions = extra_positions_loader(NT, KC)
+    store_item, load_item = item_scalars(NT, BR, lo, hi, KC)
+    store_key_item, load_key_item = item_scalars(NT, BR, hi, lo, KC)  # the transposed band (dk/dv)
     SH = "shared"
     ZERO, ONE = tirx.const(0.0, acc), tirx.const(1.0, acc)
 
@@ -166,7 +171,7 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                 if e < rows * D:
                     i = T.meta_var(e // D)
                     col = T.meta_var(e % D)
-                    j = T.meta_var(T.max(T.min(pos_of(i), Tn - 1), T.int64(0)))
+                    j = T.meta_var(clamp_row(pos_of(i), Tn))
                     A[i * DP + col] = src_a[b, hh, j, col]
                     Bt[i * DP + col] = src_b[b, hh, j, col]
 
@@ -274,8 +279,10 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                 sacc = T.alloc_buffer((NT, RS * CS), acc, scope="local")
                 pacc = T.alloc_buffer((NT, RS * CS), acc, scope="local")
                 dacc = T.alloc_buffer((NT, RS * CA), acc, scope="local")
+                fld = T.alloc_buffer((ITEM_SCALARS,), "int64", scope="local")
 
-                b, h, beta, d, kvh, m0, r, row0, key0 = T.meta_var(item_fields(item, H, Hkv, nitems, dil, BR, lo))
+                store_item(fld, item, H, Hkv, nitems, dil, Tn)
+                b, h, beta, d, kvh, m0, r, row0, key0, c_begin, c_end, inner_lo, inner_hi = T.meta_var(load_item(fld))
                 # 1. Rows: lse and delta (a row past the end: +inf and 0), band intervals,
                 # queries and output gradients.
                 load_row_stats(lse_s, delta_s, lse, delta, b, h, lambda i: row0 + d * i, Tn)
@@ -286,15 +293,13 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                 load_pair(Qs, dOs, q, dout, b, h, lambda i: row0 + d * i, Tn, BR, R_STEPS)
                 zero(dacc)
                 # 2. The band, chunk by chunk, over the chunks that meet the item's span.
-                for c in T.serial(
-                    item_key_span(lo, hi, BR, Tn, d, beta)[0] // KC,
-                    item_key_span(lo, hi, BR, Tn, d, beta)[1] // KC + 1,
-                ):
-                    load_pair(Kt, Vt, k, v, b, kvh, lambda kk: key0 + d * (c * KC + kk), Tn, KC, C_STEPS)
+                for c in T.serial(c_begin, c_end):
+                    load_pair(Kt, Vt, k, v, b, kvh, lambda kk: T.Cast("int32", key0 + d * c * KC) + T.Cast("int32", d) * kk,
+                              Tn, KC, C_STEPS)
                     dq_chunk(
                         Qs, dOs, Kt, Vt, S_s, sacc, pacc, lse_s, delta_s, dacc,
                         lambda row, col: T.Or(
-                            item_interior(lo, hi, BR, Tn, d, m0, r, c * KC, c * KC + KC - 1),
+                            chunk_inside(c, KC, inner_lo, inner_hi),
                             T.And(c * KC + col >= first_s[row], c * KC + col <= last_s[row]),
                         ),
                         scale,
@@ -337,9 +342,11 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                 pacc = T.alloc_buffer((NT, RS * CS), acc, scope="local")
                 kacc = T.alloc_buffer((NT, RS * CA), acc, scope="local")
                 vacc = T.alloc_buffer((NT, RS * CA), acc, scope="local")
+                fld = T.alloc_buffer((ITEM_SCALARS,), "int64", scope="local")
 
                 # row0: the item's first key; key0: the position of band (query) index 0.
-                b, h, beta, d, kvh, m0, r, row0, key0 = T.meta_var(item_fields(item, H, Hkv, nitems, dil, BR, tlo))
+                store_key_item(fld, item, H, Hkv, nitems, dil, Tn)
+                b, h, beta, d, kvh, m0, r, row0, key0, c_begin, c_end, inner_lo, inner_hi = T.meta_var(load_key_item(fld))
                 # 1. Keys: the query interval that sees each, keys and values.
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     if tx < BR:
@@ -349,16 +356,15 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                 zero(kacc)
                 zero(vacc)
                 # 2. The queries that see the item, chunk by chunk.
-                for c in T.serial(
-                    item_key_span(tlo, thi, BR, Tn, d, beta)[0] // KC,
-                    item_key_span(tlo, thi, BR, Tn, d, beta)[1] // KC + 1,
-                ):
-                    load_pair(Qt, dOt, q, dout, b, h, lambda kk: key0 + d * (c * KC + kk), Tn, KC, C_STEPS)
-                    load_chunk_stats(lse_c, delta_c, lse, delta, b, h, lambda kk: key0 + d * (c * KC + kk), Tn)
+                for c in T.serial(c_begin, c_end):
+                    load_pair(Qt, dOt, q, dout, b, h, lambda kk: T.Cast("int32", key0 + d * c * KC) + T.Cast("int32", d) * kk,
+                              Tn, KC, C_STEPS)
+                    load_chunk_stats(lse_c, delta_c, lse, delta, b, h,
+                                     lambda kk: T.Cast("int32", key0 + d * c * KC) + T.Cast("int32", d) * kk, Tn)
                     dkv_chunk(
                         Ks, Vs, Qt, dOt, P_s, S_s, sacc, pacc, lse_c, delta_c, kacc, vacc,
                         lambda row, col: T.Or(
-                            item_interior(tlo, thi, BR, Tn, d, m0, r, c * KC, c * KC + KC - 1),
+                            chunk_inside(c, KC, inner_lo, inner_hi),
                             T.And(c * KC + col >= first_s[row], c * KC + col <= last_s[row]),
                         ),
                         scale,

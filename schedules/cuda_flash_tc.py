@@ -39,9 +39,11 @@ from .cuda_flash import (
     shared_scope,
     block_inner_last_key,
     block_last_key,
+    chunk_inside,
+    clamp_row,
     extra_positions_loader,
     global_fields,
-    global_kernel,
+    global_split_kernel,
     global_row_last_key,
     item_scalars,
     local_kernel,
@@ -149,12 +151,6 @@ def mma_macro(warps: int, dtype: str, emulate: bool):
                 )
 
     return mma
-
-
-def clamp_row(pos, n):
-    """Position ``pos`` clamped to [0, n), in pos's own dtype (int32 positions clamp in
-    two instructions, int64 ones in eight)."""
-    return T.max(T.min(pos, T.Cast(str(pos.ty), n) - 1), tirx.const(0, str(pos.ty)))
 
 
 def pair_loader(threads: int, head_dim: int, rows: int):
@@ -408,7 +404,7 @@ def chunk_mask(threads: int, slots: int, chunk: int):
     s)`` is then two compares with a constant per score."""
 
     def inside(c, inner_lo, inner_hi):
-        return T.And(c * chunk >= inner_lo, c * chunk + (chunk - 1) <= inner_hi)
+        return chunk_inside(c, chunk, inner_lo, inner_hi)
 
     @T.macro
     def bounds(rel, first_r, last_r, c):
@@ -465,8 +461,11 @@ def flash_tc(spec: KernelSpec, config: TCConfig | None = None, emulate: bool = F
     """The tensor-core PrimFunc of a forward spec (fp16/bf16, head_dim % 16 == 0), with
     the TE kernel's arguments and name: for "local" the window (and extra keys) of every
     row; for "global" the global rows against every key (causal: up to their position),
-    a block of rows streaming all key chunks it can see (no split-K: with few global rows
-    a GPU has idle SMs, but the work is small next to the window's)."""
+    split-K: the keys of a block of rows in as many pieces as the caller's workspace has
+    (``GLOBAL_WORKSPACE``), a thread block each, writing the rows' normalized share and
+    lse there, then a second kernel combining the pieces and the sink (a block per row,
+    a thread per column). 64 global rows over 32K keys made one block per head without
+    it: 32 blocks for 132 SMs, each streaming 512 chunks in turn."""
     if not supports(spec):
         raise ValueError(
             f"kernel {spec.name}: the tensor-core kernel takes float16/bfloat16 forward kernels with head_dim % 16 == 0"
@@ -690,7 +689,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
         # The block's query rows (row i from src[b, h, src_row(i)]) into their shared tile
         # (QK, then into A fragments for every k-step of the head dim, with Q in
         # registers; else Qs); each row's running max starts at the head's sink logit
-        # (log2 units), its sum at that sink's share.
+        # (log2 units), its sum at that sink's share (sink None: -inf and 0).
         Qt = T.meta_var(QK if QREG else Qs)
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for x in T.serial(Q_STEPS):
@@ -701,8 +700,12 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                             b, h, src_row(e // (D // VEC)), e % (D // VEC) * VEC + u
                         ]
             for r in T.unroll(R):
-                m_r[tx, r] = sink[h] * LOG2E
-                l_r[tx, r] = T.Select(sink[h] == NINF, ZERO, ONE)
+                if sink is None:
+                    m_r[tx, r] = NINF
+                    l_r[tx, r] = ZERO
+                else:
+                    m_r[tx, r] = sink[h] * LOG2E
+                    l_r[tx, r] = T.Select(sink[h] == NINF, ZERO, ONE)
             for x in T.unroll(MT * NO * 4):
                 ofrag[tx, x] = ZERO
         if QREG:
@@ -795,9 +798,57 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 finish_rows(out, lse, ofrag, m_r, l_r, b, h, lambda i: row0 + d * i, lambda i: row0 + d * i < Tn)
 
     @T.macro
-    def global_body(qg, k, v, gidx, sink, scale, out, lse, B, H, Hkv, Tn, G):
+    def finish_piece(ws_o, ws_lse, ofrag, m_r, l_r, b, h, s, g0, G):
+        # One piece of the keys' share of each valid row, for the combine: o = acc / l and
+        # lse = (m + log2 l) * ln 2 (a row that saw no key of the piece: 0 and -inf).
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for mt in T.unroll(MT):
+                for nd in T.unroll(NO):
+                    for l in T.unroll(4):
+                        if g0 + c_row(tx, l, mt) < G:
+                            ws_o[b, h, s, g0 + c_row(tx, l, mt), nd * 8 + c_col(tx, l)] = T.Select(
+                                l_r[tx, 2 * mt + l // 2] > ZERO,
+                                ofrag[tx, mt * NO * 4 + nd * 4 + l] / l_r[tx, 2 * mt + l // 2],
+                                ZERO,
+                            )
+            for r in T.unroll(R):
+                if tx % 4 == 0:
+                    if g0 + t_row(tx, r) < G:
+                        ws_lse[b, h, s, g0 + t_row(tx, r)] = T.Select(
+                            l_r[tx, r] > ZERO, (m_r[tx, r] + T.log2(l_r[tx, r])) * LN2, NINF
+                        )
+
+    @T.macro
+    def combine(ws_o, ws_lse, sink, out, lse, B, H, G, S):
+        # Each global row's pieces and its head's sink, a thread per column: out = sum of
+        # exp(lse_s - M) o_s / sum of exp(lse_s - M) (+ exp(sink - M)), lse = M + log of
+        # that denominator, M the largest of the pieces' lse and the sink. A valid row
+        # sees at least one key (its own position, causal), so M is finite.
+        for row in T.thread_binding(B * H * G, thread="blockIdx.x"):
+            for col in T.thread_binding(D, thread="threadIdx.x"):
+                with T.sblock("flash_tc_global_combine"):
+                    T.reads()
+                    T.writes()
+                    st = T.alloc_buffer((3,), acc, scope="local")  # M, denominator, numerator
+                    b, h, g = T.meta_var((T.truncdiv(row, H * G), T.truncmod(T.truncdiv(row, G), H), T.truncmod(row, G)))
+                    st[0] = sink[h]
+                    for s in T.serial(S):
+                        st[0] = T.max(st[0], ws_lse[b, h, s, g])
+                    st[1] = T.exp(sink[h] - st[0])
+                    st[2] = ZERO
+                    for s in T.serial(S):
+                        st[1] = st[1] + T.exp(ws_lse[b, h, s, g] - st[0])
+                        st[2] = st[2] + T.exp(ws_lse[b, h, s, g] - st[0]) * ws_o[b, h, s, g, col]
+                    out[b, h, g, col] = T.Cast(dt, st[2] / st[1])
+                    if col == 0:
+                        lse[b, h, g] = st[0] + T.log(st[1])
+
+    @T.macro
+    def global_body(qg, k, v, gidx, sink, scale, out, lse, ws_o, ws_lse, B, H, Hkv, Tn, G, S):
+        # S pieces of each block's key chunks, the pieces' shares in ws_o/ws_lse (fp32,
+        # the caller's: TVM's own workspace is not ordered by streams).
         nblk = T.meta_var((G + (BQ - 1)) // BQ)
-        for item in T.thread_binding(B * H * nblk, thread="blockIdx.x"):
+        for item in T.thread_binding(B * H * nblk * S, thread="blockIdx.x"):
             with T.sblock("flash_tc_global"):
                 T.reads()
                 T.writes()
@@ -818,23 +869,26 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 rel = T.alloc_buffer((NT, 2 * R), "int32", scope="local")
                 part = T.alloc_buffer((NT, 2 * R), acc, scope="local")
                 red = T.alloc_buffer((NT, R), acc, scope="local")
-                # b, h, g0, kvh; the chunk count; the keys every valid row sees, 0..inner_hi
-                # (each thread's copy: held in registers, not re-evaluated at each use).
-                fld = T.alloc_buffer((6,), "int64", scope="local")
+                # b, h, g0, kvh; the piece s and its chunks c_begin..c_end (the block's chunks,
+                # up to its last key: its last row's position, causal, or T, in S near-equal
+                # pieces); the keys every valid row sees, 0..inner_hi (each thread's copy:
+                # held in registers).
+                fld = T.alloc_buffer((9,), "int64", scope="local")
 
-                f = T.meta_var(global_fields(item, H, Hkv, nblk, BQ))
+                f = T.meta_var(global_fields(T.truncdiv(item, S), H, Hkv, nblk, BQ))
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     fld[0] = f[0]
                     fld[1] = f[1]
                     fld[2] = f[2]
                     fld[3] = f[3]
-                    # The block's key span: up to its last row's position (causal) or T.
-                    fld[4] = T.floordiv(block_last_key(gidx, fld[0], fld[2], G, Tn, BQ, causal), KC) + 1
-                    fld[5] = block_inner_last_key(gidx, fld[0], fld[2], G, Tn, BQ, causal)
-                b, h, g0, kvh = T.meta_var((fld[0], fld[1], fld[2], fld[3]))
+                    fld[4] = T.truncmod(item, S)
+                    fld[8] = T.floordiv(block_last_key(gidx, fld[0], fld[2], G, Tn, BQ, causal), KC) + 1
+                    fld[5] = T.min(fld[4] * T.truncdiv(fld[8] + S - 1, S), fld[8])
+                    fld[6] = T.min(fld[5] + T.truncdiv(fld[8] + S - 1, S), fld[8])
+                    fld[7] = block_inner_last_key(gidx, fld[0], fld[2], G, Tn, BQ, causal)
+                b, h, g0, kvh, s = T.meta_var((fld[0], fld[1], fld[2], fld[3], fld[4]))
                 scale2 = T.meta_var(scale * LOG2E)
-                start_rows(QK, Qs, qfrag, ofrag, m_r, l_r, qg, b, h,
-                           lambda i: T.min(g0 + i, G - 1), sink)
+                start_rows(QK, Qs, qfrag, ofrag, m_r, l_r, qg, b, h, lambda i: T.min(g0 + i, G - 1), None)
                 # Row slot rs sees keys 0..its last (-1: a padding row past G sees none).
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     for rs in T.unroll(R):
@@ -842,11 +896,13 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                         last_r[tx, rs] = global_row_last_key(gidx, b, g0 + t_row(tx, rs), G, Tn, causal)
                 stream(
                     QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
-                    0, fld[4], lambda c, kk: T.Cast("int32", c * KC) + kk, first_r, last_r, T.int64(0), fld[5], scale2,
+                    fld[5], fld[6], lambda c, kk: T.Cast("int32", c * KC) + kk, first_r, last_r, T.int64(0), fld[7],
+                    scale2,
                 )
-                finish_rows(out, lse, ofrag, m_r, l_r, b, h, lambda i: g0 + i, lambda i: g0 + i < G)
+                finish_piece(ws_o, ws_lse, ofrag, m_r, l_r, b, h, s, g0, G)
+        combine(ws_o, ws_lse, sink, out, lse, B, H, G, S)
 
     if spec.kind == "global":
-        return global_kernel(global_body, D, dt, acc)
+        return global_split_kernel(global_body, D, dt, acc)
 
     return local_kernel(body, D, dt, acc, extras)

@@ -317,6 +317,8 @@ def export_library(
         tiles = fused_tiles(s, entry["schedule"])
         if tiles is not None:
             entry["tiles"] = tiles
+        if s.kind == "global" and entry["schedule"] == "cuda_flash_tc":
+            entry["workspace"] = library.GLOBAL_WORKSPACE  # split-K: the caller passes it (functional)
         # ptxas's count for each CUDA kernel of the spec (registers, spills, shared memory).
         ptxas = {f: r for f, r in resources.items() if re.fullmatch(rf"{s.name}_kernel(_\d+)?", f)}
         if ptxas:

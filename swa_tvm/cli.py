@@ -50,6 +50,8 @@ def _print_kernels(manifest: dict) -> None:
     for each of its CUDA kernels."""
     for k in manifest["kernels"]:
         print(f"  {k['name']}  ({_tuned_text(k)})")
+        if k.get("workspace"):
+            print(f"      the caller's workspace: {k['workspace']}")
         for fn, r in k.get("ptxas", {}).items():
             print(f"      {fn}: {_ptxas_text(r)}")
 

@@ -195,6 +195,15 @@ def _launch(kern: library.Kernel, device: torch.device, *args) -> None:
         kern.func(*args)
 
 
+def global_pieces(B: int, H: int, G: int, T: int, device: torch.device) -> int:
+    """Pieces of the keys for a split-K global-rows forward (``library.GLOBAL_WORKSPACE``;
+    the kernel takes any number): about two thread blocks per SM, a block per 64 rows
+    (the default tiles') and piece, and a piece no shorter than 1024 keys."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    blocks = B * H * -(-G // 64)
+    return max(1, min(-(-2 * sms // blocks), -(-T // 1024)))
+
+
 def _extra_positions(global_idx, num_sinks: int, B: int, device) -> Optional[torch.Tensor]:
     """[B, E] int32: global positions and sinks, each once per row, -1 = padding."""
     parts = []
@@ -265,7 +274,11 @@ def attention_forward(
         vg = _dense(v_global) if v_global is not None else v
         gout = torch.empty(B, H, G, D, dtype=q.dtype, device=q.device)
         glse = torch.empty(B, H, G, dtype=acc, device=q.device)
-        _launch(gkern, q.device, qg, kg, vg, _dense(global_idx), sink, float(scale), gout, glse)
+        workspace = []
+        if gkern.workspace == library.GLOBAL_WORKSPACE:  # split-K (torch's allocator orders it by stream)
+            S = global_pieces(B, H, G, T, q.device)
+            workspace = [torch.empty(B, H, S, G, D, device=q.device), torch.empty(B, H, S, G, device=q.device)]
+        _launch(gkern, q.device, qg, kg, vg, _dense(global_idx), sink, float(scale), gout, glse, *workspace)
         out.scatter_(2, gi[:, None, :, None].expand(B, H, G, D), gout)
         lse.scatter_(2, gi[:, None, :].expand(B, H, G), glse)
     return out, lse

@@ -20,7 +20,14 @@ from typing import Any
 
 from .spec import KernelSpec
 
-MANIFEST_FORMAT = 1
+# 2: a kernel entry may name extra arguments ("workspace"), which format 1 had none of.
+MANIFEST_FORMAT = 2
+# The one such set of arguments: the split-K global rows' pieces (schedules/cuda_flash_tc),
+# an fp32 workspace the caller allocates for any number S >= 1 of pieces of the keys
+# (functional.global_pieces chooses S). Here, not in schedules/: the GPU machine runs
+# without TVM's compiler.
+GLOBAL_WORKSPACE = "split_k: ws_o [B, H, S, G, D] float32, ws_lse [B, H, S, G] float32"
+WORKSPACES = (GLOBAL_WORKSPACE,)
 
 # x86 features a compiled CPU kernel may depend on, as LLVM names them, with the name
 # /proc/cpuinfo uses. Only these are recorded and checked when a library loads.
@@ -188,6 +195,9 @@ class Kernel:
     device: str  # torch device type it serves: "cpu" | "cuda"
     origin: str  # library path, or "jit"
     cuda_arch: str | None = None  # sm_XY the CUDA code was built for
+    # Extra trailing arguments the caller allocates (the manifest's "workspace";
+    # schedules.cuda_flash.GLOBAL_WORKSPACE), None for none.
+    workspace: str | None = None
 
 
 class Registry:
@@ -254,6 +264,11 @@ def check_manifest(lib_path: str, manifest: dict) -> None:
     """Raise LibraryError unless the library at lib_path can run here."""
     if manifest.get("format") != MANIFEST_FORMAT:
         raise LibraryError(f"{lib_path}: manifest format {manifest.get('format')!r}, expected {MANIFEST_FORMAT}")
+    for entry in manifest.get("kernels", []):
+        if entry.get("workspace") not in (None, *WORKSPACES):
+            raise LibraryError(
+                f"{lib_path}: kernel {entry.get('name')} takes arguments this swa_tvm does not know ({entry['workspace']!r})"
+            )
     digest = sha256_file(lib_path)
     if digest != manifest.get("sha256"):
         raise LibraryError(
@@ -321,7 +336,7 @@ def load_library(path: str | os.PathLike, *, _jit_cache: bool = False) -> list[K
     for entry in manifest["kernels"]:
         spec = KernelSpec.from_dict(entry["spec"])
         func = module[spec.name] if module is not None else _no_device_kernel(spec, path, no_device)
-        REGISTRY.add(Kernel(spec, func, device, "jit" if _jit_cache else path, arch), module)
+        REGISTRY.add(Kernel(spec, func, device, "jit" if _jit_cache else path, arch, entry.get("workspace")), module)
         specs.append(spec)
     if not _jit_cache:  # JIT cache entries do not count as user libraries
         with REGISTRY._lock:

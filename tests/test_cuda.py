@@ -83,13 +83,24 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
         assert got == want, (kind, got)
     assert "tiles warps=4, chunk=64, ldmatrix=True, async_copy=False, m_tiles=1" in info.stdout, info.stdout
     # What ptxas reported for each kernel of the library (the global rows' gradients are
-    # two kernels): registers within the 255 a thread may have, the tiles' static shared
+    # two kernels, their split-K forward too: the pieces, then the combine, which has no
+    # tiles): registers within the 255 a thread may have, the tiles' static shared
     # memory, and no spill at head dim 32.
     for k in manifest["kernels"]:
-        assert set(k["ptxas"]) == {f"{k['name']}_kernel"} | ({f"{k['name']}_kernel_1"} if k["spec"]["kind"] == "global_bwd" else set())
-        for r in k["ptxas"].values():
+        two = k["spec"]["kind"] in ("global", "global_bwd")
+        assert set(k["ptxas"]) == {f"{k['name']}_kernel"} | ({f"{k['name']}_kernel_1"} if two else set())
+        for f, r in k["ptxas"].items():
+            if k["spec"]["kind"] == "global" and f.endswith("_kernel_1"):
+                assert r["spill_stores"] == 0 and r["smem"] == 0, (f, r)
+                continue
             assert 32 <= r["registers"] <= 255 and r["spill_stores"] == 0 and 1024 < r["smem"] <= 48 * 1024, (k["name"], r)
-    assert info.stdout.count(" registers, no spills, ") == len(kernels), info.stdout
+    # The split-K global rows take the caller's workspace, which the manifest names.
+    assert {k["spec"]["kind"]: k.get("workspace") for k in manifest["kernels"]} == {
+        k.kind: swa_tvm.library.GLOBAL_WORKSPACE if k.kind == "global" else None for k in kernels
+    }
+    assert info.stdout.count(" registers, no spills, ") == sum(len(k["ptxas"]) for k in manifest["kernels"]), info.stdout
+    n_global = sum(k.kind == "global" for k in kernels)
+    assert info.stdout.count(f"the caller's workspace: {swa_tvm.library.GLOBAL_WORKSPACE}") == n_global, info.stdout
 
     # The generated CUDA source (written beside the library): half inputs, fp32
     # accumulation, shared-memory tiles.
@@ -174,9 +185,12 @@ def test_fused_cuda_kernels_have_the_barriers_they_need():
         funcs[name] = funcs[name].with_attr("global_symbol", name)
         streamed.append(name)
     bodies = kernel_bodies(generated_source(funcs))
-    assert len(bodies) == len(funcs) + 2  # the global rows' gradients are two kernels each
+    # Two kernels each: the global rows' gradients, and their split-K forward on tensor
+    # cores (bf16 and the fp16 cp.async one).
+    assert len(bodies) == len(funcs) + 4
     for name, body in bodies.items():
-        assert "__syncthreads" in body and not dynamic(body), name
+        # Every kernel with tiles has barriers (the split-K combine has no tiles).
+        assert ("__syncthreads" in body or "__shared__" not in body) and not dynamic(body), name
         assert races(body) == [], (name, races(body))
     for name in streamed:
         body = bodies[f"{name}_kernel"]
@@ -482,7 +496,9 @@ def test_cuda_flash_global_rows_compute_the_reference(kernel_kind, dtype, causal
     """Global rows on the fused kernels (serial on the CPU; the tensor-core one emulated):
     a block of 32 rows (on tensor cores two warps, or one warp of two 16-row tiles) and a
     padded one, unsorted positions; GQA; learned sinks; keys in chunks up to the block's
-    last position."""
+    last position. On tensor cores split-K: the keys in 3 or 4 pieces (the caller's
+    workspace), a block each (causal: pieces past a block's last position left empty),
+    then combined with the sink."""
     from swa_tvm.reference import sliding_window_attention_ref
     from swa_tvm.schedules import cuda_flash, cuda_flash_tc
 
@@ -505,7 +521,12 @@ def test_cuda_flash_global_rows_compute_the_reference(kernel_kind, dtype, causal
     G = gi.shape[1]
     qg = torch.gather(q, 2, gi[:, None, :, None].expand(B, H, G, D)).contiguous()
     out, lse = torch.full((B, H, G, D), float("nan"), dtype=tdt), torch.full((B, H, G), float("nan"))
-    kernel(qg, k, v, gidx, sink, D**-0.5, out, lse)
+    if kernel_kind == "tc":  # garbage in the workspace: every piece must write its share
+        S = 4 if causal else 3
+        workspace = (torch.full((B, H, S, G, D), float("nan")), torch.full((B, H, S, G), float("nan")))
+        kernel(qg, k, v, gidx, sink, D**-0.5, out, lse, *workspace)
+    else:
+        kernel(qg, k, v, gidx, sink, D**-0.5, out, lse)
     want = torch.gather(ref_out, 2, gi[:, None, :, None].expand(B, H, G, D))
     assert rel_err(out, want) < {"bfloat16": 4e-3, "float16": 5e-4, "float32": 1e-5}[dtype]
     assert (lse.double() - torch.gather(ref_lse, 2, gi[:, None, :].expand(B, H, G))).abs().max() < 1e-5
@@ -760,6 +781,37 @@ def test_cuda_backward_kernels_compute_the_reference_gradients(case, fused, monk
         else:
             e = rel_err(a, b)
         assert e < tol, f"{name} relative error {e:.2e} >= {tol}"
+
+
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_tensor_core_forward_through_functional(pieces, monkeypatch):
+    """The forward as functional runs it on a GPU, with the tensor-core kernels (serial,
+    mma emulated): the window with extra keys, then the split-K global rows, whose
+    workspace functional allocates (``pieces`` of the keys, in place of
+    global_pieces's choice for the GPU) and passes after lse, as the manifest says."""
+    from swa_tvm import functional
+    from swa_tvm.library import GLOBAL_WORKSPACE, Kernel
+    from swa_tvm.reference import sliding_window_attention_ref
+    from swa_tvm.schedules import cuda_flash_tc
+
+    def serial_tc_kernel(want, device):
+        func = cuda_flash_tc.flash_tc(want, cuda_flash_tc.TCConfig(2, 16), emulate=True)
+        workspace = GLOBAL_WORKSPACE if want.kind == "global" else None
+        return Kernel(want, _serial_on_cpu(func)[want.name], device, "serial, mma emulated", None, workspace)
+
+    monkeypatch.setattr(functional, "_kernel", serial_tc_kernel)
+    monkeypatch.setattr(functional, "global_pieces", lambda B, H, G, T, device: pieces)
+    B, H, Hkv, T, D = 2, 4, 2, 90, 32
+    q, k, v = rand(B, H, T, D).bfloat16(), rand(B, Hkv, T, D).bfloat16(), rand(B, Hkv, T, D).bfloat16()
+    gidx = torch.tensor([[3, 50, 88], [70, 1, 20]], dtype=torch.int32)
+    sink = rand(H)
+    kw = dict(window_size=(9, 0), global_idx=gidx, num_sinks=1, sink_logits=sink)
+    ref_out, ref_lse = sliding_window_attention_ref(q, k, v, **kw)
+    out, lse = functional.attention_forward(
+        q, k, v, torch.ones(H, dtype=torch.int32), gidx, None, None, None, 1, sink, D**-0.5, 9, 0
+    )
+    assert rel_err(out, ref_out) < 4e-3
+    assert (lse.double() - ref_lse).abs().max() < 1e-5
 
 
 def test_gpu_check_training_timing_on_cpu():

@@ -129,6 +129,21 @@ def test_refuses_cpu_lacking_features(lib, tmp_path, fresh_registry):
         swa_tvm.load_library(_copy(lib, tmp_path, edit=edit))
 
 
+def test_refuses_an_older_manifest_format_and_unknown_kernel_arguments(lib, tmp_path, fresh_registry):
+    """Format 1 manifests could not name a kernel's extra arguments (the split-K global
+    rows' workspace); a kernel taking arguments this version does not know is refused
+    rather than called with too few."""
+    with pytest.raises(library.LibraryError, match=r"manifest format 1, expected 2"):
+        swa_tvm.load_library(_copy(lib, tmp_path, edit=lambda m: m.update(format=1)))
+
+    def edit(m):
+        m["kernels"][0]["workspace"] = "future: scratch [B, H, X] float32"
+
+    with pytest.raises(library.LibraryError, match=r"takes arguments this swa_tvm does not know"):
+        swa_tvm.load_library(_copy(lib, tmp_path, edit=edit))
+    assert fresh_registry.kernels() == []
+
+
 def test_refuses_missing_manifest(lib, tmp_path, fresh_registry):
     dst = tmp_path / "bare.so"
     dst.write_bytes(lib.read_bytes())
