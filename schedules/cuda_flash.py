@@ -299,7 +299,7 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
                             oacc[tx, ii * CA + jj] = ZERO
                 # 2. The band, chunk by chunk, over the chunks that meet the item's span.
                 for c in T.serial(c_begin, c_end):
-                    load_rows(Kt, Vt, k, v, b, kvh, lambda kk: T.Cast("int32", key0 + d * c * KC) + T.Cast("int32", d) * kk, Tn)
+                    load_rows(Kt, Vt, k, v, b, kvh, band_positions(key0, d, c, KC), Tn)
                     scores(
                         Qs,
                         Kt,
@@ -463,6 +463,13 @@ def clamp_row(pos, n):
     """Position ``pos`` clamped to [0, n), in pos's own dtype (int32 positions clamp in
     two instructions, int64 ones in eight)."""
     return T.max(T.min(pos, T.Cast(str(pos.ty), n) - 1), tirx.const(0, str(pos.ty)))
+
+
+def band_positions(key0, d, c, chunk: int):
+    """Sequence positions of band chunk c's keys, kk -> key0 + d*(c*chunk + kk), in int32
+    (a sequence shorter than 2^31; int64 index arithmetic costs twice the instructions),
+    the chunk's first position once."""
+    return lambda kk: T.Cast("int32", key0 + d * c * chunk) + T.Cast("int32", d) * kk
 
 
 def chunk_inside(c, chunk: int, inner_lo, inner_hi):

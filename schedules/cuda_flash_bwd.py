@@ -48,6 +48,7 @@ from swa_tvm.schedules.cuda_flash import (
     global_fields,
     global_row_last_key,
     ITEM_SCALARS,
+    band_positions,
     chunk_inside,
     clamp_row,
     item_scalars,
@@ -294,8 +295,7 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                 zero(dacc)
                 # 2. The band, chunk by chunk, over the chunks that meet the item's span.
                 for c in T.serial(c_begin, c_end):
-                    load_pair(Kt, Vt, k, v, b, kvh, lambda kk: T.Cast("int32", key0 + d * c * KC) + T.Cast("int32", d) * kk,
-                              Tn, KC, C_STEPS)
+                    load_pair(Kt, Vt, k, v, b, kvh, band_positions(key0, d, c, KC), Tn, KC, C_STEPS)
                     dq_chunk(
                         Qs, dOs, Kt, Vt, S_s, sacc, pacc, lse_s, delta_s, dacc,
                         lambda row, col: T.Or(
@@ -357,10 +357,8 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                 zero(vacc)
                 # 2. The queries that see the item, chunk by chunk.
                 for c in T.serial(c_begin, c_end):
-                    load_pair(Qt, dOt, q, dout, b, h, lambda kk: T.Cast("int32", key0 + d * c * KC) + T.Cast("int32", d) * kk,
-                              Tn, KC, C_STEPS)
-                    load_chunk_stats(lse_c, delta_c, lse, delta, b, h,
-                                     lambda kk: T.Cast("int32", key0 + d * c * KC) + T.Cast("int32", d) * kk, Tn)
+                    load_pair(Qt, dOt, q, dout, b, h, band_positions(key0, d, c, KC), Tn, KC, C_STEPS)
+                    load_chunk_stats(lse_c, delta_c, lse, delta, b, h, band_positions(key0, d, c, KC), Tn)
                     dkv_chunk(
                         Ks, Vs, Qt, dOt, P_s, S_s, sacc, pacc, lse_c, delta_c, kacc, vacc,
                         lambda row, col: T.Or(

@@ -40,6 +40,7 @@ from swa_tvm.spec import KernelSpec
 
 from .cuda_flash import (
     ITEM_SCALARS,
+    band_positions,
     block_last_key,
     extra_positions_loader,
     global_fields,
@@ -322,9 +323,8 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                         last_r[tx, rr] = row_key_range(lo, hi, Tn, d, m0, r, c_row(tx, 2 * rr))[1]
                 zero(dqacc)
                 # 2. The band chunks that meet the item's span, then the extra keys.
-                # (Positions in int32, the chunk's first once: see cuda_flash_tc.)
                 for c in T.serial(c_begin, c_end):
-                    load_chunk(Kt, Vt, k, v, b, kvh, lambda kk: T.Cast("int32", key0 + d * c * KC) + T.Cast("int32", d) * kk, Tn)
+                    load_chunk(Kt, Vt, k, v, b, kvh, band_positions(key0, d, c, KC), Tn)
                     products(Qs, dOs, Kt, Vt, fr)
                     if chunk_inside(c, inner_lo, inner_hi):
                         dq_scores(fr, lse_r, delta_r, None, scale2)
@@ -396,9 +396,8 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 zero(vacc)
                 # 2. The queries that see the item, chunk by chunk.
                 for c in T.serial(c_begin, c_end):
-                    load_chunk(Qt, dOt, q, dout, b, h, lambda kk: T.Cast("int32", key0 + d * c * KC) + T.Cast("int32", d) * kk, Tn)
-                    load_chunk_stats(lse_c, delta_c, lse, delta, b, h,
-                                     lambda kk: T.Cast("int32", key0 + d * c * KC) + T.Cast("int32", d) * kk, Tn)
+                    load_chunk(Qt, dOt, q, dout, b, h, band_positions(key0, d, c, KC), Tn)
+                    load_chunk_stats(lse_c, delta_c, lse, delta, b, h, band_positions(key0, d, c, KC), Tn)
                     products(Ks, Vs, Qt, dOt, fr)
                     if chunk_inside(c, inner_lo, inner_hi):
                         dkv_scores(fr, lse_c, delta_c, None, scale2)

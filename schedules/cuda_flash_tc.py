@@ -38,6 +38,7 @@ from .cuda_flash import (
     largest_fitting,
     shared_scope,
     block_inner_last_key,
+    band_positions,
     block_last_key,
     chunk_inside,
     clamp_row,
@@ -775,9 +776,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                         last_r[tx, rs] = row_key_range(lo, hi, Tn, d, m0, r, t_row(tx, rs))[1]
                 stream(
                     QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
-                    # In int32 (a sequence shorter than 2^31), the chunk's first position once.
-                    c_begin, c_end, lambda c, kk: T.Cast("int32", key0 + d * c * KC) + T.Cast("int32", d) * kk,
-                    first_r, last_r, inner_lo, inner_hi,
+                    c_begin, c_end, lambda c, kk: band_positions(key0, d, c, KC)(kk), first_r, last_r, inner_lo, inner_hi,
                     scale2,
                 )
                 if extras:
