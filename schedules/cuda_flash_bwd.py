@@ -24,7 +24,7 @@ streams the global rows in chunks (d k_global, d v_global), each key masked past
 causal row's position.
 
 Products run on CUDA cores in fp32, as in ``cuda_flash``; the masks are the TE's
-(``row_key_range``, ``item_key_span``, ``item_interior``, ``extra_visible``), the
+(``row_key_range``, ``item_key_span``, ``item_inner_span``, ``extra_visible``), the
 transposed band being the window with its sides swapped. Each phase is its own loop
 over the thread index (see ``cuda_flash``), so the tests run these kernels serially on
 the CPU. Arguments and outputs are the TE kernels': dq in the input dtype; dk and dv

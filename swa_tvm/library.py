@@ -195,8 +195,8 @@ class Kernel:
     device: str  # torch device type it serves: "cpu" | "cuda"
     origin: str  # library path, or "jit"
     cuda_arch: str | None = None  # sm_XY the CUDA code was built for
-    # Extra trailing arguments the caller allocates (the manifest's "workspace";
-    # schedules.cuda_flash.GLOBAL_WORKSPACE), None for none.
+    # Extra trailing arguments the caller allocates (the manifest's "workspace", one of
+    # WORKSPACES), None for none.
     workspace: str | None = None
 
 

@@ -204,9 +204,6 @@ def _make_tuning_log_class():
             self._index: dict[str, int] = {}  # workload structural hash -> line number
             self._records = 0
             wl_path, rec_path = self.paths
-            # Decoding a record into TVM objects costs ~15 ms (its trace), so a lookup
-            # (``only``: the workload keys wanted) decodes just those workloads' records;
-            # the whole committed log took ~8 s to decode.
             if os.path.basename(os.path.normpath(folder)).startswith("cuda"):
                 # A tensor-core bf16 record names our wmma intrinsics, which decoding it
                 # looks up: without them any bf16 CUDA export failed in a fresh process.
@@ -214,6 +211,9 @@ def _make_tuning_log_class():
 
                 preload_tensor_intrin()
                 register_intrinsics()
+            # Decoding a record into TVM objects costs ~15 ms (its trace), so a lookup
+            # (``only``: the workload keys wanted) decodes just those workloads' records;
+            # the whole committed log took ~8 s to decode.
             workloads = []
             for row in _read_lines(wl_path):
                 wanted = only is None or row[0] in only
