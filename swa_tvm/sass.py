@@ -80,16 +80,21 @@ def kernel_instructions(sass: str) -> dict[str, list[tuple[str, str]]]:
 
 
 def hot_loop(insts, labels) -> tuple[int, int]:
-    """[start, end) of the loop (a backward branch's range) holding the most MMA, or the
-    whole kernel when no loop holds one."""
-    best, best_count = (0, len(insts)), 0
+    """[start, end) of the innermost loop (a backward branch's range holding no other)
+    with the most MMA, the first of equals (the band loop, before the extra keys' loop);
+    the whole kernel when no loop holds one. Innermost: nvcc's layout also makes
+    branches back across two loops, whose range would count both."""
+    loops = []
     for i, (op, line) in enumerate(insts):
         m = BRANCH_TARGET.search(line) if op == "BRA" else None
         if m and labels.get(m.group(1), i + 1) <= i:
-            start = labels[m.group(1)]
-            count = sum(o == MMA for o, _ in insts[start : i + 1])
-            if count > best_count:
-                best, best_count = (start, i + 1), count
+            loops.append((labels[m.group(1)], i + 1))
+    inner = [a for a in loops if not any(b != a and a[0] <= b[0] and b[1] <= a[1] for b in loops)]
+    best, best_count = (0, len(insts)), 0
+    for start, end in inner:
+        count = sum(o == MMA for o, _ in insts[start:end])
+        if count > best_count:
+            best, best_count = (start, end), count
     return best
 
 
