@@ -258,6 +258,40 @@ def test_machine_code_of_the_bf16_d128_kernels():
     assert forward["LDSM"] == 64 and "LDS" not in forward, forward  # K's 32 and V's 32 ldmatrix.x4
 
 
+def test_sass_hot_loop_is_the_innermost_with_the_most_mma():
+    """swa_tvm.sass's reading of nvdisasm's text: two loops of two HMMA each (the band's,
+    then the extra keys'), and a branch back across both, as nvcc laid out the forward
+    with extra keys: the hot loop is the first inner loop, not the range spanning both."""
+    from swa_tvm import sass
+
+    ops = []
+
+    def emit(op, target=None):
+        line = f"        /*{16 * len(ops):04x}*/                   {op}" + (f" `({target}) ;" if target else " R0, R1 ;")
+        ops.append(line)
+
+    text = ["//--------------------- .text.k_kernel --------------------------"]
+    emit("IMAD")
+    text += ops[-1:] + [".L_x_1:"]
+    for op in ("LDSM", "HMMA", "HMMA", "FMUL"):
+        emit(op)
+        text.append(ops[-1])
+    emit("BRA", ".L_x_1")
+    text += [ops[-1], ".L_x_2:"]
+    for op in ("HMMA", "HMMA", "IMAD", "IMAD", "IMAD"):
+        emit(op)
+        text.append(ops[-1])
+    emit("BRA", ".L_x_2")
+    text.append(ops[-1])
+    emit("BRA", ".L_x_1")  # back across both
+    text.append(ops[-1])
+    kernels = sass.kernel_instructions("\n".join(text))
+    insts, labels = kernels["k_kernel"]
+    assert len(insts) == 13 and labels == {".L_x_1": 1, ".L_x_2": 6}
+    r = sass.summarize(insts, labels)
+    assert (r["loop_instructions"], r["loop_mma"], r["loop_per_mma"]) == (5, 2, 2.5), r
+
+
 def _serial_on_cpu(func):
     """The CUDA-scheduled PrimFunc with its thread bindings made serial loops and its
     shared/local buffers global, compiled for the CPU. Every thread then does its part
