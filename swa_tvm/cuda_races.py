@@ -49,13 +49,18 @@ def kernel_body(source: str, name: str) -> str:
     m = re.search(r"\b" + re.escape(name) + r"\([^;{]*\)\s*\{", source)
     if m is None:
         raise ValueError(f"no definition of {name}")
-    start = m.end() - 1
+    return braced(source, m.end() - 1)
+
+
+def braced(text: str, start: int) -> str:
+    """The brace-delimited block of ``text`` that opens at or after ``start``."""
+    first = text.index("{", start)
     depth = 0
-    for i in range(start, len(source)):
-        depth += {"{": 1, "}": -1}.get(source[i], 0)
+    for i in range(first, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
         if depth == 0:
-            return source[start : i + 1]
-    raise ValueError(f"unbalanced braces in {name}")
+            return text[first : i + 1]
+    raise ValueError("unbalanced braces")
 
 
 def shared_buffers(body: str) -> list[str]:

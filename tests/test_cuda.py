@@ -203,16 +203,6 @@ def test_fused_cuda_kernels_have_the_barriers_they_need():
             assert races("\n".join(lines[:i] + lines[i + 1 :])), (name, lines[i])
 
 
-def _braced(text: str, start: int) -> str:
-    """The text of the brace-delimited block that opens at or after ``start``."""
-    depth, first = 0, text.index("{", start)
-    for i in range(first, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[first : i + 1]
-    raise AssertionError("unbalanced braces")
-
-
 def test_tensor_core_chunk_loops_divide_nothing():
     """The band chunk loops of the tensor-core kernels (forward, dq, dk/dv), with a
     runtime dilation, divide by nothing and hardly use int64: the work item's fields,
@@ -222,7 +212,7 @@ def test_tensor_core_chunk_loops_divide_nothing():
     the H200 profile of bench/gpu); this fails on that code."""
     import tvm
 
-    from swa_tvm.cuda_races import generated_source, kernel_bodies
+    from swa_tvm.cuda_races import braced, generated_source, kernel_bodies
 
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
     spec = AttentionSpec.parse("head_dim=32,window=63:0,dilation=2,globals,sinks,backward,dtype=bfloat16")
@@ -230,7 +220,7 @@ def test_tensor_core_chunk_loops_divide_nothing():
     bodies = kernel_bodies(generated_source(funcs))
     assert len(bodies) == 3
     for name, body in bodies.items():
-        loop = _braced(body, body.index("for (int64_t c = "))
+        loop = braced(body, body.index("for (int64_t c = "))
         assert "swa_mma_bf16(" in loop, name
         assert re.findall(r"[^/*]/[^/*]|%", loop) == [], name
         assert loop.count("int64_t") < 80, (name, loop.count("int64_t"))
