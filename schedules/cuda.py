@@ -165,7 +165,11 @@ WMMA_FILL, WMMA_STORE = "wmma_fill_16x16x16_f32", "wmma_store_16x16x16_f32_globa
 
 
 def register_intrinsics() -> None:
-    """Register the bfloat16 wmma intrinsics (once per process; TVM's own module first)."""
+    """Register the bfloat16 wmma intrinsics (once per process; TVM's own module first,
+    imported the fast way: ``tuning.preload_tensor_intrin``)."""
+    from swa_tvm.tuning import preload_tensor_intrin
+
+    preload_tensor_intrin()
     from tvm.s_tir import TensorIntrin
     from tvm.s_tir.tensor_intrin import cuda as intrin
 

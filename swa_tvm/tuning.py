@@ -209,7 +209,6 @@ def _make_tuning_log_class():
                 # looks up: without them any bf16 CUDA export failed in a fresh process.
                 from .schedules.cuda import register_intrinsics
 
-                preload_tensor_intrin()
                 register_intrinsics()
             # Decoding a record into TVM objects costs ~15 ms (its trace), so a lookup
             # (``only``: the workload keys wanted) decodes just those workloads' records;
