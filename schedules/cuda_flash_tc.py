@@ -828,7 +828,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 with T.sblock("flash_tc_global_combine"):
                     T.reads()
                     T.writes()
-                    st = T.alloc_buffer((3,), acc, scope="local")  # M, denominator, numerator
+                    st = T.alloc_buffer((4,), acc, scope="local")  # M, denominator, numerator, a piece's weight
                     b, h, g = T.meta_var((T.truncdiv(row, H * G), T.truncmod(T.truncdiv(row, G), H), T.truncmod(row, G)))
                     st[0] = sink[h]
                     for s in T.serial(S):
@@ -836,8 +836,9 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                     st[1] = T.exp(sink[h] - st[0])
                     st[2] = ZERO
                     for s in T.serial(S):
-                        st[1] = st[1] + T.exp(ws_lse[b, h, s, g] - st[0])
-                        st[2] = st[2] + T.exp(ws_lse[b, h, s, g] - st[0]) * ws_o[b, h, s, g, col]
+                        st[3] = T.exp(ws_lse[b, h, s, g] - st[0])
+                        st[1] = st[1] + st[3]
+                        st[2] = st[2] + st[3] * ws_o[b, h, s, g, col]
                     out[b, h, g, col] = T.Cast(dt, st[2] / st[1])
                     if col == 0:
                         lse[b, h, g] = st[0] + T.log(st[1])
