@@ -49,6 +49,7 @@ from .cuda_flash import (
     item_scalars,
     local_kernel,
 )
+from .cuda_wgmma import COMMON_SOURCE, core_offset, sync_macros, wgmma_macro
 
 # A macro, not a function: its C operands are the callers' register-array elements
 # (lvalues), so no address is taken and nvcc keeps the fragments in registers. Two 16-bit
@@ -98,12 +99,6 @@ C_TYPE = {"float16": "half", "bfloat16": "bfloat16"}  # as in __half_as_ushort, 
 
 # Index of a fragment value in a shared tile of rows padded to ``DP`` values, for lane
 # tx % 32 of warp tx // 32 and value l:
-def a_index(tx, l, ks, DP):
-    """A operand (16 x 16): the warp's 16 rows (16*warp + row) of a row-major tile,
-    head-dim k-step ks."""
-    return ((tx // 32) * 16 + a_pos(tx % 32, l)[0]) * DP + ks * 16 + a_pos(tx % 32, l)[1]
-
-
 def b_index_nk(tx, l, nt, ks, DP):
     """B operand (16 x 8) B[k][n] = tile[row 8*nt + n][column 16*ks + k]: a tile of rows
     as the right factor of a product over the head dim (the K of Q K^T)."""
@@ -154,12 +149,43 @@ def mma_macro(warps: int, dtype: str, emulate: bool):
     return mma
 
 
-def pair_loader(threads: int, head_dim: int, rows: int):
+@dataclass(frozen=True)
+class TileLayout:
+    """A shared tile of ``rows`` rows of ``head_dim`` 16-bit values: where (row, col)
+    lives (``index``), and which row and 8-value vector copy slot e fills (``slot``).
+    Rows padded by 8 values (``cores`` False: the 8 rows an ldmatrix reads fall in
+    different banks), or wgmma's core matrices (``cuda_wgmma.core_offset``; a core's 8
+    rows go to 8 consecutive slots, so each 8 threads' 16-byte stores fill 128 contiguous
+    bytes, free of bank conflicts)."""
+
+    head_dim: int
+    rows: int
+    cores: bool = False
+
+    def index(self, row, col):
+        return core_offset(row, col, self.rows) if self.cores else row * (self.head_dim + 8) + col
+
+    def slot(self, e):
+        nv = self.head_dim // 8
+        if self.cores:
+            return (e // (8 * nv)) * 8 + e % 8, (e // 8) % nv
+        return e // nv, e % nv
+
+    @property
+    def size(self) -> int:
+        return self.rows * (self.head_dim if self.cores else self.head_dim + 8)
+
+
+def pair_loader(threads: int, head_dim: int, rows: int, cores: bool = False, proxy_fence=None,
+                transpose_b: bool = False):
     """A T.macro ``load(A, B, src_a, src_b, b, hh, pos_of, n)``: rows i < ``rows`` of two
-    shared tiles (rows padded by 8 values) from src_a/src_b[b, hh, pos_of(i)], the
-    position clamped to [0, n) (a row out of range is masked by its scores), in 16-byte
-    vectors: slot e is row e // (D/8), columns 8*(e % (D/8))."""
-    D, DP, VEC = head_dim, head_dim + 8, 8
+    shared tiles (``TileLayout(head_dim, rows, cores)``) from src_a/src_b[b, hh,
+    pos_of(i)], the position clamped to [0, n) (a row out of range is masked by its
+    scores), in 16-byte vectors; then ``proxy_fence`` (wgmma's reads), if given.
+    ``transpose_b``: B's tile holds the transpose (``TileLayout(rows, head_dim, cores)``,
+    head_dim rows of ``rows`` values), each vector stored value by value."""
+    D, VEC = head_dim, 8
+    lay, lay_b = TileLayout(head_dim, rows, cores), TileLayout(rows, head_dim, cores)
     steps = -(-rows * D // VEC // threads)
 
     @T.macro
@@ -168,11 +194,21 @@ def pair_loader(threads: int, head_dim: int, rows: int):
             for x in T.serial(steps):
                 e = T.meta_var(x * threads + tx)
                 if e < rows * D // VEC:
-                    j = T.meta_var(clamp_row(pos_of(e // (D // VEC)), n))
+                    i, cv = T.meta_var(lay.slot(e))
+                    j = T.meta_var(clamp_row(pos_of(i), n))
                     for u in T.vectorized(VEC):
-                        A[(e // (D // VEC)) * DP + e % (D // VEC) * VEC + u] = src_a[b, hh, j, e % (D // VEC) * VEC + u]
-                    for u in T.vectorized(VEC):
-                        Bt[(e // (D // VEC)) * DP + e % (D // VEC) * VEC + u] = src_b[b, hh, j, e % (D // VEC) * VEC + u]
+                        A[lay.index(i, cv * VEC + u)] = src_a[b, hh, j, cv * VEC + u]
+                    if transpose_b:  # one 16-byte load, then value by value
+                        stage = T.alloc_buffer((VEC,), src_b.dtype, scope="local")
+                        for u in T.vectorized(VEC):
+                            stage[u] = src_b[b, hh, j, cv * VEC + u]
+                        for u in T.unroll(VEC):
+                            Bt[lay_b.index(cv * VEC + u, i)] = stage[u]
+                    else:
+                        for u in T.vectorized(VEC):
+                            Bt[lay.index(i, cv * VEC + u)] = src_b[b, hh, j, cv * VEC + u]
+        if proxy_fence is not None:
+            proxy_fence()
 
     return load
 
@@ -352,14 +388,17 @@ CP_ASYNC_SOURCE = r"""
 """
 
 
-def async_loader(threads: int, head_dim: int, rows: int, emulate: bool):
+def async_loader(threads: int, head_dim: int, rows: int, emulate: bool, cores: bool = False):
     """Macros ``issue(A, src, b, hh, pos_of, n)`` and ``wait_all()`` for one shared tile
     laid out as ``pair_loader``'s, copied by cp.async: ``issue`` starts the copies of
     rows i < ``rows`` from src[b, hh, pos_of(i)] (clamped to [0, n)) and commits them;
-    ``wait_all`` waits for the thread's copies and then for the block (a barrier), after
-    which the tile may be read, and every read issued before it is done, so the tile may
-    be overwritten. ``emulate``: plain copies and no waits (the CPU runs threads in turn)."""
-    D, DP, VEC = head_dim, head_dim + 8, 8
+    ``wait_all`` waits for the thread's copies (with ``cores``, wgmma's tiles, then
+    makes them visible to wgmma: ``fence.proxy.async``) and then for the block (a
+    barrier), after which the tile may be read, and every read issued before it is done,
+    so the tile may be overwritten. ``emulate``: plain copies and no waits (the CPU runs
+    threads in turn)."""
+    D, VEC = head_dim, 8
+    lay = TileLayout(head_dim, rows, cores)
     steps = -(-rows * D // VEC // threads)
 
     @T.macro
@@ -368,16 +407,17 @@ def async_loader(threads: int, head_dim: int, rows: int, emulate: bool):
             for x in T.serial(steps):
                 e = T.meta_var(x * threads + tx)
                 if e < rows * D // VEC:
-                    j = T.meta_var(clamp_row(pos_of(e // (D // VEC)), n))
+                    i, cv = T.meta_var(lay.slot(e))
+                    j = T.meta_var(clamp_row(pos_of(i), n))
                     if emulate:
                         for u in T.vectorized(VEC):
-                            A[(e // (D // VEC)) * DP + e % (D // VEC) * VEC + u] = src[b, hh, j, e % (D // VEC) * VEC + u]
+                            A[lay.index(i, cv * VEC + u)] = src[b, hh, j, cv * VEC + u]
                     else:
                         T.evaluate(
                             T.cuda.func_call(
                                 "swa_cp_async_16",
-                                A.access_ptr("w", offset=(e // (D // VEC)) * DP + e % (D // VEC) * VEC, extent=VEC),
-                                T.address_of(src[b, hh, j, e % (D // VEC) * VEC]),
+                                A.access_ptr("w", offset=lay.index(i, cv * VEC), extent=VEC),
+                                T.address_of(src[b, hh, j, cv * VEC]),
                                 source_code=CP_ASYNC_SOURCE,
                             )
                         )
@@ -389,6 +429,8 @@ def async_loader(threads: int, head_dim: int, rows: int, emulate: bool):
         if not emulate:
             for tx in T.thread_binding(threads, thread="threadIdx.x"):
                 T.evaluate(T.cuda.func_call("swa_cp_async_wait_all", source_code=CP_ASYNC_SOURCE))
+                if cores:
+                    T.evaluate(T.cuda.func_call("swa_fence_proxy_async", source_code=COMMON_SOURCE))
                 T.evaluate(T.tvm_storage_sync("shared"))
 
     return issue, wait_all
@@ -435,6 +477,15 @@ class TCConfig:
     # output accumulators leave no registers for Q, whose A fragments are re-read from its
     # own shared tile at each k-step.
     m_tiles: int = 1
+    # Hopper's wgmma (sm_90a only; ``cuda_wgmma``) for both products instead of mma.sync:
+    # a warpgroup (4 warps, 64 rows) per instruction, K and V read by the tensor cores
+    # straight from shared memory (tiles as core matrices, unpadded). Needs warps a
+    # multiple of 4, m_tiles 1, chunk and head_dim at most 256; ``ldmatrix`` unused.
+    wgmma: bool = False
+    # wgmma's V tile stored transposed (head dim x keys), so that P V's B operand is
+    # K-major as Q K^T's is, instead of MN-major (``imm-trans-b``); synchronous loads
+    # only (each value stored on its own).
+    transpose_v: bool = False
 
     @property
     def block_q(self) -> int:
@@ -445,7 +496,7 @@ class TCConfig:
         # Q's tile (K's too, with Q in registers), K's, V's; the extra keys' positions;
         # 64-byte alignment.
         rows = max(self.block_q, self.chunk) if self.m_tiles == 1 else self.block_q + self.chunk
-        return (rows + self.chunk) * (head_dim + 8) * el + self.chunk * 3 * 8 + 6 * 64
+        return (rows + self.chunk) * (head_dim + (0 if self.wgmma else 8)) * el + self.chunk * 3 * 8 + 6 * 64
 
 
 def supports(spec: KernelSpec) -> bool:
@@ -485,6 +536,13 @@ def tile_scope(spec: KernelSpec, cfg) -> str:
         raise ValueError(
             f"kernel {spec.name}: {cfg}: warps (and m_tiles) must be >= 1 and chunk a positive multiple of 16"
         )
+    if getattr(cfg, "wgmma", False) and (cfg.warps % 4 or cfg.m_tiles != 1 or cfg.chunk > 256 or spec.head_dim > 256):
+        raise ValueError(
+            f"kernel {spec.name}: {cfg}: wgmma takes warps a multiple of 4 (whole warpgroups), m_tiles 1, "
+            f"chunk <= 256 and head_dim <= 256 (got {spec.head_dim})"
+        )
+    if getattr(cfg, "transpose_v", False) and (not cfg.wgmma or cfg.async_copy):
+        raise ValueError(f"kernel {spec.name}: {cfg}: transpose_v takes wgmma and synchronous loads (async_copy False)")
     try:
         return shared_scope(cfg.shared_bytes(spec.head_dim, spec.dtype))
     except ValueError as e:
@@ -500,11 +558,12 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
     NS, NO, KD = KC // 8, D // 8, D // 16  # score tiles, output tiles, k-steps of Q K^T
     R = 2 * MT  # rows a thread holds C values of: two per 16-row tile
     QREG = MT == 1  # Q's A fragments in registers (else re-read from Q's shared tile)
-    # Rows padded by 8 elements (16 bytes): the 8 rows a fragment load touches fall in
-    # different banks.
-    DP = D + 8
-    VEC = 8  # 16-bit values per 16-byte global load (D % 16 == 0, rows of DP keep 16-byte alignment)
+    # Shared tiles of rows padded by 8 values (the 8 rows a fragment load touches fall in
+    # different banks), or with wgmma core matrices, unpadded (TileLayout).
+    WG = bool(cfg.wgmma)
+    VEC = 8  # 16-bit values per 16-byte global load (D % 16 == 0: every row starts 16-byte aligned)
     Q_STEPS = -(-BQ * D // VEC // NT)
+    q_tile, kv_tile = TileLayout(D, BQ, WG), TileLayout(D, KC, WG)
     load_extra_positions = extra_positions_loader(NT, KC)
     store_item, load_item = item_scalars(NT, BQ, lo, hi, KC)
     NINF = tirx.const(float("-inf"), acc)
@@ -555,8 +614,14 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                     else:
                         red[tx, rr] = T.cuda.warp_reduce(part[tx, rr], "sum", 4)
 
-    load_rows = pair_loader(NT, D, KC)
-    issue_rows, wait_all = async_loader(NT, D, KC, emulate)
+    wg_fence, wg_commit_wait, wg_proxy_fence = sync_macros(NT, emulate)
+    if WG:
+        wgmma_s = wgmma_macro(NW, dt, "nk", KC, KC, emulate)  # S[64 x KC] += Q K^T per warpgroup
+        # O[64 x D] += P V: V's tile as it is (MN-major), or transposed.
+        wgmma_o = (wgmma_macro(NW, dt, "nk", D, D, emulate) if cfg.transpose_v
+                   else wgmma_macro(NW, dt, "kn", D, KC, emulate))
+    load_rows = pair_loader(NT, D, KC, WG, wg_proxy_fence if WG else None, bool(cfg.transpose_v))
+    issue_rows, wait_all = async_loader(NT, D, KC, emulate, WG)
 
     @T.macro
     def scores(Kt, Qs, qfrag, kfrag, sfrag):
@@ -566,7 +631,13 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for x in T.unroll(MT * NS * 4):
                 sfrag[tx, x] = ZERO
-        for ks in T.unroll(KD):
+        if WG:
+            # One wgmma per k-step per warpgroup, K's tile read in place.
+            wg_fence()
+            for ks in T.unroll(KD):
+                wgmma_s(qfrag, ks * 8, Kt, ks, sfrag)
+            wg_commit_wait()
+        for ks in T.unroll(0 if WG else KD):
             if not QREG:
                 for mt in T.unroll(MT):
                     load_a(Qs, qfrag, mt * 8, lambda tx: ((tx // 32) * MT + mt) * 16, ks)
@@ -636,8 +707,13 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
             for r in T.unroll(R):
                 l_r[tx, r] = l_r[tx, r] * part[tx, R + r] + red[tx, r]
         # 4. O += P V: k-step ks covers keys ks*16..+16, output tiles nd columns nd*8..+8,
-        # two per load, each load feeding the MT row tiles.
-        for ks in T.unroll(KC // 16):
+        # two per load, each load feeding the MT row tiles (wgmma: all D columns at once).
+        if WG:
+            wg_fence()
+            for ks in T.unroll(KC // 16):
+                wgmma_o(pfrag, ks * 8, Vt, ks, ofrag)
+            wg_commit_wait()
+        for ks in T.unroll(0 if WG else KC // 16):
             for ndp in T.unroll(NO // 2):
                 load_kn(Vt, vfrag, ks, ndp)
                 for mt in T.unroll(MT):
@@ -696,10 +772,9 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
             for x in T.serial(Q_STEPS):
                 e = T.meta_var(x * NT + tx)
                 if e < BQ * D // VEC:
+                    i, cv = T.meta_var(q_tile.slot(e))
                     for u in T.vectorized(VEC):
-                        Qt[(e // (D // VEC)) * DP + e % (D // VEC) * VEC + u] = src[
-                            b, h, src_row(e // (D // VEC)), e % (D // VEC) * VEC + u
-                        ]
+                        Qt[q_tile.index(i, cv * VEC + u)] = src[b, h, src_row(i), cv * VEC + u]
             for r in T.unroll(R):
                 if sink is None:
                     m_r[tx, r] = NINF
@@ -713,7 +788,9 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 for ks in T.unroll(KD):
                     for l in T.unroll(8):
-                        qfrag[tx, ks * 8 + l] = Qt[a_index(tx, l, ks, DP)]
+                        qfrag[tx, ks * 8 + l] = Qt[
+                            q_tile.index((tx // 32) * 16 + a_pos(tx % 32, l)[0], ks * 16 + a_pos(tx % 32, l)[1])
+                        ]
 
     @T.macro
     def finish_rows(out, lse, ofrag, m_r, l_r, b, h, dst_row, valid):
@@ -741,9 +818,9 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 T.writes()
                 # With Q in registers before the first key chunk arrives, Q and K share a
                 # tile (Qs is then a stub); else Q keeps its own.
-                QK = T.alloc_buffer(((max(BQ, KC) if QREG else KC) * DP,), dt, scope=SH)
-                Qs = T.alloc_buffer((8 if QREG else BQ * DP,), dt, scope=SH)
-                Vt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                QK = T.alloc_buffer((max(q_tile.size, kv_tile.size) if QREG else kv_tile.size,), dt, scope=SH)
+                Qs = T.alloc_buffer((8 if QREG else q_tile.size,), dt, scope=SH)
+                Vt = T.alloc_buffer((kv_tile.size,), dt, scope=SH)
                 qfrag = T.alloc_buffer((NT, KD * 8 if QREG else MT * 8), dt, scope="local")
                 kfrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 vfrag = T.alloc_buffer((NT, 8), dt, scope="local")
@@ -853,9 +930,9 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 T.reads()
                 T.writes()
                 # As the local rows' tiles.
-                QK = T.alloc_buffer(((max(BQ, KC) if QREG else KC) * DP,), dt, scope=SH)
-                Qs = T.alloc_buffer((8 if QREG else BQ * DP,), dt, scope=SH)
-                Vt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                QK = T.alloc_buffer((max(q_tile.size, kv_tile.size) if QREG else kv_tile.size,), dt, scope=SH)
+                Qs = T.alloc_buffer((8 if QREG else q_tile.size,), dt, scope=SH)
+                Vt = T.alloc_buffer((kv_tile.size,), dt, scope=SH)
                 qfrag = T.alloc_buffer((NT, KD * 8 if QREG else MT * 8), dt, scope="local")
                 kfrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 vfrag = T.alloc_buffer((NT, 8), dt, scope="local")

@@ -27,8 +27,22 @@ import subprocess
 import sys
 import tempfile
 
-# A tensor-core product: HMMA on sm_80/sm_90 (mma.sync).
+# A tensor-core product: HMMA on sm_80/sm_90 (mma.sync m16n8k16), HGMMA on sm_90a (wgmma
+# m64nNk16, which each of the warpgroup's 4 warps issues: a warp's share, 16 rows, is the
+# work of N/8 of them; the counts are in those units, per warp as the code is).
 MMA = "HMMA"
+GMMA = "HGMMA"
+GMMA_SHAPE = re.compile(r"HGMMA\.64x(\d+)x16")
+
+
+def mma_units(op: str, line: str) -> float:
+    """A warp's m16n8k16 products in one instruction: 1 per HMMA, N/8 per HGMMA.64xNx16."""
+    if op == MMA:
+        return 1
+    if op == GMMA:
+        m = GMMA_SHAPE.search(line)
+        return int(m.group(1)) // 8 if m else 0
+    return 0
 
 
 def nvdisasm() -> str | None:
@@ -81,7 +95,7 @@ def kernel_instructions(sass: str) -> dict[str, list[tuple[str, str]]]:
 
 def hot_loop(insts, labels) -> tuple[int, int]:
     """[start, end) of the innermost loop (a backward branch's range holding no other)
-    with the most MMA, the first of equals (the band loop, before the extra keys' loop);
+    with the most tensor-core work (``mma_units``), the first of equals (the band loop, before the extra keys' loop);
     the whole kernel when no loop holds one. Innermost: nvcc's layout also makes
     branches back across two loops, whose range would count both."""
     loops = []
@@ -92,7 +106,7 @@ def hot_loop(insts, labels) -> tuple[int, int]:
     inner = [a for a in loops if not any(b != a and a[0] <= b[0] and b[1] <= a[1] for b in loops)]
     best, best_count = (0, len(insts)), 0
     for start, end in inner:
-        count = sum(o == MMA for o, _ in insts[start:end])
+        count = sum(mma_units(o, line) for o, line in insts[start:end])
         if count > best_count:
             best, best_count = (start, end), count
     return best
@@ -102,11 +116,11 @@ def summarize(insts, labels) -> dict:
     """Instruction counts of a kernel and of its hot loop (per mma, and the top opcodes)."""
     start, end = hot_loop(insts, labels)
     loop = collections.Counter(op for op, _ in insts[start:end])
-    mma, n = loop[MMA], sum(loop.values())
+    mma, n = sum(mma_units(op, line) for op, line in insts[start:end]), sum(loop.values())
     return {
         "instructions": len(insts),
         "loop_instructions": n,
-        "loop_mma": mma,
+        "loop_mma": mma,  # in m16n8k16 products (an HGMMA counts its share)
         "loop_per_mma": round(n / mma, 2) if mma else None,
         "loop_opcodes": dict(loop.most_common(12)),
     }
@@ -130,7 +144,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m swa_tvm.sass", description=__doc__.split("\n\n")[0])
     p.add_argument("--spec", action="append", required=True, help="an AttentionSpec (as swa-tvm export takes); repeatable")
     p.add_argument("--arch", default="sm_90")
-    p.add_argument("--forward-tiles", help="the tensor-core forward's TCConfig fields instead of its default, e.g. 4,32,1,1,2")
+    p.add_argument("--forward-tiles", help="the tensor-core forward's TCConfig fields instead of its default, e.g. 4,32,1,1,2 "
+                   "(4,64,1,0,1,1: wgmma, with --arch sm_90a)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)
     import json

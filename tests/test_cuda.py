@@ -496,6 +496,11 @@ def test_cuda_flash_kernel_computes_the_reference(dtype, window, dilation, extra
         ("float16", (8, 9), [2, 2, 2, 2], False, (2, 32, True, True, 2)),
         # Three per warp, extras, 16-bit loads.
         ("bfloat16", (21, 0), [1, 3, 2, 1], True, (1, 16, False, False, 3)),
+        # wgmma (a warpgroup, K and V as core matrices, emulated): extras, then cp.async.
+        ("bfloat16", (21, 0), [1, 3, 2, 1], True, (4, 16, True, False, 1, True)),
+        ("float16", (8, 9), [2, 2, 2, 2], False, (4, 32, True, True, 1, True)),
+        # wgmma with V's tile transposed (both operands K-major).
+        ("bfloat16", (8, 9), [1, 2, 1, 3], False, (4, 16, True, False, 1, True, True)),
     ],
 )
 def test_cuda_flash_tc_kernel_computes_the_reference(dtype, window, dilation, extras, config):

@@ -1,0 +1,197 @@
+"""Hopper's warpgroup MMA (``wgmma.mma_async``, sm_90a) for the tensor-core forward
+(``cuda_flash_tc`` with ``TCConfig(wgmma=True)``).
+
+mma.sync (sm_80's instruction, what the other tensor-core kernels issue) reaches about
+two thirds of an H100's bf16 rate; wgmma, one instruction per warpgroup (4 warps, 64
+rows) reading its B operand straight from shared memory, is how FlashAttention-3 and
+FlexAttention reach the rest. Its fit to our kernel is exact where it matters:
+
+- the accumulator of ``m64nNk16`` in warp w of the group is the C fragments of
+  ``mma.m16n8k16`` for rows 16w..16w+15, N/8 of them side by side (PTX ISA, "Register
+  Fragments" of wgmma): value i of a thread is value i % 4 of C tile i // 4. So the
+  score and output arrays (``sfrag``, ``ofrag``) and everything the kernel does to them
+  (masks, online softmax) are unchanged;
+- A from registers (the ``rs`` form) takes the A fragment of ``mma.m16n8k16`` per warp:
+  Q's fragments and the probabilities' (``pfrag``) as they are;
+- B comes from shared memory through a 64-bit matrix descriptor, in the canonical
+  no-swizzle layout: 8x8 "core matrices" of 16-bit values, 128 contiguous bytes each
+  (``core_offset``). K's tile (keys x head dim) is B of Q K^T "K-major" (the head dim,
+  the product's K, contiguous) and V's, laid out the same, is B of P V "MN-major"
+  (transposed: the head dim is the product's N); ``descriptor_fields`` gives both.
+
+Ordering rules (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"): a
+``wgmma.fence`` before the first wgmma and after any other instruction touched its
+accumulators; ``commit_group`` then ``wait_group 0`` before the results are read; shared
+memory written by ordinary stores (or cp.async) reaches the async proxy wgmma reads
+through only after a ``fence.proxy.async`` by the writers, then a barrier.
+
+``emulate=True``: the product lane by lane from the tile through ``core_offset`` (the
+CPU runs it, as ``cuda_flash_tc``'s emulation). That checks the kernel around the
+instruction; that the descriptor names the same layout is ``canonical_address``'s test
+(the hardware's reading of a descriptor, from CUTLASS's documented canonical layouts).
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+# Core matrices are 8 rows of 16 bytes (8 16-bit values).
+CORE = 8
+
+
+def core_offset(row, col, rows: int):
+    """Element offset of (row, col) of a shared tile of ``rows`` rows (a multiple of 8)
+    laid out as core matrices: core (row // 8, col // 8) is 64 contiguous values, row
+    by row, cores down the rows first. Takes ints or index expressions."""
+    return ((col // CORE) * (rows // CORE) + row // CORE) * (CORE * CORE) + (row % CORE) * CORE + col % CORE
+
+
+def descriptor_fields(operand: str, rows: int, ks: int, el_bytes: int = 2) -> tuple[int, int, int]:
+    """(start byte offset in the tile, leading byte offset, stride byte offset) of the
+    descriptor of k-step ``ks`` (16 values of the product's K) of a ``core_offset`` tile
+    of ``rows`` rows, as B operand:
+
+    - "nk": B[k][n] = tile[n][16*ks + k] (K's tile in Q K^T: the tile's rows are N, its
+      columns K; K-major). LBO = the step between cores along K (the tile's columns),
+      SBO = along N (its rows).
+    - "kn": B[k][n] = tile[16*ks + k][n] (V's tile in P V: rows K, columns N; MN-major,
+      ``imm-trans-b`` 1). LBO along K (the rows), SBO along N (the columns).
+    """
+    along_rows, along_cols = CORE * CORE * el_bytes, rows * CORE * el_bytes  # bytes between neighbouring cores
+    if operand == "nk":
+        return 2 * ks * along_cols, along_cols, along_rows
+    if operand == "kn":
+        return 2 * ks * along_rows, along_rows, along_cols
+    raise ValueError(f"operand {operand!r}: expected 'nk' or 'kn'")
+
+
+def canonical_address(start: int, lbo: int, sbo: int, major: str, mn: int, k: int, el_bytes: int = 2) -> int:
+    """Byte address at which wgmma reads element (mn, k) of a no-swizzle operand whose
+    descriptor holds ``start``, ``lbo`` and ``sbo``: CUTLASS's canonical GMMA layouts
+    (cute/atom/mma_traits_sm90_gmma.hpp, LayoutType::INTERLEAVE), in units of T = 8
+    values: K-major ((8, m), (T, 2)) : ((1T, SBO), (1, LBO)); MN-major ((T, 1, m), (8, k))
+    : ((1, T, SBO), (1T, LBO)). Independent of ``core_offset``: the tests hold one to the
+    other."""
+    if major == "K":
+        return start + (mn // 8) * sbo + (k // 8) * lbo + ((mn % 8) * 8 + k % 8) * el_bytes
+    if major == "MN":
+        return start + (mn // 8) * sbo + (k // 8) * lbo + ((k % 8) * 8 + mn % 8) * el_bytes
+    raise ValueError(f"major {major!r}: expected 'K' or 'MN'")
+
+
+# Guarded: each wgmma macro's source carries it, and the sources are emitted one by one.
+COMMON_SOURCE = r"""
+#ifndef SWA_WGMMA_COMMON
+#define SWA_WGMMA_COMMON
+__device__ __forceinline__ unsigned long long swa_gmma_desc(const void* p, unsigned lbo, unsigned sbo) {
+  // PTX ISA "Matrix Descriptor Format": start address, LBO and SBO in 16-byte units at
+  // bits 0, 16 and 32; base offset 0 and swizzle mode 0 (none) above them.
+  unsigned a = (unsigned)__cvta_generic_to_shared(p);
+  return (unsigned long long)((a & 0x3FFFF) >> 4) | ((unsigned long long)((lbo & 0x3FFFF) >> 4) << 16)
+       | ((unsigned long long)((sbo & 0x3FFFF) >> 4) << 32);
+}
+#define swa_wgmma_fence() asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory")
+#define swa_wgmma_commit() asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory")
+#define swa_wgmma_wait0() asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory")
+#define swa_fence_proxy_async() asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory")
+#endif
+"""
+
+
+def wgmma_source(name: str, n: int, dtype: str, trans_b: int, lbo: int, sbo: int) -> str:
+    """A C macro ``name(a0..a7, ptr, d0..d{n/2-1})``: D[64 x n] += A[64 x 16] B[16 x n],
+    A from registers (eight 16-bit values, the mma A fragment, packed in pairs), B the
+    shared tile at ``ptr`` with LBO/SBO (bytes), D the thread's n/2 fp32 accumulators.
+    scale-d is 1 (always accumulate: the caller zeroes D)."""
+    from .cuda_flash_tc import C_TYPE, PTX_TYPE
+
+    half = n // 2
+    d = ",".join(f"%{i}" for i in range(half))
+    a = ",".join(f"%{half + i}" for i in range(4))
+    params = ", ".join([f"a{i}" for i in range(8)] + ["ptr"] + [f"d{i}" for i in range(half)])
+    outs = ", ".join(f'"+f"(d{i})' for i in range(half))
+    pack, ptx, ct = f"{name}_PACK", PTX_TYPE[dtype], C_TYPE[dtype]
+    return (
+        COMMON_SOURCE
+        + f"#define {pack}(x, y) ((unsigned)__{ct}_as_ushort(x) | ((unsigned)__{ct}_as_ushort(y) << 16))\n"
+        + f"#define {name}({params}) \\\n"
+        + f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{half + 5}, 0;\\n" \\\n'
+        + f'               "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} '
+        + f'{{{d}}}, {{{a}}}, %{half + 4}, p, 1, 1, {trans_b};\\n}}\\n" \\\n'
+        + f"    : {outs} \\\n"
+        + f'    : "r"({pack}(a0, a1)), "r"({pack}(a2, a3)), "r"({pack}(a4, a5)), "r"({pack}(a6, a7)), \\\n'
+        + f'      "l"(swa_gmma_desc(ptr, {lbo}u, {sbo}u)), "n"(1))\n'
+    )
+
+
+def wgmma_macro(warps: int, dtype: str, operand: str, n: int, rows: int, emulate: bool):
+    """A T.macro ``wgmma(afrag, a0, tile, ks, cfrag)``: in each warpgroup of the block's
+    ``warps`` warps (a multiple of 4; group g owns rows 64g..64g+63), C[rows x n] +=
+    A B over k-step ``ks``: A the threads' fragments afrag[tx, a0 .. a0 + 7] (mma's A
+    layout per warp), B k-step ``ks`` of ``tile`` (``core_offset`` layout, ``rows``
+    rows) read as ``operand`` ("nk": B[k][j] = tile[j][16*ks + k], n = the tile's rows
+    used; "kn": B[k][j] = tile[16*ks + k][j], n = its columns), C the threads'
+    accumulators cfrag[tx, 0 .. n/2 - 1] (mma's C tiles of 8 columns side by side)."""
+    from .cuda_flash_tc import PTX_TYPE, a_lane, c_lane  # the m16n8k16 fragment maps, shared with mma
+
+    nt = 32 * warps
+    name = f"swa_wgmma_{PTX_TYPE[dtype]}_{operand}_n{n}_r{rows}"
+    _, lbo, sbo = descriptor_fields(operand, rows, 0)
+    source = wgmma_source(name, n, dtype, 1 if operand == "kn" else 0, lbo, sbo)
+
+    def b_value(tile, ks, k, j):
+        if operand == "nk":
+            return tile[core_offset(j, ks * 16 + k, rows)]
+        return tile[core_offset(ks * 16 + k, j, rows)]
+
+    def f32(x):
+        return T.Cast("float32", x)
+
+    def call(afrag, a0, tile, ks, cfrag, tx):
+        start = descriptor_fields(operand, rows, ks)[0] // 2  # bytes -> 16-bit values
+        values = [afrag[tx, a0 + i] for i in range(8)] + [tile.access_ptr("r", offset=start)]
+        return T.cuda.func_call(name, *values, *[cfrag[tx, i] for i in range(n // 2)], source_code=source)
+
+    @T.macro
+    def wgmma(afrag, a0, tile, ks, cfrag):
+        if emulate:
+            for w, row, j in T.grid(warps, 16, n):
+                for k in T.serial(16):
+                    cfrag[w * 32 + c_lane(row, j % 8)[0], (j // 8) * 4 + c_lane(row, j % 8)[1]] = cfrag[
+                        w * 32 + c_lane(row, j % 8)[0], (j // 8) * 4 + c_lane(row, j % 8)[1]
+                    ] + f32(afrag[w * 32 + a_lane(row, k)[0], a0 + a_lane(row, k)[1]]) * f32(b_value(tile, ks, k, j))
+        else:
+            for tx in T.thread_binding(nt, thread="threadIdx.x"):
+                T.evaluate(call(afrag, a0, tile, ks, cfrag, tx))
+
+    return wgmma
+
+
+def sync_macros(threads: int, emulate: bool):
+    """T.macros ``fence()``, ``commit_wait()`` (commit the group, wait for all of it) and
+    ``proxy_fence()`` (make this thread's shared-memory stores visible to wgmma, before
+    the barrier that follows them); nothing when emulated."""
+
+    def call(name):
+        return T.cuda.func_call(name, source_code=COMMON_SOURCE)
+
+    @T.macro
+    def fence():
+        if not emulate:
+            for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                T.evaluate(call("swa_wgmma_fence"))
+
+    @T.macro
+    def commit_wait():
+        if not emulate:
+            for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                T.evaluate(call("swa_wgmma_commit"))
+                T.evaluate(call("swa_wgmma_wait0"))
+
+    @T.macro
+    def proxy_fence():
+        if not emulate:
+            for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                T.evaluate(call("swa_fence_proxy_async"))
+
+    return fence, commit_wait, proxy_fence
