@@ -67,15 +67,20 @@ def build_libraries(out: str, arch: str) -> list[str]:
 # default is picked without one): tensor-core (warps, partners per chunk[, ldmatrix:
 # False loads the B operands read along a tile's rows with 16-bit loads instead[,
 # async_copy: the forward's K and V chunks by cp.async[, m_tiles: the forward's 16-row
-# tiles per warp]]]), and the CUDA-core kernel; for the forward and for the two band
-# gradient kernels. At the bf16 D=128 causal W=4096 shape. Those past 48 KiB of
-# shared memory (forward 8 x 64 and every m_tiles=2, backward 4 x 32 and 4 x 64) take
-# dynamic shared memory.
+# tiles per warp[, wgmma[, transpose_v]]]]]), and the CUDA-core kernel; for the forward
+# and for the two band gradient kernels. At the bf16 D=128 causal W=4096 shape.
+# Those past 48 KiB of shared memory (forward 8 x 64 and every m_tiles=2, backward 4 x 32
+# and 4 x 64) take dynamic shared memory. The wgmma ones (sm_90 only: the module is then
+# built for sm_90a) have not run on a GPU before: V's tile both as it is (MN-major) and
+# transposed (K-major, as K's), so that one wrong reading of the descriptor's layout
+# cannot hide the other.
 VARIANT_SPEC = "head_dim=128,window=4095:0,dtype=bfloat16,backward"
 TC_VARIANTS = (
     (4, 64), (4, 64, False), (4, 32), (2, 64), (2, 32), (8, 64), (8, 32), (8, 16),
     (4, 64, True, True), (4, 32, True, True), (2, 64, True, True), (8, 64, True, True),
     (4, 32, True, False, 2), (4, 32, True, True, 2), (4, 64, True, True, 2),
+    (4, 64, True, False, 1, True), (4, 64, True, True, 1, True), (4, 64, True, False, 1, True, True),
+    (8, 64, True, False, 1, True), (8, 64, True, True, 1, True),
 )
 TC_BWD_VARIANTS = ((2, 32), (2, 32, False), (4, 32), (4, 64), (4, 16), (2, 16), (1, 32))
 
@@ -97,6 +102,9 @@ def build_variants(out: str, arch: str) -> str:
 
     kernels = {k.kind: k for k in AttentionSpec.parse(VARIANT_SPEC).kernels()}
     funcs, entries = {}, []
+    # wgmma needs the arch-specific sm_90a (whose code runs on sm_90 GPUs only).
+    hopper = arch in ("sm_90", "sm_90a")
+    arch = "sm_90a" if hopper else arch
 
     def add(spec, suffix, func, **entry):
         name = f"{spec.name}__{suffix}"
@@ -113,12 +121,16 @@ def build_variants(out: str, arch: str) -> str:
             cfg = tc.TCConfig(*variant) if kind == "local" else tc.TCBwdConfig(*variant)
             if cfg.shared_bytes(spec.head_dim, spec.dtype) > cuda_flash.SHARED_LIMIT:
                 continue
+            # The forward's options.
+            async_copy, m_tiles = getattr(cfg, "async_copy", False), getattr(cfg, "m_tiles", 1)
+            wgmma, transpose_v = getattr(cfg, "wgmma", False), getattr(cfg, "transpose_v", False)
+            if wgmma and not hopper:
+                continue
             make = tc.flash_tc if kind == "local" else tc.flash_bwd_tc
-            async_copy, m_tiles = getattr(cfg, "async_copy", False), getattr(cfg, "m_tiles", 1)  # the forward's options
             suffix = (f"tc_w{cfg.warps}_c{cfg.chunk}" + ("" if cfg.ldmatrix else "_lds16") + ("_async" if async_copy else "")
-                      + (f"_m{m_tiles}" if m_tiles > 1 else ""))
+                      + (f"_m{m_tiles}" if m_tiles > 1 else "") + ("_wgmma" if wgmma else "") + ("_vt" if transpose_v else ""))
             add(spec, suffix, make(spec, cfg), kernel=tc.__name__.rsplit(".", 1)[1], warps=cfg.warps, chunk=cfg.chunk,
-                ldmatrix=cfg.ldmatrix, async_copy=async_copy, m_tiles=m_tiles,
+                ldmatrix=cfg.ldmatrix, async_copy=async_copy, m_tiles=m_tiles, wgmma=wgmma, transpose_v=transpose_v,
                 shared_bytes=cfg.shared_bytes(spec.head_dim, spec.dtype), default=cfg == tc.default_config(spec))
         make = cores.flash if kind == "local" else cores.flash_bwd
         add(spec, "cores", make(spec), kernel=cores.__name__.rsplit(".", 1)[1], config=str(cores.default_config(spec)))

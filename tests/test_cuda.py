@@ -4,6 +4,7 @@ and check the CUDA schedule's loop structure numerically on the CPU.
 What needs a GPU (running the kernels, timing them) is swa_tvm.gpu_check, run by
 examples/gpu_check.sh on a machine that has one."""
 
+import collections
 import dataclasses
 import json
 import os
@@ -246,6 +247,61 @@ def test_machine_code_of_the_bf16_d128_kernels():
         assert r["loop_per_mma"] < most, (kind, r)
     forward = result[f"{kernels['local'].name}_kernel"]["loop_opcodes"]
     assert forward["LDSM"] == 64 and "LDS" not in forward, forward  # K's 32 and V's 32 ldmatrix.x4
+
+
+def test_machine_code_of_the_wgmma_forward():
+    """The wgmma forward (sm_90a) of the issue's bf16 D=128 kernel, 4 and 8 warps, V as
+    it is or transposed: no spill; in the chunk loop 8 HGMMA.64x64x16 (Q K^T, K-steps of
+    the head dim) and 4 HGMMA.64x128x16 (P V), the work of 128 mma.sync per warp, and no
+    HMMA or ldmatrix left (the tensor cores read K and V from shared memory); fewer
+    instructions per product than the mma.sync kernel's (6.8); the shared stores fenced
+    for the async proxy; and ptxas did not serialize the wgmma."""
+    from swa_tvm import sass
+    from swa_tvm.cuda_pack import nvcc_compile, ptxas_resources
+    from swa_tvm.cuda_races import generated_source
+    from swa_tvm.schedules import cuda_flash_tc
+
+    spec = next(k for k in AttentionSpec.parse("head_dim=128,window=4095:0,dtype=bfloat16").kernels() if k.kind == "local")
+    configs = {"w4": (4, 64, True, False, 1, True), "w4_vt": (4, 64, True, False, 1, True, True),
+               "w8": (8, 64, True, False, 1, True)}
+    funcs = {f"{spec.name}_{n}": cuda_flash_tc.flash_tc(spec, cuda_flash_tc.TCConfig(*c)).with_attr(
+        "global_symbol", f"{spec.name}_{n}") for n, c in configs.items()}
+    cubin, report = nvcc_compile(generated_source(funcs, "sm_90a"), "sm_90a", "cubin")
+    assert "serialized" not in report, report[-2000:]
+    resources = ptxas_resources(report)
+    for kernel, (insts, labels) in sass.kernel_instructions(sass.disassemble(cubin)).items():
+        start, end = sass.hot_loop(insts, labels)
+        loop = [line for _, line in insts[start:end]]
+        shapes = collections.Counter(m.group(0) for line in loop for m in [re.search(r"HGMMA\.64x\d+x16", line)] if m)
+        assert shapes == {"HGMMA.64x64x16": 8, "HGMMA.64x128x16": 4}, (kernel, shapes)
+        assert not any(re.search(r"\b(HMMA|LDSM)\b", line) for line in loop), kernel
+        assert resources[kernel]["spill_stores"] == 0, (kernel, resources[kernel])
+        assert len(loop) / sass.summarize(insts, labels)["loop_mma"] < 6.8, (kernel, len(loop))
+        assert any("FENCE.VIEW.ASYNC.S" in line for _, line in insts), kernel
+
+
+def test_wgmma_descriptors_name_the_tiles_layout():
+    """Every element wgmma reads through a descriptor of ``descriptor_fields`` (per
+    CUTLASS's canonical no-swizzle layouts, ``canonical_address``) is the element of the
+    product the kernel means, where ``core_offset`` (its tiles' layout, which its loaders
+    write and its emulation reads) keeps it: K's tile as K-major B of Q K^T, V's as
+    MN-major B of P V; all within the 14-bit fields, in 16-byte units."""
+    from swa_tvm.schedules.cuda_wgmma import canonical_address, core_offset, descriptor_fields
+
+    for rows, cols in ((64, 128), (16, 32), (128, 64)):
+        for ks in range(cols // 16):  # K tile: B[k][n] = tile[n][16 ks + k], n < rows
+            start, lbo, sbo = descriptor_fields("nk", rows, ks)
+            assert start % 16 == lbo % 16 == sbo % 16 == 0 and max(start, lbo, sbo) < 2**18
+            for n in range(rows):
+                for k in range(16):
+                    assert canonical_address(start, lbo, sbo, "K", n, k) == 2 * core_offset(n, 16 * ks + k, rows)
+        for ks in range(rows // 16):  # V tile: B[k][n] = tile[16 ks + k][n], n < cols
+            start, lbo, sbo = descriptor_fields("kn", rows, ks)
+            for n in range(cols):
+                for k in range(16):
+                    assert canonical_address(start, lbo, sbo, "MN", n, k) == 2 * core_offset(16 * ks + k, n, rows)
+        # The layout is one-to-one onto the tile.
+        assert sorted(core_offset(r, c, rows) for r in range(rows) for c in range(cols)) == list(range(rows * cols))
 
 
 def test_sass_hot_loop_is_the_innermost_with_the_most_mma():
@@ -938,21 +994,24 @@ def test_cuda_global_schedule_computes_the_reference(causal):
 def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
     """The GPU check's tile-configuration sweep: one module, one function per variant
     (tensor-core configurations and the CUDA-core kernel of the forward, dq and dk/dv
-    kernels), listed in variants.json with the kind each computes."""
+    kernels), listed in variants.json with the kind each computes; for sm_90 built as
+    sm_90a, with the wgmma forward."""
     from swa_tvm import gpu_bundle
 
     # 16-bit loads and cp.async; two 16-row tiles per warp.
-    monkeypatch.setattr(gpu_bundle, "TC_VARIANTS", ((4, 64), (2, 16, False, True), (1, 16, True, False, 2)))
+    monkeypatch.setattr(gpu_bundle, "TC_VARIANTS", ((4, 64), (2, 16, False, True), (1, 16, True, False, 2),
+                                                    (4, 16, True, False, 1, True, True)))
     monkeypatch.setattr(gpu_bundle, "TC_BWD_VARIANTS", ((2, 32), (4, 32)))  # 4 x 32: dynamic shared memory
     path = gpu_bundle.build_variants(str(tmp_path), "sm_90")
     meta = json.load(open(tmp_path / "lib" / "variants" / "variants.json"))
-    assert os.path.exists(path) and meta["library"] == os.path.basename(path) and meta["arch"] == "sm_90"
+    assert os.path.exists(path) and meta["library"] == os.path.basename(path) and meta["arch"] == "sm_90a"
     assert meta["spec"]["kind"] == "local"
     got = [(v["kind"], v["function"].rsplit("__", 1)[1], v["kernel"], v.get("default")) for v in meta["variants"]]
     assert got == [
         ("local", "tc_w4_c64", "cuda_flash_tc", True),  # bf16 D=128's default
         ("local", "tc_w2_c16_lds16_async", "cuda_flash_tc", False),
         ("local", "tc_w1_c16_m2", "cuda_flash_tc", False),
+        ("local", "tc_w4_c16_wgmma_vt", "cuda_flash_tc", False),
         ("local", "cores", "cuda_flash", None),
         ("local_dq", "tc_w2_c32", "cuda_flash_bwd_tc", True),
         ("local_dq", "tc_w4_c32", "cuda_flash_bwd_tc", False),
@@ -968,8 +1027,9 @@ def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
     # And each one's hot loop from its machine code (swa_tvm.sass): the tensor-core
     # forward's mma per warp and chunk: (8 k-steps x chunk/8 score tiles + chunk/16 x 16
     # output tiles) x row tiles: 128 at the default 4 x 64, 32 at 2 x 16, 64 with two
-    # row tiles at 1 x 16; the gradients' dq 96 and dk/dv 128 at 32 keys.
-    assert [v["sass"]["loop_mma"] for v in meta["variants"] if v["kernel"] != "cuda_flash_bwd"][:3] == [128, 32, 64]
+    # row tiles at 1 x 16, 32 in wgmma's units (a warp's share of each HGMMA) at 4 x 16;
+    # the gradients' dq 96 and dk/dv 128 at 32 keys.
+    assert [v["sass"]["loop_mma"] for v in meta["variants"] if v["kernel"] != "cuda_flash_bwd"][:4] == [128, 32, 64, 32]
     assert [v["sass"]["loop_mma"] for v in meta["variants"] if v["kernel"] == "cuda_flash_bwd_tc"] == [96, 96, 128, 128]
     # The 4 x 32 gradient kernels (52 KiB, compiled by nvcc above) take dynamic shared
     # memory; tiles within 48 KiB static.
