@@ -34,6 +34,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 import traceback
 
@@ -192,8 +194,39 @@ def time_variants(results: dict, dev: torch.device, libs: str) -> None:
         results["variants"] = "skipped: CUDA functions need a GPU"
         return
     meta, module = load_variants(libs)
-    results["variants"] = variant_rows(module, meta, dev)
+    # Variants never run on a GPU before (wgmma) run last, each in a process of its own:
+    # an illegal instruction or address poisons the process's CUDA context, which would
+    # take every later row (and the other reading of wgmma's layout) with it.
+    risky = [e for e in meta["variants"] if e.get("wgmma")]
+    rows = variant_rows(module, dict(meta, variants=[e for e in meta["variants"] if not e.get("wgmma")]), dev)
+    results["variants"] = rows + [isolated_variant_row(entry, libs, dev.type) for entry in risky]
     results["variant_best"] = best_variants(results["variants"], getattr(torch, meta["spec"]["dtype"]))
+
+
+VARIANT_ROW = "VARIANT_ROW "
+
+
+def isolated_variant_row(entry: dict, libs: str, device: str = "cuda", shape=(1, 32, 8, 32768)) -> dict:
+    """``variant_rows``' row of one variant, from a child process (``main --variant``),
+    the libraries registered there again for the reference; the child's failure
+    (crash, CUDA error, time) is the row's error."""
+    if _out_of_time():
+        return dict(entry, error=OUT_OF_TIME)
+    left = max(30.0, _deadline - time.monotonic()) if _deadline != float("inf") else 600.0
+    cmd = [sys.executable, "-m", "swa_tvm.gpu_check", "--libs", libs, "--variant", entry["function"],
+           "--device", device, "--variant-shape", ",".join(map(str, shape)), "--budget-s", str(left)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
+    except subprocess.TimeoutExpired:
+        return dict(entry, error=f"child process: no result within {left:.0f} s")
+    for line in proc.stdout.splitlines():
+        if line.startswith(VARIANT_ROW):
+            row = json.loads(line[len(VARIANT_ROW):])
+            print(f"  variant {json.dumps(row)}", flush=True)
+            return row
+    tail = (proc.stdout + proc.stderr)[-600:]
+    print(f"  variant {entry['function']}: child rc {proc.returncode}\n{tail}", flush=True)
+    return dict(entry, error=f"child process rc {proc.returncode}: {tail}")
 
 
 def load_variants(libs: str):
@@ -517,6 +550,8 @@ def main(argv=None) -> int:
                    help="tuning batch to measure (skipped when absent)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu: a smoke run of this harness with the CPU kernels (float32, tiny shapes)")
+    p.add_argument("--variant", help="only this function of lib/variants, its row printed (time_variants' child)")
+    p.add_argument("--variant-shape", default="1,32,8,32768", help="--variant's B,H,H_kv,T")
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="seconds after which nothing more is timed (the stages left write what they skipped), "
                         "so that the run ends inside the device tool's limit with its results written")
@@ -549,6 +584,17 @@ def _run(args) -> int:
     libs = sorted(glob.glob(os.path.join(args.libs, "*.so")))
     results["libraries"] = []
     ok = True
+    if args.variant:  # time_variants' child: the libraries (the reference), then one row
+        for lib in libs:
+            swa_tvm.load_library(lib)
+        meta, module = load_variants(args.libs)
+        entries = [e for e in meta["variants"] if e["function"] == args.variant]
+        if not entries:
+            raise SystemExit(f"--variant {args.variant}: not in {args.libs}/variants/variants.json")
+        shape = tuple(int(x) for x in args.variant_shape.split(","))
+        (row,) = variant_rows(module, dict(meta, variants=entries), dev, shape)
+        print(VARIANT_ROW + json.dumps(row), flush=True)
+        return 0 if "error" not in row else 1
     for lib in libs:
         t0 = time.time()
         try:

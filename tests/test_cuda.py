@@ -575,7 +575,8 @@ def test_cuda_flash_tc_kernel_computes_the_reference(dtype, window, dilation, ex
 
 @pytest.mark.parametrize(
     "kernel_kind,dtype,causal",
-    [("tc", "bfloat16", True), ("tc", "float16", False), ("cores", "float32", True), ("cores", "float32", False)],
+    [("tc", "bfloat16", True), ("tc", "float16", False), ("tc_wgmma", "bfloat16", True), ("cores", "float32", True),
+     ("cores", "float32", False)],
 )
 def test_cuda_flash_global_rows_compute_the_reference(kernel_kind, dtype, causal):
     """Global rows on the fused kernels (serial on the CPU; the tensor-core one emulated):
@@ -583,13 +584,15 @@ def test_cuda_flash_global_rows_compute_the_reference(kernel_kind, dtype, causal
     padded one, unsorted positions; GQA; learned sinks; keys in chunks up to the block's
     last position. On tensor cores split-K: the keys in 3 or 4 pieces (the caller's
     workspace), a block each (causal: pieces past a block's last position left empty),
-    then combined with the sink."""
+    then combined with the sink; and on wgmma (a warpgroup: a block of 64 rows, padded)."""
     from swa_tvm.reference import sliding_window_attention_ref
     from swa_tvm.schedules import cuda_flash, cuda_flash_tc
 
     spec = KernelSpec("global", 32, dtype, 0, 0 if causal else -1)
-    if kernel_kind == "tc":  # causal: K and V chunks by cp.async; else one warp of two 16-row tiles
+    if kernel_kind.startswith("tc"):  # causal: K and V chunks by cp.async; else one warp of two 16-row tiles
         cfg = cuda_flash_tc.TCConfig(2, 16, async_copy=True) if causal else cuda_flash_tc.TCConfig(1, 16, m_tiles=2)
+        if kernel_kind == "tc_wgmma":
+            cfg = cuda_flash_tc.TCConfig(4, 16, async_copy=True, wgmma=True)
         func = cuda_flash_tc.flash_tc(spec, cfg, emulate=True)
     else:
         func = cuda_flash.flash(spec, cuda_flash.FlashConfig(32, 16, 64))
@@ -606,7 +609,7 @@ def test_cuda_flash_global_rows_compute_the_reference(kernel_kind, dtype, causal
     G = gi.shape[1]
     qg = torch.gather(q, 2, gi[:, None, :, None].expand(B, H, G, D)).contiguous()
     out, lse = torch.full((B, H, G, D), float("nan"), dtype=tdt), torch.full((B, H, G), float("nan"))
-    if kernel_kind == "tc":  # garbage in the workspace: every piece must write its share
+    if kernel_kind.startswith("tc"):  # garbage in the workspace: every piece must write its share
         S = 4 if causal else 3
         workspace = (torch.full((B, H, S, G, D), float("nan")), torch.full((B, H, S, G), float("nan")))
         kernel(qg, k, v, gidx, sink, D**-0.5, out, lse, *workspace)
@@ -916,7 +919,7 @@ def test_gpu_check_variant_rows_on_cpu(monkeypatch, tmp_path):
     """The GPU check's variant stage (GPU-only there) on CPU kernels: each variant's
     arguments (forward; dq; dk/dv per query head) and its comparison with the default
     kernels' output and autograd's gradients; a failing variant gets an error row and
-    the rest are still measured."""
+    the rest are still measured; the same from a child process."""
     import tvm
 
     from swa_tvm import gpu_check
@@ -952,6 +955,12 @@ def test_gpu_check_variant_rows_on_cpu(monkeypatch, tmp_path):
     assert set(best) == {"local", "local_dq", "local_dkv"}
     assert best["local"]["function"] == "faster" and best["local"]["speedup_vs_default"] == pytest.approx(2.0)
     assert best["local_dq"]["function"] == rows[2]["function"] and best["local_dq"]["default_ms"] is None
+    # A variant in a process of its own (the wgmma ones, whose failure could poison the
+    # CUDA context): its row as in process; a child that fails is the row's error.
+    child = gpu_check.isolated_variant_row(entries[0], str(tmp_path), "cpu", (1, 4, 2, 50))
+    assert child["function"] == entries[0]["function"] and child["rel_err_vs_default"] < 1e-5 and child["ms"] > 0
+    lost = gpu_check.isolated_variant_row({"function": "unlisted__y", "kind": "local"}, str(tmp_path), "cpu", (1, 4, 2, 50))
+    assert "ms" not in lost and "child process rc 1" in lost["error"] and "unlisted__y: not in" in lost["error"], lost
     # Past the run's time budget no variant is called: each says it was skipped.
     monkeypatch.setattr(gpu_check, "_deadline", 0.0)
     late = gpu_check.variant_rows(module, meta, torch.device("cpu"), shape=(1, 4, 2, 50))
