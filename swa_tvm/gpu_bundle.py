@@ -222,6 +222,10 @@ def main(argv=None) -> int:
         build_variants(args.out, args.arch)
         if args.tune_trials > 0:
             build_tune_batch(args.out, args.arch, args.tune_trials)
+    # Which code the bundle was built from (the GPU run's results quote it).
+    head = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True)
+    with open(os.path.join(args.out, "COMMIT"), "w") as f:
+        f.write((head.stdout.strip() or "unknown (not a git checkout)") + "\n")
     total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.out) for f in fs)
     print(f"{args.out}: {total / 2**20:.1f} MiB (the device tool carries up to 64 MiB)")
     return 0
