@@ -124,25 +124,29 @@ def wgmma_source(name: str, n: int, dtype: str, trans_b: int, lbo: int, sbo: int
     )
 
 
-def wgmma_macro(warps: int, dtype: str, operand: str, n: int, rows: int, emulate: bool):
+def wgmma_macro(warps: int, dtype: str, operand: str, n: int, rows: int, emulate: bool, swap: bool = False):
     """A T.macro ``wgmma(afrag, a0, tile, ks, cfrag)``: in each warpgroup of the block's
     ``warps`` warps (a multiple of 4; group g owns rows 64g..64g+63), C[rows x n] +=
     A B over k-step ``ks``: A the threads' fragments afrag[tx, a0 .. a0 + 7] (mma's A
     layout per warp), B k-step ``ks`` of ``tile`` (``core_offset`` layout, ``rows``
     rows) read as ``operand`` ("nk": B[k][j] = tile[j][16*ks + k], n = the tile's rows
     used; "kn": B[k][j] = tile[16*ks + k][j], n = its columns), C the threads'
-    accumulators cfrag[tx, 0 .. n/2 - 1] (mma's C tiles of 8 columns side by side)."""
+    accumulators cfrag[tx, 0 .. n/2 - 1] (mma's C tiles of 8 columns side by side).
+    Emulated, B is read where ``canonical_address`` says the hardware reads it under
+    the descriptor: what the tile's loaders wrote only if the two layouts agree.
+    ``swap``: LBO and SBO exchanged (``probe``'s other reading of the layout)."""
     from .cuda_flash_tc import PTX_TYPE, a_lane, c_lane  # the m16n8k16 fragment maps, shared with mma
 
     nt = 32 * warps
-    name = f"swa_wgmma_{PTX_TYPE[dtype]}_{operand}_n{n}_r{rows}"
+    name = f"swa_wgmma_{PTX_TYPE[dtype]}_{operand}_n{n}_r{rows}" + ("_swapped" if swap else "")
     _, lbo, sbo = descriptor_fields(operand, rows, 0)
+    lbo, sbo = (sbo, lbo) if swap else (lbo, sbo)
     source = wgmma_source(name, n, dtype, 1 if operand == "kn" else 0, lbo, sbo)
+    major = "K" if operand == "nk" else "MN"
 
     def b_value(tile, ks, k, j):
-        if operand == "nk":
-            return tile[core_offset(j, ks * 16 + k, rows)]
-        return tile[core_offset(ks * 16 + k, j, rows)]
+        start = descriptor_fields(operand, rows, ks)[0]
+        return tile[canonical_address(start, lbo, sbo, major, j, k) // 2]
 
     def f32(x):
         return T.Cast("float32", x)
@@ -195,3 +199,51 @@ def sync_macros(threads: int, emulate: bool):
                 T.evaluate(call("swa_fence_proxy_async"))
 
     return fence, commit_wait, proxy_fence
+
+
+def probe(dtype: str, operand: str, rows: int, cols: int, ks: int, swap: bool = False, emulate: bool = False):
+    """A one-warpgroup PrimFunc ``probe(a, m, d)`` that isolates the instruction: d[64 x n]
+    = a[64 x 16] B, B k-step ``ks`` of m[rows x cols] read as ``operand`` (``wgmma_macro``:
+    n = rows for "nk", cols for "kn"), m stored in shared memory as the kernel stores its
+    tiles, one wgmma. Against a plain matrix product on the GPU it says whether the
+    descriptor's reading of the tiles is the hardware's, apart from everything else the
+    forward does; ``swap`` builds the other reading (LBO and SBO exchanged)."""
+    from tvm import tirx
+
+    from .cuda_flash_tc import a_pos, c_pos
+
+    n = rows if operand == "nk" else cols
+    steps = -(-rows * cols // 128)
+    wgmma = wgmma_macro(4, dtype, operand, n, rows, emulate, swap)
+    fence, commit_wait, proxy_fence = sync_macros(128, emulate)
+    acc = "float32"
+    zero = tirx.const(0.0, acc)
+
+    @T.prim_func(s_tir=True)
+    def func(a: T.Buffer((64, 16), dtype), m: T.Buffer((rows, cols), dtype), d: T.Buffer((64, n), acc)):
+        for blk in T.thread_binding(1, thread="blockIdx.x"):
+            with T.sblock("wgmma_probe"):
+                T.reads()
+                T.writes()
+                tile = T.alloc_buffer((rows * cols,), dtype, scope="shared")
+                afrag = T.alloc_buffer((128, 8), dtype, scope="local")
+                cfrag = T.alloc_buffer((128, n // 2), acc, scope="local")
+                for tx in T.thread_binding(128, thread="threadIdx.x"):
+                    for x in T.serial(steps):
+                        if x * 128 + tx < rows * cols:
+                            tile[core_offset((x * 128 + tx) // cols, (x * 128 + tx) % cols, rows)] = m[
+                                (x * 128 + tx) // cols, (x * 128 + tx) % cols
+                            ]
+                    for l in T.unroll(8):
+                        afrag[tx, l] = a[(tx // 32) * 16 + a_pos(tx % 32, l)[0], a_pos(tx % 32, l)[1]]
+                    for i in T.unroll(n // 2):
+                        cfrag[tx, i] = zero
+                proxy_fence()
+                fence()
+                wgmma(afrag, 0, tile, ks, cfrag)
+                commit_wait()
+                for tx in T.thread_binding(128, thread="threadIdx.x"):
+                    for i in T.unroll(n // 2):
+                        d[(tx // 32) * 16 + c_pos(tx % 32, i % 4)[0], (i // 4) * 8 + c_pos(tx % 32, i % 4)[1]] = cfrag[tx, i]
+
+    return func

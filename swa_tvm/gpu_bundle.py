@@ -83,6 +83,12 @@ TC_VARIANTS = (
     (8, 64, True, False, 1, True), (8, 64, True, True, 1, True),
 )
 TC_BWD_VARIANTS = ((2, 32), (2, 32, False), (4, 32), (4, 64), (4, 16), (2, 16), (1, 32))
+# One wgmma alone against a matrix product (``cuda_wgmma.probe``: operand, tile rows,
+# tile columns, k-step, LBO and SBO exchanged), at the forward's geometry: K's tile (64
+# keys x 128), V's as it is and with the other reading of its MN-major descriptor, V's
+# transposed (128 x 64 keys). Where a wgmma variant disagrees, these say which reading.
+WGMMA_PROBES = (("nk", 64, 128, 1, False), ("kn", 64, 128, 1, False), ("kn", 64, 128, 1, True),
+                ("nk", 128, 64, 2, False))
 
 
 def build_variants(out: str, arch: str) -> str:
@@ -134,6 +140,15 @@ def build_variants(out: str, arch: str) -> str:
                 shared_bytes=cfg.shared_bytes(spec.head_dim, spec.dtype), default=cfg == tc.default_config(spec))
         make = cores.flash if kind == "local" else cores.flash_bwd
         add(spec, "cores", make(spec), kernel=cores.__name__.rsplit(".", 1)[1], config=str(cores.default_config(spec)))
+    if hopper:
+        from .schedules import cuda_wgmma
+
+        for operand, rows, cols, ks, swap in WGMMA_PROBES:
+            name = f"wgmma_probe_{operand}_r{rows}_c{cols}_k{ks}" + ("_swapped" if swap else "")
+            funcs[name] = cuda_wgmma.probe(kernels["local"].dtype, operand, rows, cols, ks, swap).with_attr(
+                "global_symbol", name)
+            entries.append({"function": name, "kind": "wgmma_probe", "kernel": "cuda_wgmma", "wgmma": True,
+                            "operand": operand, "rows": rows, "cols": cols, "ks": ks, "swap": swap})
     spec = kernels["local"]
     folder = os.path.join(out, "lib", "variants")
     os.makedirs(folder, exist_ok=True)

@@ -197,7 +197,7 @@ def time_variants(results: dict, dev: torch.device, libs: str) -> None:
     # Variants never run on a GPU before (wgmma) run last, each in a process of its own:
     # an illegal instruction or address poisons the process's CUDA context, which would
     # take every later row (and the other reading of wgmma's layout) with it.
-    risky = [e for e in meta["variants"] if e.get("wgmma")]
+    risky = sorted((e for e in meta["variants"] if e.get("wgmma")), key=lambda e: e["kind"] != "wgmma_probe")
     rows = variant_rows(module, dict(meta, variants=[e for e in meta["variants"] if not e.get("wgmma")]), dev)
     results["variants"] = rows + [isolated_variant_row(entry, libs, dev.type) for entry in risky]
     results["variant_best"] = best_variants(results["variants"], getattr(torch, meta["spec"]["dtype"]))
@@ -244,6 +244,28 @@ def load_variants(libs: str):
     return meta, tvm_ffi.load_module(os.path.join(folder, meta["library"]))
 
 
+def probe_row(module, entry: dict, dev: torch.device) -> dict:
+    """One wgmma alone (gpu_bundle.WGMMA_PROBES, ``cuda_wgmma.probe``) against torch's
+    product of the same bf16 operands in fp32: ``agrees`` says whether the hardware
+    reads the tile as the descriptor is meant to."""
+    row = dict(entry)
+    try:
+        rows, cols, ks = entry["rows"], entry["cols"], entry["ks"]
+        a = torch.randn(64, 16, device=dev).to(torch.bfloat16)
+        m = torch.randn(rows, cols, device=dev).to(torch.bfloat16)
+        b = m[:, 16 * ks:16 * ks + 16].T if entry["operand"] == "nk" else m[16 * ks:16 * ks + 16, :]
+        d = torch.full((64, b.shape[1]), float("nan"), device=dev)
+        module[entry["function"]](a, m, d)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        row["rel_err"] = rel_err(d.double(), a.double() @ b.double())
+        row["agrees"] = row["rel_err"] < 1e-5
+    except Exception as e:  # noqa: BLE001 - the row says what happened
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    print(f"  probe {json.dumps(row)}", flush=True)
+    return row
+
+
 def best_variants(rows: list[dict], dtype) -> dict:
     """Per kernel kind, the fastest variant whose result agreed with the default's
     (forward within the output tolerance, gradients within the gradient tolerance of
@@ -251,6 +273,8 @@ def best_variants(rows: list[dict], dtype) -> dict:
     should become."""
     best = {}
     for kind in dict.fromkeys(r.get("kind", "local") for r in rows):
+        if kind == "wgmma_probe":
+            continue
         tol = TOLERANCE[dtype][0] if kind == "local" else GRAD_TOLERANCE[dtype]
         ok = [r for r in rows if r.get("kind", "local") == kind and "ms" in r and r["rel_err_vs_default"] < tol]
         if not ok:
@@ -592,7 +616,10 @@ def _run(args) -> int:
         if not entries:
             raise SystemExit(f"--variant {args.variant}: not in {args.libs}/variants/variants.json")
         shape = tuple(int(x) for x in args.variant_shape.split(","))
-        (row,) = variant_rows(module, dict(meta, variants=entries), dev, shape)
+        if entries[0]["kind"] == "wgmma_probe":
+            row = probe_row(module, entries[0], dev)
+        else:
+            (row,) = variant_rows(module, dict(meta, variants=entries), dev, shape)
         print(VARIANT_ROW + json.dumps(row), flush=True)
         return 0 if "error" not in row else 1
     for lib in libs:

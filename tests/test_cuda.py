@@ -304,6 +304,24 @@ def test_wgmma_descriptors_name_the_tiles_layout():
         assert sorted(core_offset(r, c, rows) for r in range(rows) for c in range(cols)) == list(range(rows * cols))
 
 
+def test_wgmma_probe_tells_the_layout_readings_apart():
+    """The GPU check's wgmma probes (one instruction against a matrix product), emulated
+    on the CPU with B read where the descriptor says (``canonical_address``): K's tile
+    and V's tile and V's transposed agree with torch's product; V's tile under the other
+    reading (LBO and SBO exchanged) does not, so on the GPU the probes name the reading
+    the hardware has."""
+    from swa_tvm import gpu_check, gpu_bundle
+    from swa_tvm.schedules import cuda_wgmma
+
+    rows = []
+    for operand, r, c, ks, swap in gpu_bundle.WGMMA_PROBES:
+        entry = {"function": "probe", "kind": "wgmma_probe", "operand": operand, "rows": r, "cols": c, "ks": ks}
+        func = cuda_wgmma.probe("bfloat16", operand, r, c, ks, swap, emulate=True).with_attr("global_symbol", "probe")
+        rows.append(gpu_check.probe_row(_serial_on_cpu(func), entry, torch.device("cpu")))
+    assert [row["agrees"] for row in rows] == [not swap for *_, swap in gpu_bundle.WGMMA_PROBES], rows
+    assert gpu_check.best_variants(rows, torch.bfloat16) == {}  # probes are not timing rows
+
+
 def test_sass_hot_loop_is_the_innermost_with_the_most_mma():
     """swa_tvm.sass's reading of nvdisasm's text: two loops of two HMMA each (the band's,
     then the extra keys'), and a branch back across both, as nvcc laid out the forward
@@ -1011,11 +1029,12 @@ def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_bundle, "TC_VARIANTS", ((4, 64), (2, 16, False, True), (1, 16, True, False, 2),
                                                     (4, 16, True, False, 1, True, True)))
     monkeypatch.setattr(gpu_bundle, "TC_BWD_VARIANTS", ((2, 32), (4, 32)))  # 4 x 32: dynamic shared memory
+    monkeypatch.setattr(gpu_bundle, "WGMMA_PROBES", (("kn", 64, 128, 1, True),))
     path = gpu_bundle.build_variants(str(tmp_path), "sm_90")
     meta = json.load(open(tmp_path / "lib" / "variants" / "variants.json"))
     assert os.path.exists(path) and meta["library"] == os.path.basename(path) and meta["arch"] == "sm_90a"
     assert meta["spec"]["kind"] == "local"
-    got = [(v["kind"], v["function"].rsplit("__", 1)[1], v["kernel"], v.get("default")) for v in meta["variants"]]
+    got = [(v["kind"], v["function"].rsplit("__", 1)[-1], v["kernel"], v.get("default")) for v in meta["variants"]]
     assert got == [
         ("local", "tc_w4_c64", "cuda_flash_tc", True),  # bf16 D=128's default
         ("local", "tc_w2_c16_lds16_async", "cuda_flash_tc", False),
@@ -1028,6 +1047,7 @@ def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
         ("local_dkv", "tc_w2_c32", "cuda_flash_bwd_tc", True),
         ("local_dkv", "tc_w4_c32", "cuda_flash_bwd_tc", False),
         ("local_dkv", "cores", "cuda_flash_bwd", None),
+        ("wgmma_probe", "wgmma_probe_kn_r64_c128_k1_swapped", "cuda_wgmma", None),
     ]
     assert [v.get("shared_bytes", 0) > 48 * 1024 for v in meta["variants"] if v["kind"] == "local_dq"] == [False, True, False]
     # ptxas's report per variant; the dynamic tiles count no static shared memory.
