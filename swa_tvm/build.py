@@ -115,9 +115,11 @@ def _cpu_features(tvm_target) -> list[str]:
     return sorted(X86_FEATURES[f] for f in X86_FEATURES if f in feats)
 
 
-def schedule_spec(spec: KernelSpec, tvm_target, record=None):
+def schedule_spec(spec: KernelSpec, tvm_target, record=None, tiles=None):
     """The scheduled PrimFunc for ``spec``: a tuning record's trace replayed on the
-    symbolic-T kernel when ``record`` is given, else the default schedule."""
+    symbolic-T kernel when ``record`` is given, else the default schedule; a fused CUDA
+    kernel's tile config ``tiles`` (swa_tvm.tiles: a measured record's) instead of its
+    default."""
     import tvm
     from tvm import s_tir
 
@@ -135,7 +137,7 @@ def schedule_spec(spec: KernelSpec, tvm_target, record=None):
     if fused == "cuda_flash_tc":
         from swa_tvm.schedules import cuda_flash_tc
 
-        return cuda_flash_tc.flash_tc(spec)
+        return cuda_flash_tc.flash_tc(spec, tiles)
     if fused == "cuda_flash":
         from swa_tvm.schedules import cuda_flash
 
@@ -143,7 +145,7 @@ def schedule_spec(spec: KernelSpec, tvm_target, record=None):
     if fused == "cuda_flash_bwd_tc":
         from swa_tvm.schedules import cuda_flash_bwd_tc
 
-        return cuda_flash_bwd_tc.flash_bwd_tc(spec)
+        return cuda_flash_bwd_tc.flash_bwd_tc(spec, tiles)
     if fused == "cuda_flash_bwd":
         from swa_tvm.schedules import cuda_flash_bwd
 
@@ -185,16 +187,16 @@ def default_schedule(spec: KernelSpec, kind: str) -> str:
     return "default"
 
 
-def fused_tiles(spec: KernelSpec, schedule: str) -> dict | None:
+def fused_tiles(spec: KernelSpec, schedule: str, config=None) -> dict | None:
     """The tile configuration a fused CUDA kernel (``schedule`` as default_schedule
-    names it, the module under schedules/) is built with, for the manifest: the
-    defaults are a GPU measurement's to change, and a library should say which it has."""
+    names it, the module under schedules/) is built with, for the manifest: ``config``
+    (a measured record's, swa_tvm.tiles) or the default; a library should say which."""
     if schedule not in ("cuda_flash", "cuda_flash_tc", "cuda_flash_bwd", "cuda_flash_bwd_tc"):
         return None
     import dataclasses
     import importlib
 
-    return dataclasses.asdict(importlib.import_module(f"swa_tvm.schedules.{schedule}").default_config(spec))
+    return dataclasses.asdict(config or importlib.import_module(f"swa_tvm.schedules.{schedule}").default_config(spec))
 
 
 def _postprocess(spec: KernelSpec, kind: str, func):
@@ -234,11 +236,29 @@ def find_records(specs: Iterable[KernelSpec], target: dict, logs: str | None = D
     return found
 
 
-def compile_specs(specs: Iterable[KernelSpec], target: str | dict | None = None, records: dict | None = None):
+def find_tiles(specs: Iterable[KernelSpec], target: dict, logs: str | None = DEFAULT_LOGS) -> dict:
+    """{spec name: tile config} of the specs whose fused CUDA kernel has a measured tile
+    record for ``target``'s class under ``logs`` (``tiles.json``, swa_tvm.tiles)."""
+    from . import tiles as tile_records
+    from .tuning import default_logs_root
+
+    root = default_logs_root() if logs == DEFAULT_LOGS else logs
+    recs = tile_records.read(root, target)
+    found = {}
+    for s in specs if recs else ():
+        cfg = tile_records.find(s, default_schedule(s, target["kind"]), recs, target.get("arch"))
+        if cfg is not None:
+            found[s.name] = cfg
+    return found
+
+
+def compile_specs(specs: Iterable[KernelSpec], target: str | dict | None = None, records: dict | None = None,
+                  tiles: dict | None = None):
     """Compile every spec into one runtime module. Returns (module, target dict).
 
     ``records`` maps spec names to tuning records (``find_records``); specs without one
-    get the default schedule. A CUDA module holds its generated source until exported
+    get the default schedule. ``tiles`` maps spec names to fused kernels' tile configs
+    (``find_tiles``). A CUDA module holds its generated source until exported
     (``cuda_pack.export_module`` compiles it with nvcc then)."""
     import tvm
 
@@ -247,8 +267,8 @@ def compile_specs(specs: Iterable[KernelSpec], target: str | dict | None = None,
     specs = list(dict.fromkeys(specs))  # dedupe, keep order
     if not specs:
         raise ValueError("specs is empty: give at least one KernelSpec")
-    records = records or {}
-    funcs = {spec.name: schedule_spec(spec, tvm_target, records.get(spec.name)) for spec in specs}
+    records, tiles = records or {}, tiles or {}
+    funcs = {spec.name: schedule_spec(spec, tvm_target, records.get(spec.name), tiles.get(spec.name)) for spec in specs}
     module = tvm.compile(tvm.IRModule(funcs), target=tvm_target)
     if target.get("kind") == "cuda":
         module = module.mod  # the host module, importing the CUDA one
@@ -294,7 +314,8 @@ def export_library(
                     UntunedKernelWarning,
                     stacklevel=2,
                 )
-    module, target = compile_specs(specs, target, records)
+    tiles = find_tiles(specs, target, logs) if logs is not None and target.get("kind") == "cuda" else {}
+    module, target = compile_specs(specs, target, records, tiles)
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     # Write to a temporary name and rename, so a crash never leaves a half library
@@ -314,9 +335,10 @@ def export_library(
             "tuned": rec is not None,
             "schedule": "tuned" if rec is not None and rec.trace is not None else default_schedule(s, target["kind"]),
         }
-        tiles = fused_tiles(s, entry["schedule"])
-        if tiles is not None:
-            entry["tiles"] = tiles
+        used = fused_tiles(s, entry["schedule"], tiles.get(s.name))
+        if used is not None:
+            entry["tiles"] = used
+            entry["tiles_from"] = "measured" if s.name in tiles else "default"  # tiles.json's record, or not
         if s.kind == "global" and entry["schedule"] == "cuda_flash_tc":
             entry["workspace"] = library.GLOBAL_WORKSPACE  # split-K: the caller passes it (functional)
         # ptxas's count for each CUDA kernel of the spec (registers, spills, shared memory).

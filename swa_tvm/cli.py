@@ -73,7 +73,8 @@ def _tuned_text(k) -> str:
     if not k["tuned"]:
         text = FUSED_TEXT.get(k.get("schedule"), "default schedule")
         tiles = ", ".join(f"{n}={v}" for n, v in k.get("tiles", {}).items())
-        return f"{text}, tiles {tiles}" if tiles else text
+        source = " (measured: tuning_logs tiles.json)" if k.get("tiles_from") == "measured" else ""
+        return f"{text}, tiles {tiles}{source}" if tiles else text
     t = k.get("tuning", {})
     if t.get("default_point") and k.get("schedule") in FUSED_TEXT:
         return f"{FUSED_TEXT[k['schedule']]}: measured faster than its {t.get('records', '?')} tuning records"
@@ -171,6 +172,20 @@ def _cmd_import(args) -> int:
     return 0
 
 
+def _cmd_import_tiles(args) -> int:
+    from .tiles import import_results
+
+    logs = args.logs or "tuning_logs"
+    for path in import_results(args.results, logs):
+        with open(path) as f:
+            recs = json.load(f)["records"]
+        print(f"{path}: {len(recs)} tile records")
+        for r in recs:
+            speed = f", {r['default_ms'] / r['ms']:.2f}x the default" if r.get("default_ms") else ""
+            print(f"  {r['kind']} {r['dtype']} D={r['head_dim']}: {r['function']} {r['ms']:.3f} ms{speed}")
+    return 0
+
+
 def _cmd_info(args) -> int:
     from .library import check_manifest, read_manifest
 
@@ -229,6 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--batch", required=True, help="the batch folder it measured (tune --batch-out)")
     m.add_argument("--logs", help="tuning log root (default: ./tuning_logs)")
     m.set_defaults(func=_cmd_import)
+
+    g = sub.add_parser("import-tiles",
+                       help="commit the GPU check's timings of the fused kernels' tiles as tile records")
+    g.add_argument("results", help="the gpu_results.json of python -m swa_tvm.gpu_check (its variant rows)")
+    g.add_argument("--logs", help="tuning log root (default: ./tuning_logs)")
+    g.set_defaults(func=_cmd_import_tiles)
 
     e = sub.add_parser("export", help="compile specs into a shared library with its manifest")
     e.add_argument("--spec", action="append", required=True, help=spec_help)

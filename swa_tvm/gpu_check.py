@@ -58,6 +58,7 @@ def _out_of_time() -> bool:
 
 
 OUT_OF_TIME = "skipped: the run's time budget was spent"
+VARIANT_SHAPE = (1, 32, 8, 32768)  # B, H, H_kv, T of the variants' timing
 
 # The float inputs of a call that have gradients (besides q, k, v).
 GRAD_INPUTS = ("q_global", "k_global", "v_global", "sink_logits")
@@ -194,6 +195,12 @@ def time_variants(results: dict, dev: torch.device, libs: str) -> None:
         results["variants"] = "skipped: CUDA functions need a GPU"
         return
     meta, module = load_variants(libs)
+    # What ``swa-tvm import-tiles`` needs to turn the rows into tile records (swa_tvm.tiles).
+    commit = os.path.join(libs, os.pardir, "COMMIT")
+    results["variants_meta"] = {
+        "spec": meta["spec"], "arch": meta["arch"], "shape": list(VARIANT_SHAPE),
+        "bundle": open(commit).read().strip() if os.path.exists(commit) else None,
+    }
     # Variants never run on a GPU before (wgmma) run last, each in a process of its own:
     # an illegal instruction or address poisons the process's CUDA context, which would
     # take every later row (and the other reading of wgmma's layout) with it.
@@ -206,7 +213,7 @@ def time_variants(results: dict, dev: torch.device, libs: str) -> None:
 VARIANT_ROW = "VARIANT_ROW "
 
 
-def isolated_variant_row(entry: dict, libs: str, device: str = "cuda", shape=(1, 32, 8, 32768)) -> dict:
+def isolated_variant_row(entry: dict, libs: str, device: str = "cuda", shape=VARIANT_SHAPE) -> dict:
     """``variant_rows``' row of one variant, from a child process (``main --variant``),
     the libraries registered there again for the reference; the child's failure
     (crash, CUDA error, time) is the row's error."""
@@ -288,7 +295,7 @@ def best_variants(rows: list[dict], dtype) -> dict:
     return best
 
 
-def variant_rows(module, meta: dict, dev: torch.device, shape=(1, 32, 8, 32768)) -> list[dict]:
+def variant_rows(module, meta: dict, dev: torch.device, shape=VARIANT_SHAPE) -> list[dict]:
     """One row per entry of ``meta["variants"]`` (function ``module[entry["function"]]``
     computing the kernel kind ``entry["kind"]`` of ``meta["spec"]``'s window): its
     largest relative error against the registered library (forward output, or
@@ -575,7 +582,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu: a smoke run of this harness with the CPU kernels (float32, tiny shapes)")
     p.add_argument("--variant", help="only this function of lib/variants, its row printed (time_variants' child)")
-    p.add_argument("--variant-shape", default="1,32,8,32768", help="--variant's B,H,H_kv,T")
+    p.add_argument("--variant-shape", default=",".join(map(str, VARIANT_SHAPE)), help="--variant's B,H,H_kv,T")
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="seconds after which nothing more is timed (the stages left write what they skipped), "
                         "so that the run ends inside the device tool's limit with its results written")
