@@ -414,10 +414,12 @@ def get_or_build_kernel(spec: KernelSpec, target: str | dict | None = None) -> K
         if hit is not None and hit.spec == spec:
             return hit
         record = find_records([spec], target)[spec.name]
+        tiles = find_tiles([spec], target).get(spec.name)  # a measured tile record (CUDA), which export applies
         key_src = json.dumps(
             {
                 "spec": spec.to_dict(),
                 "record": str(record.trace) if record is not None else None,
+                "tiles": str(tiles) if tiles is not None else None,
                 "target": target,
                 "tvm": library.tvm_version(),
                 "swa_tvm": __version__,
