@@ -17,7 +17,9 @@ runtime only, then, in one process:
    (forward + backward) against FlexAttention and SDPA at the timing shape (causal);
 4. variants: the fused forward, dq and dk/dv kernels' tile configurations (tensor cores
    and CUDA cores) timed against each other at the timing shape (``lib/variants``),
-   each checked against the default kernels;
+   each checked against the default kernels; those never run on a GPU before (wgmma,
+   and the wgmma probes: one instruction against a matrix product) each in a child
+   process; ``swa-tvm import-tiles`` turns the rows into tile records (swa_tvm.tiles);
 5. tuning: the batch of MetaSchedule candidates built there (``tune_batch``), measured
    by :mod:`swa_tvm.measure_batch` into ``<out>/measured.json`` (import it there with
    ``swa-tvm import-measurements``).
