@@ -185,7 +185,9 @@ def _launch(kern: library.Kernel, device: torch.device, *args) -> None:
 
     if kern.cuda_arch:
         major, minor = torch.cuda.get_device_capability(device)
-        if major * 10 + minor < int(kern.cuda_arch[3:].rstrip("a")):
+        built = int(kern.cuda_arch[3:].rstrip("a"))
+        # sm_XYa code (wgmma) runs on that arch alone, sm_XY code on it and later ones.
+        if major * 10 + minor < built or (kern.cuda_arch.endswith("a") and major * 10 + minor != built):
             raise RuntimeError(
                 f"kernel {kern.spec.name} of {kern.origin} was built for {kern.cuda_arch}, but {device} is "
                 f"sm_{major}{minor}; export a library for it with --target 'cuda -arch=sm_{major}{minor}'"

@@ -231,3 +231,28 @@ def test_kernels_never_floor_divide_by_the_runtime_dilation(kind):
     assert "dilation" in script and "T.truncmod" in script  # the dilation is there, divided by truncation
     floor_by_dilation = re.findall(r'(?://|%) \(?T\.Cast\("int64", dilation', script)
     assert floor_by_dilation == []
+
+
+@pytest.mark.parametrize("arch,device_cc,refused", [("sm_80", (9, 0), False), ("sm_90", (8, 6), True),
+                                                    ("sm_90a", (9, 0), False), ("sm_90a", (10, 0), True)])
+def test_cuda_kernels_refuse_a_device_their_code_does_not_run_on(monkeypatch, arch, device_cc, refused):
+    """The launch's arch check (before any CUDA call): sm_XY code runs on sm_XY and later
+    GPUs, sm_XYa code (wgmma) on sm_XY alone; a refusal names both."""
+    import types
+
+    import torch
+
+    from swa_tvm import functional
+
+    calls = []
+    kern = types.SimpleNamespace(spec=types.SimpleNamespace(name="k"), origin="lib.so", device="cuda",
+                                 cuda_arch=arch, func=lambda *a: calls.append(a))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: device_cc)
+    if refused:
+        with pytest.raises(RuntimeError, match=f"built for {arch}, but cuda:0 is sm_{device_cc[0]}{device_cc[1]}"):
+            functional._launch(kern, torch.device("cuda", 0))
+        return
+    # Accepted: on to the launch, which needs the CUDA runtime this machine lacks.
+    with pytest.raises(Exception) as e:
+        functional._launch(kern, torch.device("cuda", 0))
+    assert "built for" not in str(e.value)
