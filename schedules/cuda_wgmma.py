@@ -91,8 +91,8 @@ __device__ __forceinline__ unsigned long long swa_gmma_desc(const void* p, unsig
        | ((unsigned long long)((sbo & 0x3FFFF) >> 4) << 32);
 }
 #define swa_wgmma_fence() asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory")
-#define swa_wgmma_commit() asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory")
-#define swa_wgmma_wait0() asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory")
+#define swa_wgmma_commit_wait0() \
+  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory")
 #define swa_fence_proxy_async() asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory")
 #endif
 """
@@ -176,29 +176,16 @@ def sync_macros(threads: int, emulate: bool):
     ``proxy_fence()`` (make this thread's shared-memory stores visible to wgmma, before
     the barrier that follows them); nothing when emulated."""
 
-    def call(name):
-        return T.cuda.func_call(name, source_code=COMMON_SOURCE)
+    def per_thread(name):
+        @T.macro
+        def run():
+            if not emulate:
+                for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                    T.evaluate(T.cuda.func_call(name, source_code=COMMON_SOURCE))
 
-    @T.macro
-    def fence():
-        if not emulate:
-            for tx in T.thread_binding(threads, thread="threadIdx.x"):
-                T.evaluate(call("swa_wgmma_fence"))
+        return run
 
-    @T.macro
-    def commit_wait():
-        if not emulate:
-            for tx in T.thread_binding(threads, thread="threadIdx.x"):
-                T.evaluate(call("swa_wgmma_commit"))
-                T.evaluate(call("swa_wgmma_wait0"))
-
-    @T.macro
-    def proxy_fence():
-        if not emulate:
-            for tx in T.thread_binding(threads, thread="threadIdx.x"):
-                T.evaluate(call("swa_fence_proxy_async"))
-
-    return fence, commit_wait, proxy_fence
+    return per_thread("swa_wgmma_fence"), per_thread("swa_wgmma_commit_wait0"), per_thread("swa_fence_proxy_async")
 
 
 def probe(dtype: str, operand: str, rows: int, cols: int, ks: int, swap: bool = False, emulate: bool = False):
