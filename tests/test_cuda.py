@@ -256,7 +256,7 @@ def test_machine_code_of_the_wgmma_forward():
     HMMA or ldmatrix left (the tensor cores read K and V from shared memory); fewer
     instructions per product than the mma.sync kernel's (6.8); the shared stores fenced
     for the async proxy; and ptxas did not serialize the wgmma."""
-    from swa_tvm import sass
+    from swa_tvm import cuda_races, sass
     from swa_tvm.cuda_pack import nvcc_compile, ptxas_resources
     from swa_tvm.cuda_races import generated_source
     from swa_tvm.schedules import cuda_flash_tc
@@ -266,7 +266,19 @@ def test_machine_code_of_the_wgmma_forward():
                "w8": (8, 64, True, False, 1, True)}
     funcs = {f"{spec.name}_{n}": cuda_flash_tc.flash_tc(spec, cuda_flash_tc.TCConfig(*c)).with_attr(
         "global_symbol", f"{spec.name}_{n}") for n, c in configs.items()}
-    cubin, report = nvcc_compile(generated_source(funcs, "sm_90a"), "sm_90a", "cubin")
+    source = generated_source(funcs, "sm_90a")
+    # Per kernel: a fence before each of the two products, each committed and waited for
+    # before its results are read; the synchronous loads' stores fenced for wgmma.
+    for name in configs:
+        body = cuda_races.kernel_body(source, f"{spec.name}_{name}_kernel")
+        calls = re.findall(r"swa_wgmma_fence\(\)|swa_wgmma_\w+_n\d+_r\d+\(|swa_wgmma_commit_wait0\(\)|"
+                           r"swa_fence_proxy_async\(\)", body)
+        order = [c.split("(")[0].replace("swa_", "") for c in calls]
+        products = ["wgmma_bf16_nk_n64_r64"] * 8
+        pv = ["wgmma_bf16_nk_n128_r128" if name == "w4_vt" else "wgmma_bf16_kn_n128_r64"] * 4
+        assert order == ["fence_proxy_async", "wgmma_fence", *products, "wgmma_commit_wait0", "wgmma_fence", *pv,
+                         "wgmma_commit_wait0"], (name, order)
+    cubin, report = nvcc_compile(source, "sm_90a", "cubin")
     assert "serialized" not in report, report[-2000:]
     resources = ptxas_resources(report)
     for kernel, (insts, labels) in sass.kernel_instructions(sass.disassemble(cubin)).items():
