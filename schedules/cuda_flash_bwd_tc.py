@@ -51,6 +51,7 @@ from .cuda_flash import (
 from .cuda_flash_bwd import KINDS, _dkv_kernel, _dq_kernel, _dx_kernel, _global_kernel, last_keys_loader, stats_loader
 from .cuda_flash_tc import (
     PTX_TYPE,
+    TileLayout,
     a_loader,
     c_pos,
     chunk_mask,
@@ -60,6 +61,7 @@ from .cuda_flash_tc import (
     pair_loader,
     tile_scope,
 )
+from .cuda_wgmma import sync_macros, wgmma_macro, wgmma_ss_macro
 
 
 class Frags(NamedTuple):
@@ -82,6 +84,10 @@ class TCBwdConfig:
     warps: int = 2  # 16 item rows each: block = 16 * warps
     chunk: int = 32  # partners per step (a multiple of 16)
     ldmatrix: bool = True  # every operand read from shared memory by ldmatrix(.trans) (else 16-bit loads)
+    # Hopper's wgmma (sm_90a; cuda_wgmma), as the forward's: S and dP with both operands
+    # read by the tensor cores from the item's and the chunk's tiles (core matrices), the
+    # accumulations with P or dS from registers; warps a multiple of 4.
+    wgmma: bool = False
 
     @property
     def block(self) -> int:
@@ -91,7 +97,8 @@ class TCBwdConfig:
         el = tvm.runtime.DataType(dtype).bits // 8
         # The item's two tiles, the chunk's two; per chunk column lse, delta and the
         # extra keys' three int64 tables (or the global rows' last keys); alignment.
-        return 2 * (self.block + self.chunk) * (head_dim + 8) * el + self.chunk * (2 * 4 + 3 * 8) + 9 * 64
+        row = head_dim + (0 if self.wgmma else 8)
+        return 2 * (self.block + self.chunk) * row * el + self.chunk * (2 * 4 + 3 * 8) + 9 * 64
 
 
 # Largest first. Chunks stop at 32: a dk/dv warp holds two head-dim accumulators (64 fp32
@@ -126,7 +133,9 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
     NW, KC = cfg.warps, cfg.chunk
     BR, NT = 16 * NW, 32 * NW
     NS, NO, KD, KK = KC // 8, D // 8, D // 16, KC // 16  # score tiles, output tiles, k-steps (head dim, chunk)
-    DP = D + 8  # padded rows, as in cuda_flash_tc
+    # Tiles of rows padded by 8 values, as in cuda_flash_tc, or wgmma's core matrices.
+    WG = bool(cfg.wgmma)
+    item_tile, chunk_tile = TileLayout(D, BR, WG), TileLayout(D, KC, WG)
     INF = tirx.const(float("inf"), acc)
     ZERO, ONE = tirx.const(0.0, acc), tirx.const(1.0, acc)
     # Probabilities as exp2 of scores and lse in log2 units (scale * log2 e): one FFMA
@@ -139,7 +148,12 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
     store_item, load_item_scalars = item_scalars(NT, BR, lo, hi, KC)
     store_key_item, load_key_item_scalars = item_scalars(NT, BR, hi, lo, KC)  # the transposed band (dk/dv)
     chunk_inside, chunk_bounds, chunk_visible = chunk_mask(NT, 2, KC)
-    load_item, load_chunk = pair_loader(NT, D, BR), pair_loader(NT, D, KC)
+    wg_fence, wg_commit_wait, wg_proxy_fence = sync_macros(NT, emulate)
+    if WG:
+        wgmma_products = wgmma_ss_macro(NW, dt, KC, BR, emulate)  # S or dP [64 x KC] per warpgroup
+        wgmma_accumulate = wgmma_macro(NW, dt, "kn", D, KC, emulate)  # [64 x D] += (P or dS) C
+    load_item = pair_loader(NT, D, BR, WG, wg_proxy_fence if WG else None)
+    load_chunk = pair_loader(NT, D, KC, WG, wg_proxy_fence if WG else None)
     load_chunk_stats = stats_loader(NT, KC, acc, lse_scale=LOG2E)
     load_extra_positions = extra_positions_loader(NT, KC)
     load_last_keys = last_keys_loader(NT, KC, causal)
@@ -164,7 +178,13 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
             for x in T.unroll(NS * 4):
                 sfrag[tx, x] = ZERO
                 dpfrag[tx, x] = ZERO
-        for ks in T.unroll(KD):
+        if WG:
+            wg_fence()
+            for ks in T.unroll(KD):
+                wgmma_products(A, Bt, ks, sfrag)
+                wgmma_products(A2, B2, ks, dpfrag)
+            wg_commit_wait()
+        for ks in T.unroll(0 if WG else KD):
             load_a(A, afrag, 0, lambda tx: (tx // 32) * 16, ks)
             load_a(A2, a2frag, 0, lambda tx: (tx // 32) * 16, ks)
             for ntp in T.unroll(NS // 2):
@@ -178,8 +198,14 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
     @T.macro
     def accumulate(wfrag, Ct, bfrag, cacc):
         # cacc += W C: W the warp's rows x the chunk's KC partners (A fragments), C the
-        # chunk's tile [partners, D] read along its rows, two output tiles per load.
-        for ks in T.unroll(KK):
+        # chunk's tile [partners, D] read along its rows, two output tiles per load
+        # (wgmma: every column at once).
+        if WG:
+            wg_fence()
+            for ks in T.unroll(KK):
+                wgmma_accumulate(wfrag, ks * 8, Ct, ks, cacc)
+            wg_commit_wait()
+        for ks in T.unroll(0 if WG else KK):
             for ndp in T.unroll(NO // 2):
                 load_kn(Ct, bfrag, ks, ndp)
                 mma(wfrag, ks * 8, bfrag, 0, cacc, ndp * 8)
@@ -286,10 +312,10 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
             with T.sblock("flash_tc_dq"):
                 T.reads()
                 T.writes()
-                Qs = T.alloc_buffer((BR * DP,), dt, scope=SH)
-                dOs = T.alloc_buffer((BR * DP,), dt, scope=SH)
-                Kt = T.alloc_buffer((KC * DP,), dt, scope=SH)
-                Vt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                Qs = T.alloc_buffer((item_tile.size,), dt, scope=SH)
+                dOs = T.alloc_buffer((item_tile.size,), dt, scope=SH)
+                Kt = T.alloc_buffer((chunk_tile.size,), dt, scope=SH)
+                Vt = T.alloc_buffer((chunk_tile.size,), dt, scope=SH)
                 xpos_s = T.alloc_buffer((KC,), "int64", scope=SH)
                 xres_s = T.alloc_buffer((KC,), "int64", scope=SH)
                 xt_s = T.alloc_buffer((KC,), "int64", scope=SH)
@@ -358,10 +384,10 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
             with T.sblock("flash_tc_dkv"):
                 T.reads()
                 T.writes()
-                Ks = T.alloc_buffer((BR * DP,), dt, scope=SH)
-                Vs = T.alloc_buffer((BR * DP,), dt, scope=SH)
-                Qt = T.alloc_buffer((KC * DP,), dt, scope=SH)
-                dOt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                Ks = T.alloc_buffer((item_tile.size,), dt, scope=SH)
+                Vs = T.alloc_buffer((item_tile.size,), dt, scope=SH)
+                Qt = T.alloc_buffer((chunk_tile.size,), dt, scope=SH)
+                dOt = T.alloc_buffer((chunk_tile.size,), dt, scope=SH)
                 lse_c = T.alloc_buffer((KC,), acc, scope=SH)
                 delta_c = T.alloc_buffer((KC,), acc, scope=SH)
                 afrag = T.alloc_buffer((NT, 8), dt, scope="local")
@@ -416,10 +442,10 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
             with T.sblock("flash_tc_global_dq"):
                 T.reads()
                 T.writes()
-                Qs = T.alloc_buffer((BR * DP,), dt, scope=SH)
-                dOs = T.alloc_buffer((BR * DP,), dt, scope=SH)
-                Kt = T.alloc_buffer((KC * DP,), dt, scope=SH)
-                Vt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                Qs = T.alloc_buffer((item_tile.size,), dt, scope=SH)
+                dOs = T.alloc_buffer((item_tile.size,), dt, scope=SH)
+                Kt = T.alloc_buffer((chunk_tile.size,), dt, scope=SH)
+                Vt = T.alloc_buffer((chunk_tile.size,), dt, scope=SH)
                 afrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 a2frag = T.alloc_buffer((NT, 8), dt, scope="local")
                 bfrag = T.alloc_buffer((NT, 8), dt, scope="local")
@@ -458,10 +484,10 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
             with T.sblock("flash_tc_global_dkv"):
                 T.reads()
                 T.writes()
-                Ks = T.alloc_buffer((BR * DP,), dt, scope=SH)
-                Vs = T.alloc_buffer((BR * DP,), dt, scope=SH)
-                Qt = T.alloc_buffer((KC * DP,), dt, scope=SH)
-                dOt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                Ks = T.alloc_buffer((item_tile.size,), dt, scope=SH)
+                Vs = T.alloc_buffer((item_tile.size,), dt, scope=SH)
+                Qt = T.alloc_buffer((chunk_tile.size,), dt, scope=SH)
+                dOt = T.alloc_buffer((chunk_tile.size,), dt, scope=SH)
                 lse_c = T.alloc_buffer((KC,), acc, scope=SH)
                 delta_c = T.alloc_buffer((KC,), acc, scope=SH)
                 gpos_c = T.alloc_buffer((KC,), "int64", scope=SH)
@@ -503,10 +529,10 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
             with T.sblock("flash_tc_dx"):
                 T.reads()
                 T.writes()
-                Ks = T.alloc_buffer((BR * DP,), dt, scope=SH)
-                Vs = T.alloc_buffer((BR * DP,), dt, scope=SH)
-                Qt = T.alloc_buffer((KC * DP,), dt, scope=SH)
-                dOt = T.alloc_buffer((KC * DP,), dt, scope=SH)
+                Ks = T.alloc_buffer((item_tile.size,), dt, scope=SH)
+                Vs = T.alloc_buffer((item_tile.size,), dt, scope=SH)
+                Qt = T.alloc_buffer((chunk_tile.size,), dt, scope=SH)
+                dOt = T.alloc_buffer((chunk_tile.size,), dt, scope=SH)
                 lse_c = T.alloc_buffer((KC,), acc, scope=SH)
                 delta_c = T.alloc_buffer((KC,), acc, scope=SH)
                 xpos_s = T.alloc_buffer((BR,), "int64", scope=SH)

@@ -536,7 +536,8 @@ def tile_scope(spec: KernelSpec, cfg) -> str:
         raise ValueError(
             f"kernel {spec.name}: {cfg}: warps (and m_tiles) must be >= 1 and chunk a positive multiple of 16"
         )
-    if getattr(cfg, "wgmma", False) and (cfg.warps % 4 or cfg.m_tiles != 1 or cfg.chunk > 256 or spec.head_dim > 256):
+    if getattr(cfg, "wgmma", False) and (cfg.warps % 4 or getattr(cfg, "m_tiles", 1) != 1 or cfg.chunk > 256
+                                         or spec.head_dim > 256):
         raise ValueError(
             f"kernel {spec.name}: {cfg}: wgmma takes warps a multiple of 4 (whole warpgroups), m_tiles 1, "
             f"chunk <= 256 and head_dim <= 256 (got {spec.head_dim})"

@@ -124,6 +124,72 @@ def wgmma_source(name: str, n: int, dtype: str, trans_b: int, lbo: int, sbo: int
     )
 
 
+def wgmma_ss_source(name: str, n: int, dtype: str, a_fields: tuple[int, int], b_fields: tuple[int, int]) -> str:
+    """A C macro ``name(aptr, bptr, d0..d{n/2-1})``: D[64 x n] += A[64 x 16] B[16 x n], both
+    from shared memory, K-major (``imm-trans-a``/``-b`` 0), at ``aptr``/``bptr`` with
+    (LBO, SBO) ``a_fields``/``b_fields`` (bytes); scale-d 1, as ``wgmma_source``."""
+    from .cuda_flash_tc import PTX_TYPE
+
+    half, ptx = n // 2, PTX_TYPE[dtype]
+    d = ",".join(f"%{i}" for i in range(half))
+    params = ", ".join(["aptr", "bptr"] + [f"d{i}" for i in range(half)])
+    outs = ", ".join(f'"+f"(d{i})' for i in range(half))
+    return (
+        COMMON_SOURCE
+        + f"#define {name}({params}) \\\n"
+        + f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{half + 2}, 0;\\n" \\\n'
+        + f'               "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} '
+        + f'{{{d}}}, %{half}, %{half + 1}, p, 1, 1, 0, 0;\\n}}\\n" \\\n'
+        + f"    : {outs} \\\n"
+        + f'    : "l"(swa_gmma_desc(aptr, {a_fields[0]}u, {a_fields[1]}u)), '
+        + f'"l"(swa_gmma_desc(bptr, {b_fields[0]}u, {b_fields[1]}u)), "n"(1))\n'
+    )
+
+
+def wgmma_ss_macro(warps: int, dtype: str, n: int, a_rows: int, emulate: bool):
+    """A T.macro ``wgmma(atile, btile, ks, cfrag)``: in each warpgroup g, C[64 x n] +=
+    A B over k-step ``ks``, A = rows 64g..64g+63 of ``atile`` (``core_offset`` layout,
+    ``a_rows`` rows: A[m][k] = atile[64g + m][16*ks + k]), B = ``btile``'s k-step read as
+    "nk" (B[k][j] = btile[j][16*ks + k], its n rows), both K-major from shared memory; C
+    as ``wgmma_macro``'s. Emulated, both read where ``canonical_address`` says."""
+    from .cuda_flash_tc import PTX_TYPE, c_lane
+
+    nt = 32 * warps
+    name = f"swa_wgmma_ss_{PTX_TYPE[dtype]}_n{n}_a{a_rows}"
+    _, a_lbo, a_sbo = descriptor_fields("nk", a_rows, 0)
+    _, b_lbo, b_sbo = descriptor_fields("nk", n, 0)
+    source = wgmma_ss_source(name, n, dtype, (a_lbo, a_sbo), (b_lbo, b_sbo))
+
+    def f32(x):
+        return T.Cast("float32", x)
+
+    def a_value(atile, ks, m, k):
+        return atile[canonical_address(descriptor_fields("nk", a_rows, ks)[0], a_lbo, a_sbo, "K", m, k) // 2]
+
+    def b_value(btile, ks, k, j):
+        return btile[canonical_address(descriptor_fields("nk", n, ks)[0], b_lbo, b_sbo, "K", j, k) // 2]
+
+    def call(atile, btile, ks, cfrag, tx):
+        # Warpgroup g's 64 rows: 8 cores (1024 bytes) down the rows of the A tile.
+        a_start = descriptor_fields("nk", a_rows, ks)[0] // 2 + (tx // 128) * 512
+        ptrs = [atile.access_ptr("r", offset=a_start), btile.access_ptr("r", offset=descriptor_fields("nk", n, ks)[0] // 2)]
+        return T.cuda.func_call(name, *ptrs, *[cfrag[tx, i] for i in range(n // 2)], source_code=source)
+
+    @T.macro
+    def wgmma(atile, btile, ks, cfrag):
+        if emulate:
+            for w, row, j in T.grid(warps, 16, n):
+                for k in T.serial(16):
+                    cfrag[w * 32 + c_lane(row, j % 8)[0], (j // 8) * 4 + c_lane(row, j % 8)[1]] = cfrag[
+                        w * 32 + c_lane(row, j % 8)[0], (j // 8) * 4 + c_lane(row, j % 8)[1]
+                    ] + f32(a_value(atile, ks, w * 16 + row, k)) * f32(b_value(btile, ks, k, j))
+        else:
+            for tx in T.thread_binding(nt, thread="threadIdx.x"):
+                T.evaluate(call(atile, btile, ks, cfrag, tx))
+
+    return wgmma
+
+
 def wgmma_macro(warps: int, dtype: str, operand: str, n: int, rows: int, emulate: bool, swap: bool = False):
     """A T.macro ``wgmma(afrag, a0, tile, ks, cfrag)``: in each warpgroup of the block's
     ``warps`` warps (a multiple of 4; group g owns rows 64g..64g+63), C[rows x n] +=

@@ -67,8 +67,9 @@ def build_libraries(out: str, arch: str) -> list[str]:
 # default is picked without one): tensor-core (warps, partners per chunk[, ldmatrix:
 # False loads the B operands read along a tile's rows with 16-bit loads instead[,
 # async_copy: the forward's K and V chunks by cp.async[, m_tiles: the forward's 16-row
-# tiles per warp[, wgmma[, transpose_v]]]]]), and the CUDA-core kernel; for the forward
-# and for the two band gradient kernels. At the issue's bf16 D=128 causal W=4096 shape.
+# tiles per warp[, wgmma[, transpose_v]]]]]; the gradients' (warps, chunk[, ldmatrix[,
+# wgmma]])), and the CUDA-core kernel; for the forward and for the two band gradient
+# kernels. At the issue's bf16 D=128 causal W=4096 shape.
 # Those past 48 KiB of shared memory (forward 8 x 64 and every m_tiles=2, backward 4 x 32
 # and 4 x 64) take dynamic shared memory. The wgmma ones (sm_90 only: the module is then
 # built for sm_90a) have not run on a GPU before: V's tile both as it is (MN-major) and
@@ -82,7 +83,8 @@ TC_VARIANTS = (
     (4, 64, True, False, 1, True), (4, 64, True, True, 1, True), (4, 64, True, False, 1, True, True),
     (8, 64, True, False, 1, True), (8, 64, True, True, 1, True),
 )
-TC_BWD_VARIANTS = ((2, 32), (2, 32, False), (4, 32), (4, 64), (4, 16), (2, 16), (1, 32))
+TC_BWD_VARIANTS = ((2, 32), (2, 32, False), (4, 32), (4, 64), (4, 16), (2, 16), (1, 32),
+                   (4, 32, True, True), (4, 64, True, True), (8, 32, True, True))
 # One wgmma alone against a matrix product (``cuda_wgmma.probe``: operand, tile rows,
 # tile columns, k-step, LBO and SBO exchanged), at the forward's geometry: K's tile (64
 # keys x 128), V's as it is and with the other reading of its MN-major descriptor, V's

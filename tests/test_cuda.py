@@ -292,6 +292,36 @@ def test_machine_code_of_the_wgmma_forward():
         assert any("FENCE.VIEW.ASYNC.S" in line for _, line in insts), kernel
 
 
+def test_machine_code_of_the_wgmma_gradients():
+    """The dq and dk/dv kernels on wgmma (sm_90a, bf16 D=128, 4 warps x 32 keys): no
+    spill; in the chunk loop S and dP as 16 HGMMA.64x32x16 with both operands from
+    shared memory, dS K (dq) or P^T dO and dS^T Q (dk/dv) as HGMMA.64x128x16, the work
+    of 96 / 128 mma.sync per warp, and no HMMA or ldmatrix left; fewer instructions per
+    product than the mma.sync kernels (6.3, 5.7)."""
+    from swa_tvm import sass
+    from swa_tvm.cuda_pack import nvcc_compile, ptxas_resources
+    from swa_tvm.cuda_races import generated_source
+    from swa_tvm.schedules import cuda_flash_bwd_tc
+
+    kernels = {k.kind: k for k in AttentionSpec.parse("head_dim=128,window=4095:0,dtype=bfloat16,backward").kernels()}
+    cfg = cuda_flash_bwd_tc.TCBwdConfig(4, 32, wgmma=True)
+    funcs = {kernels[kind].name: cuda_flash_bwd_tc.flash_bwd_tc(kernels[kind], cfg) for kind in ("local_dq", "local_dkv")}
+    cubin, report = nvcc_compile(generated_source(funcs, "sm_90a"), "sm_90a", "cubin")
+    assert "serialized" not in report
+    listing = sass.kernel_instructions(sass.disassemble(cubin))
+    for kind, pv, most in (("local_dq", 2, 6.3), ("local_dkv", 4, 5.7)):
+        insts, labels = listing[f"{kernels[kind].name}_kernel"]
+        start, end = sass.hot_loop(insts, labels)
+        loop = [line for _, line in insts[start:end]]
+        shapes = collections.Counter(m.group(0) for line in loop for m in [re.search(r"HGMMA\.64x\d+x16", line)] if m)
+        assert shapes == {"HGMMA.64x32x16": 16, "HGMMA.64x128x16": pv}, (kind, shapes)
+        assert not any(re.search(r"\b(HMMA|LDSM)\b", line) for line in loop), kind
+        summary = sass.summarize(insts, labels)
+        assert summary["loop_mma"] == (96 if kind == "local_dq" else 128) and summary["loop_per_mma"] < most, summary
+    resources = ptxas_resources(report)
+    assert all(r["spill_stores"] == 0 for r in resources.values()), resources
+
+
 def test_wgmma_descriptors_name_the_tiles_layout():
     """Every element wgmma reads through a descriptor of ``descriptor_fields`` (per
     CUTLASS's canonical no-swizzle layouts, ``canonical_address``) is the element of the
@@ -823,17 +853,22 @@ TC_BACKWARD_CONFIGS = {
     "fp16_unbounded_left": ((2, 32, False), 16),  # 16-bit loads instead of ldmatrix
     "bf16_unbounded_right": ((1, 32), 32),
 }
+# And on wgmma (a warpgroup of 4 warps: 64 rows an item), emulated.
+TC_WGMMA_BACKWARD_CONFIGS = {
+    "bf16_causal_everything": ((4, 16, True, True), 32),
+    "fp16_unbounded_left": ((4, 32, True, True), 16),
+}
 
 
-@pytest.mark.parametrize("fused", ["cores", "tc", "te"])
+@pytest.mark.parametrize("fused", ["cores", "tc", "tc_wgmma", "te"])
 @pytest.mark.parametrize("case", list(BACKWARD_CASES))
 def test_cuda_backward_kernels_compute_the_reference_gradients(case, fused, monkeypatch):
     """The whole backward (``functional.attention_backward``: delta, sink gradient, the
     global rows' split, GQA sums) with every gradient kernel as the CUDA build makes it
     ("cores": all on the fused kernels of schedules/cuda_flash_bwd.py; "tc": on the
     tensor-core ones of schedules/cuda_flash_bwd_tc.py, mma emulated lane by lane;
-    "te": on the TE kernels' CUDA schedule), run serially on the CPU, against autograd
-    through the float64 dense reference."""
+    "tc_wgmma": the same on wgmma, emulated; "te": on the TE kernels' CUDA schedule),
+    run serially on the CPU, against autograd through the float64 dense reference."""
     import tvm
     from tvm import s_tir
 
@@ -845,16 +880,17 @@ def test_cuda_backward_kernels_compute_the_reference_gradients(case, fused, monk
     from swa_tvm.schedules import cuda, cuda_flash_bwd, cuda_flash_bwd_tc
     from swa_tvm.spec import BACKWARD_KINDS
 
-    if fused == "tc" and case not in TC_BACKWARD_CONFIGS:
-        pytest.skip("the tensor-core backward takes float16/bfloat16")
+    tc_configs = TC_WGMMA_BACKWARD_CONFIGS if fused == "tc_wgmma" else TC_BACKWARD_CONFIGS
+    if fused.startswith("tc") and case not in tc_configs:
+        pytest.skip("the tensor-core backward takes float16/bfloat16 (wgmma: two cases)")
     config = BACKWARD_CASES[case][5]
     built = []
 
     def serial_cuda_kernel(want, device):
         assert want.kind in BACKWARD_KINDS, "the forward comes from the reference here"
         built.append(want.kind)
-        if fused == "tc":
-            cfg = cuda_flash_bwd_tc.TCBwdConfig(*TC_BACKWARD_CONFIGS[case][0])
+        if fused.startswith("tc"):
+            cfg = cuda_flash_bwd_tc.TCBwdConfig(*tc_configs[case][0])
             func = cuda_flash_bwd_tc.flash_bwd_tc(want, cfg, emulate=True)
             return Kernel(want, _serial_on_cpu(func)[want.name], device, "serial, mma emulated")
         if fused == "cores":
@@ -868,7 +904,7 @@ def test_cuda_backward_kernels_compute_the_reference_gradients(case, fused, monk
     monkeypatch.setattr(functional, "_kernel", serial_cuda_kernel)
     dtype, window, dilation, extras, tol, _ = BACKWARD_CASES[case]
     B, H, Hkv, T, G = 2, 4, 2, 45, 2
-    D = TC_BACKWARD_CONFIGS[case][1] if fused == "tc" else 16
+    D = tc_configs[case][1] if fused.startswith("tc") else 16
     tdt = getattr(torch, dtype)
     leaf = lambda *shape: rand(*shape).to(tdt).double().requires_grad_()  # noqa: E731 - values exact in dtype
     q, k, v = leaf(B, H, T, D), leaf(B, Hkv, T, D), leaf(B, Hkv, T, D)
