@@ -172,7 +172,8 @@ def wgmma_ss_macro(warps: int, dtype: str, n: int, a_rows: int, emulate: bool):
     def call(atile, btile, ks, cfrag, tx):
         # Warpgroup g's 64 rows: 8 cores (1024 bytes) down the rows of the A tile.
         a_start = descriptor_fields("nk", a_rows, ks)[0] // 2 + (tx // 128) * 512
-        ptrs = [atile.access_ptr("r", offset=a_start), btile.access_ptr("r", offset=descriptor_fields("nk", n, ks)[0] // 2)]
+        b_start = descriptor_fields("nk", n, ks)[0] // 2
+        ptrs = [atile.access_ptr("r", offset=a_start), btile.access_ptr("r", offset=b_start)]
         return T.cuda.func_call(name, *ptrs, *[cfrag[tx, i] for i in range(n // 2)], source_code=source)
 
     @T.macro
@@ -297,6 +298,7 @@ def probe(dtype: str, operand: str, rows: int, cols: int, ks: int, swap: bool = 
                 commit_wait()
                 for tx in T.thread_binding(128, thread="threadIdx.x"):
                     for i in T.unroll(n // 2):
-                        d[(tx // 32) * 16 + c_pos(tx % 32, i % 4)[0], (i // 4) * 8 + c_pos(tx % 32, i % 4)[1]] = cfrag[tx, i]
+                        row, col = T.meta_var(c_pos(tx % 32, i % 4))
+                        d[(tx // 32) * 16 + row, (i // 4) * 8 + col] = cfrag[tx, i]
 
     return func

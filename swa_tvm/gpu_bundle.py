@@ -135,8 +135,9 @@ def build_variants(out: str, arch: str) -> str:
             if wgmma and not hopper:
                 continue
             make = tc.flash_tc if kind == "local" else tc.flash_bwd_tc
-            suffix = (f"tc_w{cfg.warps}_c{cfg.chunk}" + ("" if cfg.ldmatrix else "_lds16") + ("_async" if async_copy else "")
-                      + (f"_m{m_tiles}" if m_tiles > 1 else "") + ("_wgmma" if wgmma else "") + ("_vt" if transpose_v else ""))
+            suffix = (f"tc_w{cfg.warps}_c{cfg.chunk}" + ("" if cfg.ldmatrix else "_lds16")
+                      + ("_async" if async_copy else "") + (f"_m{m_tiles}" if m_tiles > 1 else "")
+                      + ("_wgmma" if wgmma else "") + ("_vt" if transpose_v else ""))
             add(spec, suffix, make(spec, cfg), kernel=tc.__name__.rsplit(".", 1)[1], warps=cfg.warps, chunk=cfg.chunk,
                 ldmatrix=cfg.ldmatrix, async_copy=async_copy, m_tiles=m_tiles, wgmma=wgmma, transpose_v=transpose_v,
                 shared_bytes=cfg.shared_bytes(spec.head_dim, spec.dtype), default=cfg == tc.default_config(spec))

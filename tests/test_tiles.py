@@ -52,7 +52,8 @@ def test_records_from_the_gpu_checks_rows(tmp_path):
     fwd = {a: next(r for r in recs if r["kind"] == "local") for a, recs in got.items()}
     assert fwd["sm_90a"]["function"] == "k__tc_w8_c64_wgmma" and fwd["sm_90a"]["tiles"]["wgmma"] is True
     assert fwd["sm_90"]["function"] == "k__tc_w4_c32_async" and fwd["sm_90"]["tiles"] == {
-        "warps": 4, "chunk": 32, "ldmatrix": True, "async_copy": True, "m_tiles": 1, "wgmma": False, "transpose_v": False}
+        "warps": 4, "chunk": 32, "ldmatrix": True, "async_copy": True, "m_tiles": 1, "wgmma": False,
+        "transpose_v": False}
     assert fwd["sm_90"]["default_ms"] == 15.0 and fwd["sm_90"]["ms"] == 13.0
     assert fwd["sm_90"]["device"] == "NVIDIA H200" and fwd["sm_90"]["bundle"] == "abc1234"
     assert [r["kind"] for r in got["sm_90"]] == ["local", "local_dq"]  # no dk/dv rows measured: no record
