@@ -451,10 +451,12 @@ def chunk_mask(threads: int, slots: int, chunk: int):
 
     @T.macro
     def bounds(rel, first_r, last_r, c):
+        # In the intervals' own type (int32 ones: the chunk's start too).
+        base = T.meta_var(T.Cast(first_r.dtype, c) * chunk)
         for tx in T.thread_binding(threads, thread="threadIdx.x"):
             for r in T.unroll(slots):
-                rel[tx, r] = T.Cast("int32", T.max(T.min(first_r[tx, r] - c * chunk - 2 * (tx % 4), chunk), 0))
-                rel[tx, slots + r] = T.Cast("int32", T.max(T.min(last_r[tx, r] - c * chunk - 2 * (tx % 4), chunk - 1), -1))
+                rel[tx, r] = T.Cast("int32", T.max(T.min(first_r[tx, r] - base - 2 * (tx % 4), chunk), 0))
+                rel[tx, slots + r] = T.Cast("int32", T.max(T.min(last_r[tx, r] - base - 2 * (tx % 4), chunk - 1), -1))
 
     def visible(rel, tx, l, nt, s):
         return T.And(nt * 8 + l % 2 >= rel[tx, s], nt * 8 + l % 2 <= rel[tx, slots + s])
@@ -559,6 +561,11 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
     NS, NO, KD = KC // 8, D // 8, D // 16  # score tiles, output tiles, k-steps of Q K^T
     R = 2 * MT  # rows a thread holds C values of: two per 16-row tile
     QREG = MT == 1  # Q's A fragments in registers (else re-read from Q's shared tile)
+    # The rows' band intervals: int32 with two row tiles a warp, whose doubled accumulators
+    # leave ptxas no registers for eight 64-bit pairs (it spilled 16-32 bytes); int64
+    # where they fit (int32 there made ptxas spill sm_80's D=32 default instead). Band
+    # indices are within +-T, and T < 2^31 (int32 positions throughout).
+    INTERVAL = "int32" if MT > 1 else "int64"
     # Shared tiles of rows padded by 8 values (the 8 rows a fragment load touches fall in
     # different banks), or with wgmma core matrices, unpadded (TileLayout).
     WG = bool(cfg.wgmma)
@@ -830,8 +837,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 ofrag = T.alloc_buffer((NT, MT * NO * 4), acc, scope="local")
                 m_r = T.alloc_buffer((NT, R), acc, scope="local")
                 l_r = T.alloc_buffer((NT, R), acc, scope="local")
-                first_r = T.alloc_buffer((NT, R), "int64", scope="local")
-                last_r = T.alloc_buffer((NT, R), "int64", scope="local")
+                first_r = T.alloc_buffer((NT, R), INTERVAL, scope="local")
+                last_r = T.alloc_buffer((NT, R), INTERVAL, scope="local")
                 rel = T.alloc_buffer((NT, 2 * R), "int32", scope="local")
                 part = T.alloc_buffer((NT, 2 * R), acc, scope="local")
                 red = T.alloc_buffer((NT, R), acc, scope="local")
@@ -850,8 +857,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 # Each row's visible band interval.
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     for rs in T.unroll(R):
-                        first_r[tx, rs] = row_key_range(lo, hi, Tn, d, m0, r, t_row(tx, rs))[0]
-                        last_r[tx, rs] = row_key_range(lo, hi, Tn, d, m0, r, t_row(tx, rs))[1]
+                        first_r[tx, rs] = T.Cast(INTERVAL, row_key_range(lo, hi, Tn, d, m0, r, t_row(tx, rs))[0])
+                        last_r[tx, rs] = T.Cast(INTERVAL, row_key_range(lo, hi, Tn, d, m0, r, t_row(tx, rs))[1])
                 stream(
                     QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
                     c_begin, c_end, lambda c, kk: band_positions(key0, d, c, KC)(kk), first_r, last_r, inner_lo, inner_hi,
@@ -942,8 +949,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 ofrag = T.alloc_buffer((NT, MT * NO * 4), acc, scope="local")
                 m_r = T.alloc_buffer((NT, R), acc, scope="local")
                 l_r = T.alloc_buffer((NT, R), acc, scope="local")
-                first_r = T.alloc_buffer((NT, R), "int64", scope="local")
-                last_r = T.alloc_buffer((NT, R), "int64", scope="local")
+                first_r = T.alloc_buffer((NT, R), INTERVAL, scope="local")
+                last_r = T.alloc_buffer((NT, R), INTERVAL, scope="local")
                 rel = T.alloc_buffer((NT, 2 * R), "int32", scope="local")
                 part = T.alloc_buffer((NT, 2 * R), acc, scope="local")
                 red = T.alloc_buffer((NT, R), acc, scope="local")
@@ -970,8 +977,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 # Row slot rs sees keys 0..its last (-1: a padding row past G sees none).
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     for rs in T.unroll(R):
-                        first_r[tx, rs] = T.int64(0)
-                        last_r[tx, rs] = global_row_last_key(gidx, b, g0 + t_row(tx, rs), G, Tn, causal)
+                        first_r[tx, rs] = T.Cast(INTERVAL, 0)
+                        last_r[tx, rs] = T.Cast(INTERVAL, global_row_last_key(gidx, b, g0 + t_row(tx, rs), G, Tn, causal))
                 stream(
                     QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
                     fld[5], fld[6], lambda c, kk: T.Cast("int32", c * KC) + kk, first_r, last_r, T.int64(0), fld[7],
