@@ -617,9 +617,7 @@ def _run(args) -> int:
     libs = sorted(glob.glob(os.path.join(args.libs, "*.so")))
     results["libraries"] = []
     ok = True
-    if args.variant:  # time_variants' child: the libraries (the reference), then one row
-        for lib in libs:
-            swa_tvm.load_library(lib)
+    if args.variant:  # time_variants' child: one row (a kernel's: the libraries for the reference)
         meta, module = load_variants(args.libs)
         entries = [e for e in meta["variants"] if e["function"] == args.variant]
         if not entries:
@@ -628,6 +626,8 @@ def _run(args) -> int:
         if entries[0]["kind"] == "wgmma_probe":
             row = probe_row(module, entries[0], dev)
         else:
+            for lib in libs:
+                swa_tvm.load_library(lib)
             (row,) = variant_rows(module, dict(meta, variants=entries), dev, shape)
         print(VARIANT_ROW + json.dumps(row), flush=True)
         return 0 if "error" not in row else 1
