@@ -152,7 +152,9 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
     if WG:
         wgmma_products = wgmma_ss_macro(NW, dt, KC, BR, emulate)  # S or dP [64 x KC] per warpgroup
         wgmma_accumulate = wgmma_macro(NW, dt, "kn", D, KC, emulate)  # [64 x D] += (P or dS) C
-    load_item = pair_loader(NT, D, BR, WG, wg_proxy_fence if WG else None)
+    # wgmma reads both tiles after a chunk's load, whose fence (any prior store of the
+    # thread, not one tile's) covers the item's tiles too.
+    load_item = pair_loader(NT, D, BR, WG)
     load_chunk = pair_loader(NT, D, KC, WG, wg_proxy_fence if WG else None)
     load_chunk_stats = stats_loader(NT, KC, acc, lse_scale=LOG2E)
     load_extra_positions = extra_positions_loader(NT, KC)

@@ -389,14 +389,14 @@ CP_ASYNC_SOURCE = r"""
 
 
 def async_loader(threads: int, head_dim: int, rows: int, emulate: bool, cores: bool = False):
-    """Macros ``issue(A, src, b, hh, pos_of, n)`` and ``wait_all()`` for one shared tile
-    laid out as ``pair_loader``'s, copied by cp.async: ``issue`` starts the copies of
-    rows i < ``rows`` from src[b, hh, pos_of(i)] (clamped to [0, n)) and commits them;
-    ``wait_all`` waits for the thread's copies (with ``cores``, wgmma's tiles, then
-    makes them visible to wgmma: ``fence.proxy.async``) and then for the block (a
-    barrier), after which the tile may be read, and every read issued before it is done,
-    so the tile may be overwritten. ``emulate``: plain copies and no waits (the CPU runs
-    threads in turn)."""
+    """Macros ``issue(A, src, b, hh, pos_of, n)`` and ``wait_all(landing)`` for one shared
+    tile laid out as ``pair_loader``'s, copied by cp.async: ``issue`` starts the copies
+    of rows i < ``rows`` from src[b, hh, pos_of(i)] (clamped to [0, n)) and commits
+    them; ``wait_all`` waits for the thread's copies (with ``cores`` and ``landing``,
+    copies wgmma will read, then makes them visible to it: ``fence.proxy.async``) and
+    then for the block (a barrier), after which the tile may be read, and every read
+    issued before it is done, so the tile may be overwritten. ``emulate``: plain copies
+    and no waits (the CPU runs threads in turn)."""
     D, VEC = head_dim, 8
     lay = TileLayout(head_dim, rows, cores)
     steps = -(-rows * D // VEC // threads)
@@ -425,11 +425,11 @@ def async_loader(threads: int, head_dim: int, rows: int, emulate: bool, cores: b
                 T.evaluate(T.cuda.func_call("swa_cp_async_commit", source_code=CP_ASYNC_SOURCE))
 
     @T.macro
-    def wait_all():
+    def wait_all(landing):
         if not emulate:
             for tx in T.thread_binding(threads, thread="threadIdx.x"):
                 T.evaluate(T.cuda.func_call("swa_cp_async_wait_all", source_code=CP_ASYNC_SOURCE))
-                if cores:
+                if cores and landing:
                     T.evaluate(T.cuda.func_call("swa_fence_proxy_async", source_code=COMMON_SOURCE))
                 T.evaluate(T.tvm_storage_sync("shared"))
 
@@ -755,19 +755,19 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 softmax_pv(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red)
         else:
             # Every warp holds its Q fragments before K overwrites their tile.
-            wait_all()
+            wait_all(False)
             if c_begin < c_end:
                 issue_rows(QK, k, b, kvh, lambda kk: pos_of(c_begin, kk), Tn)
             for c in T.serial(c_begin, c_end):
-                wait_all()  # K(c) is in; every warp is done with V(c - 1)
+                wait_all(True)  # K(c) is in; every warp is done with V(c - 1)
                 issue_rows(Vt, v, b, kvh, lambda kk: pos_of(c, kk), Tn)
                 scores(QK, Qs, qfrag, kfrag, sfrag)
-                wait_all()  # V(c) is in; every warp is done with K(c)
+                wait_all(True)  # V(c) is in; every warp is done with K(c)
                 if c + 1 < c_end:
                     issue_rows(QK, k, b, kvh, lambda kk: pos_of(c + 1, kk), Tn)
                 band_mask_max(c, sfrag, m_r, part, red, rel, first_r, last_r, inner_lo, inner_hi, scale2)
                 softmax_pv(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red)
-            wait_all()  # nothing in flight past the stream; its tiles are free again
+            wait_all(False)  # nothing in flight past the stream; its tiles are free again
 
     @T.macro
     def start_rows(QK, Qs, qfrag, ofrag, m_r, l_r, src, b, h, src_row, sink):

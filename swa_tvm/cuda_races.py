@@ -20,7 +20,11 @@ last ``__syncthreads()``:
   complete;
 - a read of a buffer a cp.async writes, unless ``cp.async.wait_group`` and then a barrier
   came between (the wait completes the issuing thread's copies, the barrier everyone's);
-- copies still in flight when the kernel ends.
+- copies still in flight when the kernel ends;
+- a read by wgmma (the tensor cores' async proxy) of a buffer written since the last
+  ``fence.proxy.async`` that was itself followed by a barrier: each writer must fence its
+  own completed stores (a cp.async's after its wait), then everyone meets, then wgmma
+  reads (PTX ISA, memory consistency of the async proxy).
 
 It is a model of the source, not of the hardware: a buffer is one unit (a write and a
 read of different halves without a barrier between counts as a race), so kernels whose
@@ -39,6 +43,10 @@ import sys
 
 SYNC = "__syncthreads();"
 WAIT = re.compile(r"\bswa_cp_async_wait_all\(\)")
+PROXY_FENCE = re.compile(r"\bswa_fence_proxy_async\(\)")
+# A wgmma product (cuda_wgmma's macros), not its fences or waits: its buffers are read
+# by the async proxy.
+WGMMA = re.compile(r"\bswa_wgmma_(?!fence|commit)\w+\(")
 ASYNC = re.compile(r"\bswa_cp_async_16\(\(&\((\w+)\[")
 ASSIGN = re.compile(r"^(?P<lhs>[^=]+?)\s=\s(?P<rhs>.*);$")
 
@@ -86,8 +94,8 @@ def _accesses(text: str, names) -> list[tuple[str, str]]:
 
 def events(body: str) -> list[tuple]:
     """The kernel's shared-memory events in program order: ("sync",), ("wait",),
-    ("read", buf, subscript), ("write", buf, subscript), ("async", buf); each loop body
-    twice."""
+    ("proxy_fence",), ("read", buf, subscript), ("write", buf, subscript), ("async",
+    buf), ("wgmma", buf); each loop body twice."""
     shared = shared_buffers(body)
     names = re.compile(r"\b(" + "|".join(map(re.escape, shared)) + r")\b") if shared else None
     stack: list[tuple[str, list]] = [("top", [])]
@@ -106,6 +114,13 @@ def events(body: str) -> list[tuple]:
             found.append(("sync",))
         elif WAIT.search(line):
             found.append(("wait",))
+            if PROXY_FENCE.search(line):  # the wait and the fence on one line
+                found.append(("proxy_fence",))
+        elif PROXY_FENCE.search(line):
+            found.append(("proxy_fence",))
+        elif names and WGMMA.search(line):
+            found += [("read", n, sub) for n, sub in _accesses(line, names)]
+            found += [("wgmma", n) for n, _ in _accesses(line, names)]
         elif names:
             m = ASYNC.search(line)
             if m:
@@ -134,6 +149,8 @@ def races(body: str) -> list[str]:
     written: dict = {}  # buffer -> subscripts written since the last barrier
     inflight: set = set()  # issued, not waited for
     waited: set = set()  # waited for by the issuing thread, no barrier since
+    unfenced: set = set()  # written (or cp.async-complete) since the last fence.proxy.async
+    fenced: set = set()  # fenced, no barrier since
     found = []
     for i, (kind, *rest) in enumerate(events(body)):
         buf, sub = (rest + [None, None])[:2]
@@ -141,9 +158,17 @@ def races(body: str) -> list[str]:
             read.clear()
             written.clear()
             waited.clear()
+            fenced.clear()
         elif kind == "wait":
             waited |= inflight
+            unfenced |= inflight  # the copies' stores are complete now, and generic
             inflight.clear()
+        elif kind == "proxy_fence":
+            fenced |= unfenced
+            unfenced.clear()
+        elif kind == "wgmma":
+            if buf in unfenced or buf in fenced:
+                found.append(f"{i}: wgmma reads {buf} written since the last fence.proxy.async and barrier")
         elif kind == "read":
             # The same subscript text as a write since the barrier: the thread's own element.
             if buf in written and sub not in written[buf]:
@@ -163,6 +188,7 @@ def races(body: str) -> list[str]:
                 inflight.add(buf)
             else:
                 written.setdefault(buf, set()).add(sub)
+                unfenced.add(buf)
     if inflight:
         found.append(f"end: cp.async into {sorted(inflight)} never waited for")
     return found
@@ -182,11 +208,12 @@ def dynamic(body: str) -> bool:
 
 
 def deletions(body: str) -> dict[str, tuple[int, list[int]]]:
-    """For barriers and for cp.async waits: (how many, lines whose deletion ``races``
-    does not catch)."""
+    """For barriers, cp.async waits and async-proxy fences: (how many, lines whose
+    deletion ``races`` does not catch)."""
     lines = body.splitlines()
     found = {}
-    for what, text in (("barriers", SYNC), ("waits", "swa_cp_async_wait_all();")):
+    for what, text in (("barriers", SYNC), ("waits", "swa_cp_async_wait_all();"),
+                       ("proxy fences", "swa_fence_proxy_async();")):
         at = [i for i, line in enumerate(lines) if line.strip() == text]
         found[what] = (len(at), [i for i in at if not races("\n".join(lines[:i] + lines[i + 1 :]))])
     return found

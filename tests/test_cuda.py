@@ -206,6 +206,32 @@ def test_fused_cuda_kernels_have_the_barriers_they_need():
             assert races("\n".join(lines[:i] + lines[i + 1 :])), (name, lines[i])
 
 
+def test_wgmma_kernels_fence_and_barrier_what_the_tensor_cores_read():
+    """The wgmma kernels (forward with synchronous and cp.async loads, V transposed, the
+    dq and dk/dv kernels; local rows with extra keys, global rows) by swa_tvm.cuda_races:
+    no shared-memory race, and every tile the tensor cores read (the async proxy) was
+    fenced by its writers, then barriered, after its last write; deleting any one of
+    those fences is caught."""
+    from swa_tvm.cuda_races import deletions, dynamic, generated_source, kernel_bodies, races
+    from swa_tvm.schedules import cuda_flash_bwd_tc, cuda_flash_tc
+
+    local, glob = KernelSpec("local", 32, "bfloat16", 63, 0, extras=True), KernelSpec("global", 32, "bfloat16", 0, -1)
+    funcs = {}
+    for k, cfg in ((local, (4, 32, True, False, 1, True)), (local, (4, 32, True, True, 1, True)),
+                   (local, (4, 32, True, False, 1, True, True)), (glob, (4, 32, True, True, 1, True))):
+        name = f"{k.name}__{'_'.join(map(str, map(int, cfg)))}"
+        funcs[name] = cuda_flash_tc.flash_tc(k, cuda_flash_tc.TCConfig(*cfg)).with_attr("global_symbol", name)
+    for kind in ("local_dq", "local_dkv"):
+        k = KernelSpec(kind, 32, "bfloat16", 63, 0)
+        funcs[k.name] = cuda_flash_bwd_tc.flash_bwd_tc(k, cuda_flash_bwd_tc.TCBwdConfig(4, 32, wgmma=True))
+    bodies = {n: b for n, b in kernel_bodies(generated_source(funcs, "sm_90a")).items() if "swa_wgmma" in b}
+    assert len(bodies) == len(funcs)  # the split-K combine has no wgmma
+    for name, body in bodies.items():
+        assert not dynamic(body) and races(body) == [], (name, races(body))
+        fences, missed = deletions(body)["proxy fences"]
+        assert fences >= 1 and missed == [], (name, fences, missed)
+
+
 def test_tensor_core_chunk_loops_divide_nothing():
     """The band chunk loops of the tensor-core kernels (forward, dq, dk/dv), with a
     runtime dilation, divide by nothing and hardly use int64: the work item's fields,
