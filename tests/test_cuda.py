@@ -1055,6 +1055,17 @@ def test_gpu_check_variant_rows_on_cpu(monkeypatch, tmp_path):
     assert child["function"] == entries[0]["function"] and child["rel_err_vs_default"] < 1e-5 and child["ms"] > 0
     lost = gpu_check.isolated_variant_row({"function": "unlisted__y", "kind": "local"}, str(tmp_path), "cpu", (1, 4, 2, 50))
     assert "ms" not in lost and "child process rc 1" in lost["error"] and "unlisted__y: not in" in lost["error"], lost
+    # Against the bars: each forward variant's speed against the bench stage's
+    # FlexAttention (its causal row) and the matmul rate.
+    bars = {"timing": [{"config": "dilation 2", "flex_attention_ms": 1.0},
+                       {"config": "causal", "flex_attention_ms": rows[0]["ms"] * 3}],
+            "matmul_tflops": rows[0]["tflops"] * 4, "variants": [dict(r) for r in rows],
+            "variant_best": {"local": dict(best["local"])}}
+    gpu_check.against_the_bars(bars)
+    first = bars["variants"][0]
+    assert first["speedup_vs_flex_attention"] == pytest.approx(3.0) and first["fraction_of_matmul"] == pytest.approx(0.25)
+    assert "speedup_vs_flex_attention" not in bars["variants"][1]  # a failed row
+    assert bars["variant_best"]["local"]["speedup_vs_flex_attention"] == pytest.approx(6.0)  # "faster": half the time
     # Past the run's time budget no variant is called: each says it was skipped.
     monkeypatch.setattr(gpu_check, "_deadline", 0.0)
     late = gpu_check.variant_rows(module, meta, torch.device("cpu"), shape=(1, 4, 2, 50))
