@@ -82,6 +82,7 @@ TC_VARIANTS = (
     (4, 32, True, False, 2), (4, 32, True, True, 2), (4, 64, True, True, 2),
     (4, 64, True, False, 1, True), (4, 64, True, True, 1, True), (4, 64, True, False, 1, True, True),
     (8, 64, True, False, 1, True), (8, 64, True, True, 1, True),
+    (4, 128, True, False, 1, True), (8, 128, True, False, 1, True), (8, 128, True, True, 1, True),
 )
 TC_BWD_VARIANTS = ((2, 32), (2, 32, False), (4, 32), (4, 64), (4, 16), (2, 16), (1, 32),
                    (4, 32, True, True), (4, 64, True, True), (8, 32, True, True))
