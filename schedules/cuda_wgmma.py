@@ -1,5 +1,6 @@
-"""Hopper's warpgroup MMA (``wgmma.mma_async``, sm_90a) for the tensor-core forward
-(``cuda_flash_tc`` with ``TCConfig(wgmma=True)``).
+"""Hopper's warpgroup MMA (``wgmma.mma_async``, sm_90a) for the tensor-core forward and
+gradients (``cuda_flash_tc`` with ``TCConfig(wgmma=True)``, ``cuda_flash_bwd_tc`` with
+``TCBwdConfig(wgmma=True)``).
 
 mma.sync (sm_80's instruction, what the other tensor-core kernels issue) reaches about
 two thirds of an H100's bf16 rate; wgmma, one instruction per warpgroup (4 warps, 64
@@ -18,6 +19,8 @@ FlexAttention reach the rest. Its fit to our kernel is exact where it matters:
   (``core_offset``). K's tile (keys x head dim) is B of Q K^T "K-major" (the head dim,
   the product's K, contiguous) and V's, laid out the same, is B of P V "MN-major"
   (transposed: the head dim is the product's N); ``descriptor_fields`` gives both.
+  The gradients' S and dP take A from shared memory too (the ``ss`` form: the item's
+  tile, K-major like K's).
 
 Ordering rules (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"): a
 ``wgmma.fence`` before the first wgmma and after any other instruction touched its
@@ -25,10 +28,11 @@ accumulators; ``commit_group`` then ``wait_group 0`` before the results are read
 memory written by ordinary stores (or cp.async) reaches the async proxy wgmma reads
 through only after a ``fence.proxy.async`` by the writers, then a barrier.
 
-``emulate=True``: the product lane by lane from the tile through ``core_offset`` (the
-CPU runs it, as ``cuda_flash_tc``'s emulation). That checks the kernel around the
-instruction; that the descriptor names the same layout is ``canonical_address``'s test
-(the hardware's reading of a descriptor, from CUTLASS's documented canonical layouts).
+``emulate=True``: the product lane by lane (the CPU runs it, as ``cuda_flash_tc``'s
+emulation), each shared operand read where ``canonical_address`` says the hardware
+reads it under the descriptor (CUTLASS's documented canonical layouts): so the emulated
+kernels check the loaders' layout against the descriptors end to end. That the
+hardware reads as CUTLASS documents is ``probe``'s question for a GPU.
 """
 
 from __future__ import annotations
