@@ -354,8 +354,8 @@ def test_wgmma_descriptors_name_the_tiles_layout():
     """Every element wgmma reads through a descriptor of ``descriptor_fields`` (per
     CUTLASS's canonical no-swizzle layouts, ``canonical_address``) is the element of the
     product the kernel means, where ``core_offset`` (its tiles' layout, which its loaders
-    write and its emulation reads) keeps it: K's tile as K-major B of Q K^T, V's as
-    MN-major B of P V; all within the 14-bit fields, in 16-byte units."""
+    write) keeps it: K's tile as K-major B of Q K^T, V's as MN-major B of P V; all
+    within the 14-bit fields, in 16-byte units."""
     from swa_tvm.schedules.cuda_wgmma import canonical_address, core_offset, descriptor_fields
 
     for rows, cols in ((64, 128), (16, 32), (128, 64)):
