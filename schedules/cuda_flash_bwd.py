@@ -554,6 +554,33 @@ def _global_kernel(dq_body, dkv_body, D: int, dt: str, acc: str):
     return kernel_g
 
 
+def _global_split_kernel(dq_body, dkv_body, D: int, dt: str, acc: str):
+    """``_global_kernel``'s PrimFunc with the argument of ``library.GLOBAL_BWD_WORKSPACE``
+    after dv_global (the dq pieces' workspace); ``dq_body`` gets it and S after the shape
+    vars."""
+
+    @T.prim_func(s_tir=True)
+    def kernel_gs(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, do_h: T.handle, lse_h: T.handle,
+                  delta_h: T.handle, scale: T.float32, dq_h: T.handle, dk_h: T.handle, dv_h: T.handle,
+                  ws_h: T.handle):
+        B, H, Hkv, Tn, G, S = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        qg = T.match_buffer(q_h, (B, H, G, D), dt)
+        k = T.match_buffer(k_h, (B, Hkv, Tn, D), dt)
+        v = T.match_buffer(v_h, (B, Hkv, Tn, D), dt)
+        gidx = T.match_buffer(g_h, (B, G), "int32")
+        dout = T.match_buffer(do_h, (B, H, G, D), dt)
+        lse = T.match_buffer(lse_h, (B, H, G), acc)
+        delta = T.match_buffer(delta_h, (B, H, G), acc)
+        dqg = T.match_buffer(dq_h, (B, H, G, D), dt)
+        dkg = T.match_buffer(dk_h, (B, H, Tn, D), acc)
+        dvg = T.match_buffer(dv_h, (B, H, Tn, D), acc)
+        ws_dq = T.match_buffer(ws_h, (B, H, S, G, D), "float32")
+        dq_body(qg, k, v, gidx, dout, lse, delta, scale, dqg, ws_dq, B, H, Hkv, Tn, G, S)
+        dkv_body(qg, k, v, gidx, dout, lse, delta, scale, dkg, dvg, B, H, Hkv, Tn, G)
+
+    return kernel_gs
+
+
 def _dq_kernel(body, D: int, dt: str, acc: str, extras: bool):
     """The PrimFunc with local_dq's arguments: q, k, v, dilation, [extra_idx], dout, lse,
     delta, scale, dq."""

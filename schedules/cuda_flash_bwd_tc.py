@@ -48,7 +48,15 @@ from .cuda_flash import (
     item_scalars,
     largest_fitting,
 )
-from .cuda_flash_bwd import KINDS, _dkv_kernel, _dq_kernel, _dx_kernel, _global_kernel, last_keys_loader, stats_loader
+from .cuda_flash_bwd import (
+    KINDS,
+    _dkv_kernel,
+    _dq_kernel,
+    _dx_kernel,
+    _global_split_kernel,
+    last_keys_loader,
+    stats_loader,
+)
 from .cuda_flash_tc import (
     PTX_TYPE,
     TileLayout,
@@ -438,9 +446,13 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 write_rows(dv, vacc, b, h, lambda i: row0 + d * i, Tn, ONE)
 
     @T.macro
-    def global_dq_body(qg, k, v, gidx, dout, lse, delta, scale, dqg, B, H, Hkv, Tn, G):
+    def global_dq_body(qg, k, v, gidx, dout, lse, delta, scale, dqg, ws_dq, B, H, Hkv, Tn, G, S):
+        # Split-K (as the forward's global rows): a block of BR global rows' key chunks, up
+        # to its last visible key, in S near-equal pieces, a thread block each, writing
+        # its share of dq (fp32, scaled) to ws_dq[b, h, s]; then a kernel summing the
+        # pieces. 64 global rows at T = 32K were one block per head streaming 1024 chunks.
         nblk = T.meta_var((G + (BR - 1)) // BR)
-        for item in T.thread_binding(B * H * nblk, thread="blockIdx.x"):
+        for item in T.thread_binding(B * H * nblk * S, thread="blockIdx.x"):
             with T.sblock("flash_tc_global_dq"):
                 T.reads()
                 T.writes()
@@ -459,9 +471,22 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 lse_r = T.alloc_buffer((NT, 2), acc, scope="local")
                 delta_r = T.alloc_buffer((NT, 2), acc, scope="local")
                 last_r = T.alloc_buffer((NT, 2), "int64", scope="local")
+                # b, h, g0, kvh, the piece s, its chunks c_begin..c_end (each thread's copy).
+                fld = T.alloc_buffer((7,), "int64", scope="local")
                 fr = T.meta_var(Frags(afrag, a2frag, bfrag, b2frag, sfrag, dpfrag, None, dsfrag))
 
-                b, h, g0, kvh = T.meta_var(global_fields(item, H, Hkv, nblk, BR))
+                f = T.meta_var(global_fields(T.truncdiv(item, S), H, Hkv, nblk, BR))
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    fld[0] = f[0]
+                    fld[1] = f[1]
+                    fld[2] = f[2]
+                    fld[3] = f[3]
+                    fld[4] = T.truncmod(item, S)
+                    # The block's chunks in S pieces of ceil(n / S), the last ones possibly empty.
+                    fld[6] = T.floordiv(block_last_key(gidx, fld[0], fld[2], G, Tn, BR, causal), KC) + 1
+                    fld[5] = T.min(fld[4] * T.truncdiv(fld[6] + S - 1, S), fld[6])
+                    fld[6] = T.min(fld[5] + T.truncdiv(fld[6] + S - 1, S), fld[6])
+                b, h, g0, kvh, s = T.meta_var((fld[0], fld[1], fld[2], fld[3], fld[4]))
                 # 1. Global rows (padding rows past G: lse +inf, last key -1).
                 load_item(Qs, dOs, qg, dout, b, h, lambda i: g0 + i, G)
                 row_stats(lse_r, delta_r, lse, delta, b, h, lambda i: g0 + i, G)
@@ -469,15 +494,33 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                     for rr in T.unroll(2):
                         last_r[tx, rr] = global_row_last_key(gidx, b, g0 + c_row(tx, 2 * rr), G, Tn, causal)
                 zero(dqacc)
-                # 2. Every key chunk up to the block's last visible key.
-                for c in T.serial(T.floordiv(block_last_key(gidx, b, g0, G, Tn, BR, causal), KC) + 1):
+                # 2. This piece's key chunks.
+                for c in T.serial(fld[5], fld[6]):
                     load_chunk(Kt, Vt, k, v, b, kvh, lambda kk: c * KC + kk, Tn)
                     dq_step(
                         Qs, dOs, Kt, Vt, fr, lse_r, delta_r, dqacc,
                         lambda tx, l, nt: chunk_col(c, tx, l, nt) <= last_r[tx, l // 2],
                         scale * LOG2E,
                     )
-                write_rows(dqg, dqacc, b, h, lambda i: g0 + i, G, scale)
+                # 3. The piece's share, scale * dS K, in fp32 (every piece writes: an empty
+                # one zeros).
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    for nd in T.unroll(NO):
+                        for l in T.unroll(4):
+                            if g0 + c_row(tx, l) < G:
+                                ws_dq[b, h, s, g0 + c_row(tx, l), nd * 8 + c_col(tx, l)] = dqacc[tx, nd * 4 + l] * scale
+        # 4. dq_global = the pieces' sum, a block per row, a thread per column.
+        for row in T.thread_binding(B * H * G, thread="blockIdx.x"):
+            for col in T.thread_binding(D, thread="threadIdx.x"):
+                with T.sblock("flash_tc_global_dq_sum"):
+                    T.reads()
+                    T.writes()
+                    total = T.alloc_buffer((1,), acc, scope="local")
+                    b, h, g = T.meta_var((T.truncdiv(row, H * G), T.truncmod(T.truncdiv(row, G), H), T.truncmod(row, G)))
+                    total[0] = ZERO
+                    for s in T.serial(S):
+                        total[0] = total[0] + ws_dq[b, h, s, g, col]
+                    dqg[b, h, g, col] = T.Cast(dt, total[0])
 
     @T.macro
     def global_dkv_body(qg, k, v, gidx, dout, lse, delta, scale, dkg, dvg, B, H, Hkv, Tn, G):
@@ -578,7 +621,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
     if spec.kind == "local_dx":
         return _dx_kernel(dx_body, D, dt, acc)
     if spec.kind == "global_bwd":
-        return _global_kernel(global_dq_body, global_dkv_body, D, dt, acc)
+        return _global_split_kernel(global_dq_body, global_dkv_body, D, dt, acc)
     if spec.kind == "local_dkv":
         return _dkv_kernel(dkv_body, D, dt, acc, extras)
     return _dq_kernel(dq_body, D, dt, acc, extras)

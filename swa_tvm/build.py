@@ -341,6 +341,8 @@ def export_library(
             entry["tiles_from"] = "measured" if s.name in tiles else "default"  # tiles.json's record, or not
         if s.kind == "global" and entry["schedule"] == "cuda_flash_tc":
             entry["workspace"] = library.GLOBAL_WORKSPACE  # split-K: the caller passes it (functional)
+        if s.kind == "global_bwd" and entry["schedule"] == "cuda_flash_bwd_tc":
+            entry["workspace"] = library.GLOBAL_BWD_WORKSPACE
         # ptxas's count for each CUDA kernel of the spec (registers, spills, shared memory).
         ptxas = {f: r for f, r in resources.items() if re.fullmatch(rf"{s.name}_kernel(_\d+)?", f)}
         if ptxas:

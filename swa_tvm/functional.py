@@ -198,9 +198,10 @@ def _launch(kern: library.Kernel, device: torch.device, *args) -> None:
 
 
 def global_pieces(B: int, H: int, G: int, T: int, device: torch.device) -> int:
-    """Pieces of the keys for a split-K global-rows forward (``library.GLOBAL_WORKSPACE``;
-    the kernel takes any number): about two thread blocks per SM, a block per 64 rows
-    (the default tiles') and piece, and a piece no shorter than 1024 keys."""
+    """Pieces of the keys for the split-K global rows (the forward's
+    ``library.GLOBAL_WORKSPACE``, the gradients' ``GLOBAL_BWD_WORKSPACE``; the kernels
+    take any number): about two thread blocks per SM, a block per 64 rows (the forward's
+    default tiles') and piece, and a piece no shorter than 1024 keys."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     blocks = B * H * -(-G // 64)
     return max(1, min(-(-2 * sms // blocks), -(-T // 1024)))
@@ -366,7 +367,12 @@ def attention_backward(
         g_dq = torch.empty(B, H, G, D, dtype=q.dtype, device=q.device)
         g_dk = torch.empty(B, H, T, D, dtype=acc, device=q.device)
         g_dv = torch.empty_like(g_dk)
-        _launch(gkern, q.device, qg, kg, vg, _dense(global_idx), dout_g, lse_g, delta_g, float(scale), g_dq, g_dk, g_dv)
+        workspace = []
+        if gkern.workspace == library.GLOBAL_BWD_WORKSPACE:  # split-K dq (as the forward's global rows)
+            S = global_pieces(B, H, G, T, q.device)
+            workspace = [torch.empty(B, H, S, G, D, device=q.device)]
+        _launch(gkern, q.device, qg, kg, vg, _dense(global_idx), dout_g, lse_g, delta_g, float(scale), g_dq, g_dk, g_dv,
+                *workspace)
         g_dk, g_dv = _group_sum(g_dk, Hkv), _group_sum(g_dv, Hkv)
         if q_global is not None:
             dqg = g_dq

@@ -22,12 +22,14 @@ from .spec import KernelSpec
 
 # 2: a kernel entry may name extra arguments ("workspace"), which format 1 had none of.
 MANIFEST_FORMAT = 2
-# The one such set of arguments: the split-K global rows' pieces (schedules/cuda_flash_tc),
-# an fp32 workspace the caller allocates for any number S >= 1 of pieces of the keys
-# (functional.global_pieces chooses S). Here, not in schedules/: the GPU machine runs
+# Such sets of arguments: the split-K global rows' pieces (schedules/cuda_flash_tc, and
+# the gradients' dq in schedules/cuda_flash_bwd_tc), an fp32 workspace the caller
+# allocates for any number S >= 1 of pieces of the keys (functional.global_pieces chooses S). Here, not in schedules/: the GPU machine runs
 # without TVM's compiler.
 GLOBAL_WORKSPACE = "split_k: ws_o [B, H, S, G, D] float32, ws_lse [B, H, S, G] float32"
-WORKSPACES = (GLOBAL_WORKSPACE,)
+# The global rows' gradients on tensor cores: dq in S pieces of the keys, summed.
+GLOBAL_BWD_WORKSPACE = "split_k: ws_dq [B, H, S, G, D] float32"
+WORKSPACES = (GLOBAL_WORKSPACE, GLOBAL_BWD_WORKSPACE)
 
 # x86 features a compiled CPU kernel may depend on, as LLVM names them, with the name
 # /proc/cpuinfo uses. Only these are recorded and checked when a library loads.

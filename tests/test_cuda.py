@@ -42,10 +42,10 @@ def test_cuda_targets():
 @pytest.mark.parametrize(
     "arch,spec_text",
     [
-        # sm_90 gets every pattern (dilation, globals, sinks); sm_80 the plain window in
-        # bf16 with its gradient kernels, which keeps this test's nvcc time down.
+        # sm_90 gets every pattern (dilation, globals, sinks); sm_80 the window with
+        # globals in bf16 with its gradient kernels (the global rows' split-K dq among them).
         ("sm_90", "head_dim=32,window=15:0,dilation=2,globals,sinks,dtype=float16"),
-        ("sm_80", "head_dim=32,window=15:0,dtype=bfloat16,backward"),
+        ("sm_80", "head_dim=32,window=15:0,globals,dtype=bfloat16,backward"),
     ],
 )
 def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fresh_registry):
@@ -89,21 +89,25 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
     # two kernels, their split-K forward too: the pieces, then the combine, which has no
     # tiles): registers within the 255 a thread may have, the tiles' static shared
     # memory, and no spill at head dim 32.
+    # The global rows' gradients: the split-K dq's pieces and sum, then dk/dv.
+    n_kernels = {"global": 2, "global_bwd": 3}
     for k in manifest["kernels"]:
-        two = k["spec"]["kind"] in ("global", "global_bwd")
-        assert set(k["ptxas"]) == {f"{k['name']}_kernel"} | ({f"{k['name']}_kernel_1"} if two else set())
+        n = n_kernels.get(k["spec"]["kind"], 1)
+        assert set(k["ptxas"]) == {f"{k['name']}_kernel"} | {f"{k['name']}_kernel_{i}" for i in range(1, n)}
         for f, r in k["ptxas"].items():
-            if k["spec"]["kind"] == "global" and f.endswith("_kernel_1"):
+            if k["spec"]["kind"] in ("global", "global_bwd") and f.endswith("_kernel_1"):  # the sums: no tiles
                 assert r["spill_stores"] == 0 and r["smem"] == 0, (f, r)
                 continue
             assert 32 <= r["registers"] <= 255 and r["spill_stores"] == 0 and 1024 < r["smem"] <= 48 * 1024, (k["name"], r)
     # The split-K global rows take the caller's workspace, which the manifest names.
+    workspaces = {"global": swa_tvm.library.GLOBAL_WORKSPACE, "global_bwd": swa_tvm.library.GLOBAL_BWD_WORKSPACE}
     assert {k["spec"]["kind"]: k.get("workspace") for k in manifest["kernels"]} == {
-        k.kind: swa_tvm.library.GLOBAL_WORKSPACE if k.kind == "global" else None for k in kernels
+        k.kind: workspaces.get(k.kind) for k in kernels
     }
     assert info.stdout.count(" registers, no spills, ") == sum(len(k["ptxas"]) for k in manifest["kernels"]), info.stdout
-    n_global = sum(k.kind == "global" for k in kernels)
-    assert info.stdout.count(f"the caller's workspace: {swa_tvm.library.GLOBAL_WORKSPACE}") == n_global, info.stdout
+    for kind, workspace in workspaces.items():
+        n = sum(k.kind == kind for k in kernels)
+        assert info.stdout.count(f"the caller's workspace: {workspace}") == n, info.stdout
 
     # The generated CUDA source (written beside the library): half inputs, fp32
     # accumulation, shared-memory tiles.
@@ -188,11 +192,12 @@ def test_fused_cuda_kernels_have_the_barriers_they_need():
         funcs[name] = funcs[name].with_attr("global_symbol", name)
         streamed.append(name)
     bodies = kernel_bodies(generated_source(funcs))
-    # Two kernels each: the global rows' gradients, and their split-K forward on tensor
-    # cores (bf16 and the fp16 cp.async one).
-    assert len(bodies) == len(funcs) + 4
+    # Two kernels each: the global rows' gradients (three on tensor cores: the split-K
+    # dq's pieces and sum, dk/dv), and their split-K forward on tensor cores (bf16 and
+    # the fp16 cp.async one).
+    assert len(bodies) == len(funcs) + 5
     for name, body in bodies.items():
-        # Every kernel with tiles has barriers (the split-K combine has no tiles).
+        # Every kernel with tiles has barriers (the split-K sums have no tiles).
         assert ("__syncthreads" in body or "__shared__" not in body) and not dynamic(body), name
         assert races(body) == [], (name, races(body))
     for name in streamed:
@@ -896,14 +901,16 @@ def test_cuda_backward_kernels_compute_the_reference_gradients(case, fused, monk
     ("cores": all on the fused kernels of schedules/cuda_flash_bwd.py; "tc": on the
     tensor-core ones of schedules/cuda_flash_bwd_tc.py, mma emulated lane by lane;
     "tc_wgmma": the same on wgmma, emulated; "te": on the TE kernels' CUDA schedule),
-    run serially on the CPU, against autograd through the float64 dense reference."""
+    run serially on the CPU, against autograd through the float64 dense reference. On
+    tensor cores the global rows' dq is split-K: 3 pieces of the keys (empty ones among
+    them), summed."""
     import tvm
     from tvm import s_tir
 
     from swa_tvm import functional
     from swa_tvm.compute import prim_func
     from swa_tvm.gpu_check import sink_grad_err
-    from swa_tvm.library import Kernel
+    from swa_tvm.library import GLOBAL_BWD_WORKSPACE, Kernel
     from swa_tvm.reference import sliding_window_attention_ref
     from swa_tvm.schedules import cuda, cuda_flash_bwd, cuda_flash_bwd_tc
     from swa_tvm.spec import BACKWARD_KINDS
@@ -920,7 +927,9 @@ def test_cuda_backward_kernels_compute_the_reference_gradients(case, fused, monk
         if fused.startswith("tc"):
             cfg = cuda_flash_bwd_tc.TCBwdConfig(*tc_configs[case][0])
             func = cuda_flash_bwd_tc.flash_bwd_tc(want, cfg, emulate=True)
-            return Kernel(want, _serial_on_cpu(func)[want.name], device, "serial, mma emulated")
+            # The global rows' dq split-K: functional allocates the pieces' workspace.
+            workspace = GLOBAL_BWD_WORKSPACE if want.kind == "global_bwd" else None
+            return Kernel(want, _serial_on_cpu(func)[want.name], device, "serial, mma emulated", None, workspace)
         if fused == "cores":
             cfg = cuda_flash_bwd.BwdConfig(*config) if config else None
             return Kernel(want, _serial_on_cpu(cuda_flash_bwd.flash_bwd(want, cfg))[want.name], device, "serial")
@@ -930,6 +939,7 @@ def test_cuda_backward_kernels_compute_the_reference_gradients(case, fused, monk
         return Kernel(want, _serial_on_cpu(sch.mod)[want.name], device, "serial CUDA schedule")
 
     monkeypatch.setattr(functional, "_kernel", serial_cuda_kernel)
+    monkeypatch.setattr(functional, "global_pieces", lambda B, H, G, T, device: 3)  # T=45: empty pieces too
     dtype, window, dilation, extras, tol, _ = BACKWARD_CASES[case]
     B, H, Hkv, T, G = 2, 4, 2, 45, 2
     D = tc_configs[case][1] if fused.startswith("tc") else 16
