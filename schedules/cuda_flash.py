@@ -459,6 +459,29 @@ def global_fields(item, H, Hkv, nblk, block: int):
     return b, h, T.truncmod(item, nblk) * block, T.truncdiv(h, T.truncdiv(H, Hkv))
 
 
+def split_item_fields(threads: int, rows: int, chunk: int, causal: bool):
+    """A T.macro ``store(fld, item, S, H, Hkv, nblk, gidx, G, Tn)`` for a split-K global
+    rows' work item (a block of ``rows`` rows, piece s of S): fld[0..6] = b, h, g0, kvh,
+    s, and the piece's chunks c_begin..c_end (the block's chunks of ``chunk`` keys up to
+    its last visible key, in S pieces of ceil(n / S), the last ones possibly empty),
+    each thread's copy (held in registers)."""
+
+    @T.macro
+    def store(fld, item, S, H, Hkv, nblk, gidx, G, Tn):
+        f = T.meta_var(global_fields(T.truncdiv(item, S), H, Hkv, nblk, rows))
+        for tx in T.thread_binding(threads, thread="threadIdx.x"):
+            fld[0] = f[0]
+            fld[1] = f[1]
+            fld[2] = f[2]
+            fld[3] = f[3]
+            fld[4] = T.truncmod(item, S)
+            fld[6] = T.floordiv(block_last_key(gidx, fld[0], fld[2], G, Tn, rows, causal), chunk) + 1
+            fld[5] = T.min(fld[4] * T.truncdiv(fld[6] + S - 1, S), fld[6])
+            fld[6] = T.min(fld[5] + T.truncdiv(fld[6] + S - 1, S), fld[6])
+
+    return store
+
+
 def clamp_row(pos, n):
     """Position ``pos`` clamped to [0, n), in pos's own dtype (int32 positions clamp in
     two instructions, int64 ones in eight)."""

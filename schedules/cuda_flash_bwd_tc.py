@@ -41,12 +41,12 @@ from swa_tvm.spec import KernelSpec
 from .cuda_flash import (
     ITEM_SCALARS,
     band_positions,
-    block_last_key,
     extra_positions_loader,
     global_fields,
     global_row_last_key,
     item_scalars,
     largest_fitting,
+    split_item_fields,
 )
 from .cuda_flash_bwd import (
     KINDS,
@@ -445,6 +445,8 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 write_rows(dk, kacc, b, h, lambda i: row0 + d * i, Tn, scale)
                 write_rows(dv, vacc, b, h, lambda i: row0 + d * i, Tn, ONE)
 
+    store_piece = split_item_fields(NT, BR, KC, causal)
+
     @T.macro
     def global_dq_body(qg, k, v, gidx, dout, lse, delta, scale, dqg, ws_dq, B, H, Hkv, Tn, G, S):
         # Split-K (as the forward's global rows): a block of BR global rows' key chunks, up
@@ -471,21 +473,10 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 lse_r = T.alloc_buffer((NT, 2), acc, scope="local")
                 delta_r = T.alloc_buffer((NT, 2), acc, scope="local")
                 last_r = T.alloc_buffer((NT, 2), "int64", scope="local")
-                # b, h, g0, kvh, the piece s, its chunks c_begin..c_end (each thread's copy).
-                fld = T.alloc_buffer((7,), "int64", scope="local")
+                fld = T.alloc_buffer((7,), "int64", scope="local")  # split_item_fields'
                 fr = T.meta_var(Frags(afrag, a2frag, bfrag, b2frag, sfrag, dpfrag, None, dsfrag))
 
-                f = T.meta_var(global_fields(T.truncdiv(item, S), H, Hkv, nblk, BR))
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    fld[0] = f[0]
-                    fld[1] = f[1]
-                    fld[2] = f[2]
-                    fld[3] = f[3]
-                    fld[4] = T.truncmod(item, S)
-                    # The block's chunks in S pieces of ceil(n / S), the last ones possibly empty.
-                    fld[6] = T.floordiv(block_last_key(gidx, fld[0], fld[2], G, Tn, BR, causal), KC) + 1
-                    fld[5] = T.min(fld[4] * T.truncdiv(fld[6] + S - 1, S), fld[6])
-                    fld[6] = T.min(fld[5] + T.truncdiv(fld[6] + S - 1, S), fld[6])
+                store_piece(fld, item, S, H, Hkv, nblk, gidx, G, Tn)
                 b, h, g0, kvh, s = T.meta_var((fld[0], fld[1], fld[2], fld[3], fld[4]))
                 # 1. Global rows (padding rows past G: lse +inf, last key -1).
                 load_item(Qs, dOs, qg, dout, b, h, lambda i: g0 + i, G)

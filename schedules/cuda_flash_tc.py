@@ -39,15 +39,14 @@ from .cuda_flash import (
     shared_scope,
     block_inner_last_key,
     band_positions,
-    block_last_key,
     chunk_inside,
     clamp_row,
     extra_positions_loader,
-    global_fields,
     global_split_kernel,
     global_row_last_key,
     item_scalars,
     local_kernel,
+    split_item_fields,
 )
 from .cuda_wgmma import COMMON_SOURCE, core_offset, sync_macros, wgmma_macro
 
@@ -928,6 +927,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                     if col == 0:
                         lse[b, h, g] = st[0] + T.log(st[1])
 
+    store_piece = split_item_fields(NT, BQ, KC, causal)
+
     @T.macro
     def global_body(qg, k, v, gidx, sink, scale, out, lse, ws_o, ws_lse, B, H, Hkv, Tn, G, S):
         # S pieces of each block's key chunks, the pieces' shares in ws_o/ws_lse (fp32,
@@ -954,22 +955,12 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 rel = T.alloc_buffer((NT, 2 * R), "int32", scope="local")
                 part = T.alloc_buffer((NT, 2 * R), acc, scope="local")
                 red = T.alloc_buffer((NT, R), acc, scope="local")
-                # b, h, g0, kvh; the piece s and its chunks c_begin..c_end (the block's chunks,
-                # up to its last key: its last row's position, causal, or T, in S near-equal
-                # pieces); the keys every valid row sees, 0..inner_hi (each thread's copy:
-                # held in registers).
-                fld = T.alloc_buffer((9,), "int64", scope="local")
+                # split_item_fields' (b, h, g0, kvh, the piece s, its chunks c_begin..c_end),
+                # then the keys every valid row sees, 0..inner_hi (each thread's copy).
+                fld = T.alloc_buffer((8,), "int64", scope="local")
 
-                f = T.meta_var(global_fields(T.truncdiv(item, S), H, Hkv, nblk, BQ))
+                store_piece(fld, item, S, H, Hkv, nblk, gidx, G, Tn)
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    fld[0] = f[0]
-                    fld[1] = f[1]
-                    fld[2] = f[2]
-                    fld[3] = f[3]
-                    fld[4] = T.truncmod(item, S)
-                    fld[8] = T.floordiv(block_last_key(gidx, fld[0], fld[2], G, Tn, BQ, causal), KC) + 1
-                    fld[5] = T.min(fld[4] * T.truncdiv(fld[8] + S - 1, S), fld[8])
-                    fld[6] = T.min(fld[5] + T.truncdiv(fld[8] + S - 1, S), fld[8])
                     fld[7] = block_inner_last_key(gidx, fld[0], fld[2], G, Tn, BQ, causal)
                 b, h, g0, kvh, s = T.meta_var((fld[0], fld[1], fld[2], fld[3], fld[4]))
                 scale2 = T.meta_var(scale * LOG2E)
