@@ -561,9 +561,10 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
     R = 2 * MT  # rows a thread holds C values of: two per 16-row tile
     QREG = MT == 1  # Q's A fragments in registers (else re-read from Q's shared tile)
     # The rows' band intervals: int32 with two row tiles a warp, whose doubled accumulators
-    # leave ptxas no registers for eight 64-bit pairs (it spilled 16-32 bytes); int64
-    # where they fit (int32 there made ptxas spill sm_80's D=32 default instead). Band
-    # indices are within +-T, and T < 2^31 (int32 positions throughout).
+    # leave ptxas few registers for eight 64-bit pairs (bf16 D=128 sm_90: 4 x 32 spilled
+    # 16 bytes with cp.async, none now; 4 x 64 with cp.async spills still, 76 bytes);
+    # int64 where they fit (int32 there made ptxas spill sm_80's D=32 default instead).
+    # Band indices are within +-T, and T < 2^31 (int32 positions throughout).
     INTERVAL = "int32" if MT > 1 else "int64"
     # Shared tiles of rows padded by 8 values (the 8 rows a fragment load touches fall in
     # different banks), or with wgmma core matrices, unpadded (TileLayout).
