@@ -353,6 +353,13 @@ def test_machine_code_of_the_wgmma_gradients():
         assert summary["loop_mma"] == (96 if kind == "local_dq" else 128) and summary["loop_per_mma"] < most, summary
     resources = ptxas_resources(report)
     assert all(r["spill_stores"] == 0 for r in resources.values()), resources
+    # Two warpgroups (8 warps, 128 item rows): each group's A descriptor starts at its own
+    # 64 rows, 8 cores (512 values) down the item's tile (the emulation, reading by row,
+    # cannot see this address).
+    dq = cuda_flash_bwd_tc.flash_bwd_tc(kernels["local_dq"], cuda_flash_bwd_tc.TCBwdConfig(8, 32, wgmma=True))
+    calls = [line for line in generated_source({kernels["local_dq"].name: dq}, "sm_90a").splitlines()
+             if "swa_wgmma_ss_" in line and "(&(" in line]
+    assert len(calls) == 16 and all("((((int)threadIdx.x) >> 7) * 512)" in line.split(", ")[0] for line in calls)
 
 
 def test_wgmma_descriptors_name_the_tiles_layout():
@@ -886,10 +893,11 @@ TC_BACKWARD_CONFIGS = {
     "fp16_unbounded_left": ((2, 32, False), 16),  # 16-bit loads instead of ldmatrix
     "bf16_unbounded_right": ((1, 32), 32),
 }
-# And on wgmma (a warpgroup of 4 warps: 64 rows an item), emulated.
+# And on wgmma (a warpgroup of 4 warps: 64 rows an item; two warpgroups: 128), emulated.
 TC_WGMMA_BACKWARD_CONFIGS = {
     "bf16_causal_everything": ((4, 16, True, True), 32),
     "fp16_unbounded_left": ((4, 32, True, True), 16),
+    "bf16_unbounded_right": ((8, 16, True, True), 32),
 }
 
 
@@ -917,7 +925,7 @@ def test_cuda_backward_kernels_compute_the_reference_gradients(case, fused, monk
 
     tc_configs = TC_WGMMA_BACKWARD_CONFIGS if fused == "tc_wgmma" else TC_BACKWARD_CONFIGS
     if fused.startswith("tc") and case not in tc_configs:
-        pytest.skip("the tensor-core backward takes float16/bfloat16 (wgmma: two cases)")
+        pytest.skip("the tensor-core backward takes float16/bfloat16 (wgmma: three cases)")
     config = BACKWARD_CASES[case][5]
     built = []
 
