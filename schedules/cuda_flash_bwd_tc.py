@@ -19,7 +19,12 @@ registers,
 
 Like FlashAttention-2's backward, P and dS enter their products in the input dtype;
 the accumulators stay fp32. No scatter and no atomics: as in ``cuda_flash_bwd``, the
-dq and dk/dv sides are separate kernels.
+dq and dk/dv sides are separate kernels; the global rows' dq is split-K (pieces of the
+keys into the caller's workspace, then summed), as the forward's global rows.
+
+``TCBwdConfig(wgmma=True)`` (sm_90a) issues every product as Hopper's ``wgmma`` instead
+(``cuda_wgmma``): S and dP with both operands from shared memory, the accumulations with
+P or dS from registers.
 
 With ``emulate=True`` the mma runs lane by lane, so the tests run these kernels serially
 on the CPU (see ``cuda_flash_tc``).
