@@ -24,7 +24,8 @@ from .spec import KernelSpec
 MANIFEST_FORMAT = 2
 # Such sets of arguments: the split-K global rows' pieces (schedules/cuda_flash_tc, and
 # the gradients' dq in schedules/cuda_flash_bwd_tc), an fp32 workspace the caller
-# allocates for any number S >= 1 of pieces of the keys (functional.global_pieces chooses S). Here, not in schedules/: the GPU machine runs
+# allocates for any number S >= 1 of pieces of the keys (functional.global_pieces
+# chooses S). Here, not in schedules/: the GPU machine runs
 # without TVM's compiler.
 GLOBAL_WORKSPACE = "split_k: ws_o [B, H, S, G, D] float32, ws_lse [B, H, S, G] float32"
 # The global rows' gradients on tensor cores: dq in S pieces of the keys, summed.
