@@ -161,10 +161,15 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
     store_item, load_item_scalars = item_scalars(NT, BR, lo, hi, KC)
     store_key_item, load_key_item_scalars = item_scalars(NT, BR, hi, lo, KC)  # the transposed band (dk/dv)
     chunk_inside, chunk_bounds, chunk_visible = chunk_mask(NT, 2, KC)
-    wg_fence, wg_commit_wait, wg_proxy_fence = sync_macros(NT, emulate)
+    _, _, wg_proxy_fence, wg_group = sync_macros(NT, emulate)
     if WG:
         wgmma_products = wgmma_ss_macro(NW, dt, KC, BR, emulate)  # S or dP [64 x KC] per warpgroup
         wgmma_accumulate = wgmma_macro(NW, dt, "kn", D, KC, emulate)  # [64 x D] += (P or dS) C
+
+        @T.macro
+        def s_and_dp(A, A2, Bt, B2, ks, sfrag, dpfrag):
+            wgmma_products(A, Bt, ks, sfrag)
+            wgmma_products(A2, B2, ks, dpfrag)
     # wgmma reads both tiles after a chunk's load, whose fence (any prior store of the
     # thread, not one tile's) covers the item's tiles too.
     load_item = pair_loader(NT, D, BR, WG)
@@ -193,12 +198,8 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
             for x in T.unroll(NS * 4):
                 sfrag[tx, x] = ZERO
                 dpfrag[tx, x] = ZERO
-        if WG:
-            wg_fence()
-            for ks in T.unroll(KD):
-                wgmma_products(A, Bt, ks, sfrag)
-                wgmma_products(A2, B2, ks, dpfrag)
-            wg_commit_wait()
+        if WG:  # S's and dP's k-steps, one group
+            wg_group(KD, lambda ks: s_and_dp(A, A2, Bt, B2, ks, sfrag, dpfrag))
         for ks in T.unroll(0 if WG else KD):
             load_a(A, afrag, 0, lambda tx: (tx // 32) * 16, ks)
             load_a(A2, a2frag, 0, lambda tx: (tx // 32) * 16, ks)
@@ -216,10 +217,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
         # chunk's tile [partners, D] read along its rows, two output tiles per load
         # (wgmma: every column at once).
         if WG:
-            wg_fence()
-            for ks in T.unroll(KK):
-                wgmma_accumulate(wfrag, ks * 8, Ct, ks, cacc)
-            wg_commit_wait()
+            wg_group(KK, lambda ks: wgmma_accumulate(wfrag, ks * 8, Ct, ks, cacc))
         for ks in T.unroll(0 if WG else KK):
             for ndp in T.unroll(NO // 2):
                 load_kn(Ct, bfrag, ks, ndp)

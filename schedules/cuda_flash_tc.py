@@ -622,7 +622,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                     else:
                         red[tx, rr] = T.cuda.warp_reduce(part[tx, rr], "sum", 4)
 
-    wg_fence, wg_commit_wait, wg_proxy_fence = sync_macros(NT, emulate)
+    _, _, wg_proxy_fence, wg_group = sync_macros(NT, emulate)
     if WG:
         wgmma_s = wgmma_macro(NW, dt, "nk", KC, KC, emulate)  # S[64 x KC] += Q K^T per warpgroup
         # O[64 x D] += P V: V's tile as it is (MN-major), or transposed.
@@ -639,12 +639,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for x in T.unroll(MT * NS * 4):
                 sfrag[tx, x] = ZERO
-        if WG:
-            # One wgmma per k-step per warpgroup, K's tile read in place.
-            wg_fence()
-            for ks in T.unroll(KD):
-                wgmma_s(qfrag, ks * 8, Kt, ks, sfrag)
-            wg_commit_wait()
+        if WG:  # one wgmma per k-step per warpgroup, K's tile read in place
+            wg_group(KD, lambda ks: wgmma_s(qfrag, ks * 8, Kt, ks, sfrag))
         for ks in T.unroll(0 if WG else KD):
             if not QREG:
                 for mt in T.unroll(MT):
@@ -717,10 +713,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
         # 4. O += P V: k-step ks covers keys ks*16..+16, output tiles nd columns nd*8..+8,
         # two per load, each load feeding the MT row tiles (wgmma: all D columns at once).
         if WG:
-            wg_fence()
-            for ks in T.unroll(KC // 16):
-                wgmma_o(pfrag, ks * 8, Vt, ks, ofrag)
-            wg_commit_wait()
+            wg_group(KC // 16, lambda ks: wgmma_o(pfrag, ks * 8, Vt, ks, ofrag))
         for ks in T.unroll(0 if WG else KC // 16):
             for ndp in T.unroll(NO // 2):
                 load_kn(Vt, vfrag, ks, ndp)

@@ -150,22 +150,38 @@ def wgmma_ss_source(name: str, n: int, dtype: str, a_fields: tuple[int, int], b_
     )
 
 
+def emulated_product(warps: int, n: int):
+    """A T.macro ``product(cfrag, a_of, b_of)``, the emulation of one m64nNk16 per
+    warpgroup, lane by lane: in every warp w, C[16w + row][j] += A[row][k] B[k][j] over
+    the k-step's 16 values, A[row][k] = ``a_of(w, row, k)``, B[k][j] = ``b_of(k, j)``, C
+    in ``cfrag`` as mma's C tiles of 8 columns side by side (the accumulator layout)."""
+    from .cuda_flash_tc import c_lane
+
+    @T.macro
+    def product(cfrag, a_of, b_of):
+        for w, row, j in T.grid(warps, 16, n):
+            for k in T.serial(16):
+                cfrag[w * 32 + c_lane(row, j % 8)[0], (j // 8) * 4 + c_lane(row, j % 8)[1]] = cfrag[
+                    w * 32 + c_lane(row, j % 8)[0], (j // 8) * 4 + c_lane(row, j % 8)[1]
+                ] + T.Cast("float32", a_of(w, row, k)) * T.Cast("float32", b_of(k, j))
+
+    return product
+
+
 def wgmma_ss_macro(warps: int, dtype: str, n: int, a_rows: int, emulate: bool):
     """A T.macro ``wgmma(atile, btile, ks, cfrag)``: in each warpgroup g, C[64 x n] +=
     A B over k-step ``ks``, A = rows 64g..64g+63 of ``atile`` (``core_offset`` layout,
     ``a_rows`` rows: A[m][k] = atile[64g + m][16*ks + k]), B = ``btile``'s k-step read as
     "nk" (B[k][j] = btile[j][16*ks + k], its n rows), both K-major from shared memory; C
     as ``wgmma_macro``'s. Emulated, both read where ``canonical_address`` says."""
-    from .cuda_flash_tc import PTX_TYPE, c_lane
+    from .cuda_flash_tc import PTX_TYPE
 
     nt = 32 * warps
     name = f"swa_wgmma_ss_{PTX_TYPE[dtype]}_n{n}_a{a_rows}"
     _, a_lbo, a_sbo = descriptor_fields("nk", a_rows, 0)
     _, b_lbo, b_sbo = descriptor_fields("nk", n, 0)
     source = wgmma_ss_source(name, n, dtype, (a_lbo, a_sbo), (b_lbo, b_sbo))
-
-    def f32(x):
-        return T.Cast("float32", x)
+    product = emulated_product(warps, n)
 
     def a_value(atile, ks, m, k):
         return atile[canonical_address(descriptor_fields("nk", a_rows, ks)[0], a_lbo, a_sbo, "K", m, k) // 2]
@@ -183,11 +199,7 @@ def wgmma_ss_macro(warps: int, dtype: str, n: int, a_rows: int, emulate: bool):
     @T.macro
     def wgmma(atile, btile, ks, cfrag):
         if emulate:
-            for w, row, j in T.grid(warps, 16, n):
-                for k in T.serial(16):
-                    cfrag[w * 32 + c_lane(row, j % 8)[0], (j // 8) * 4 + c_lane(row, j % 8)[1]] = cfrag[
-                        w * 32 + c_lane(row, j % 8)[0], (j // 8) * 4 + c_lane(row, j % 8)[1]
-                    ] + f32(a_value(atile, ks, w * 16 + row, k)) * f32(b_value(btile, ks, k, j))
+            product(cfrag, lambda w, row, k: a_value(atile, ks, w * 16 + row, k), lambda k, j: b_value(btile, ks, k, j))
         else:
             for tx in T.thread_binding(nt, thread="threadIdx.x"):
                 T.evaluate(call(atile, btile, ks, cfrag, tx))
@@ -206,7 +218,7 @@ def wgmma_macro(warps: int, dtype: str, operand: str, n: int, rows: int, emulate
     Emulated, B is read where ``canonical_address`` says the hardware reads it under
     the descriptor: what the tile's loaders wrote only if the two layouts agree.
     ``swap``: LBO and SBO exchanged (``probe``'s other reading of the layout)."""
-    from .cuda_flash_tc import PTX_TYPE, a_lane, c_lane  # the m16n8k16 fragment maps, shared with mma
+    from .cuda_flash_tc import PTX_TYPE, a_lane  # the m16n8k16 fragment map, shared with mma
 
     nt = 32 * warps
     name = f"swa_wgmma_{PTX_TYPE[dtype]}_{operand}_n{n}_r{rows}" + ("_swapped" if swap else "")
@@ -214,13 +226,11 @@ def wgmma_macro(warps: int, dtype: str, operand: str, n: int, rows: int, emulate
     lbo, sbo = (sbo, lbo) if swap else (lbo, sbo)
     source = wgmma_source(name, n, dtype, 1 if operand == "kn" else 0, lbo, sbo)
     major = "K" if operand == "nk" else "MN"
+    product = emulated_product(warps, n)
 
     def b_value(tile, ks, k, j):
         start = descriptor_fields(operand, rows, ks)[0]
         return tile[canonical_address(start, lbo, sbo, major, j, k) // 2]
-
-    def f32(x):
-        return T.Cast("float32", x)
 
     def call(afrag, a0, tile, ks, cfrag, tx):
         start = descriptor_fields(operand, rows, ks)[0] // 2  # bytes -> 16-bit values
@@ -230,11 +240,10 @@ def wgmma_macro(warps: int, dtype: str, operand: str, n: int, rows: int, emulate
     @T.macro
     def wgmma(afrag, a0, tile, ks, cfrag):
         if emulate:
-            for w, row, j in T.grid(warps, 16, n):
-                for k in T.serial(16):
-                    cfrag[w * 32 + c_lane(row, j % 8)[0], (j // 8) * 4 + c_lane(row, j % 8)[1]] = cfrag[
-                        w * 32 + c_lane(row, j % 8)[0], (j // 8) * 4 + c_lane(row, j % 8)[1]
-                    ] + f32(afrag[w * 32 + a_lane(row, k)[0], a0 + a_lane(row, k)[1]]) * f32(b_value(tile, ks, k, j))
+            product(
+                cfrag, lambda w, row, k: afrag[w * 32 + a_lane(row, k)[0], a0 + a_lane(row, k)[1]],
+                lambda k, j: b_value(tile, ks, k, j),
+            )
         else:
             for tx in T.thread_binding(nt, thread="threadIdx.x"):
                 T.evaluate(call(afrag, a0, tile, ks, cfrag, tx))
@@ -243,9 +252,11 @@ def wgmma_macro(warps: int, dtype: str, operand: str, n: int, rows: int, emulate
 
 
 def sync_macros(threads: int, emulate: bool):
-    """T.macros ``fence()``, ``commit_wait()`` (commit the group, wait for all of it) and
+    """T.macros ``fence()``, ``commit_wait()`` (commit the group, wait for all of it),
     ``proxy_fence()`` (make this thread's shared-memory stores visible to wgmma, before
-    the barrier that follows them); nothing when emulated."""
+    the barrier that follows them), nothing when emulated; and ``group(steps, issue)``:
+    a fence, ``issue(ks)`` (wgmma products) for each k-step, then commit and wait, the
+    order every product of the kernels keeps."""
 
     def per_thread(name):
         @T.macro
@@ -256,7 +267,16 @@ def sync_macros(threads: int, emulate: bool):
 
         return run
 
-    return per_thread("swa_wgmma_fence"), per_thread("swa_wgmma_commit_wait0"), per_thread("swa_fence_proxy_async")
+    fence, commit_wait = per_thread("swa_wgmma_fence"), per_thread("swa_wgmma_commit_wait0")
+
+    @T.macro
+    def group(steps, issue):
+        fence()
+        for ks in T.unroll(steps):
+            issue(ks)
+        commit_wait()
+
+    return fence, commit_wait, per_thread("swa_fence_proxy_async"), group
 
 
 def probe(dtype: str, operand: str, rows: int, cols: int, ks: int, swap: bool = False, emulate: bool = False):
@@ -273,7 +293,7 @@ def probe(dtype: str, operand: str, rows: int, cols: int, ks: int, swap: bool = 
     n = rows if operand == "nk" else cols
     steps = -(-rows * cols // 128)
     wgmma = wgmma_macro(4, dtype, operand, n, rows, emulate, swap)
-    fence, commit_wait, proxy_fence = sync_macros(128, emulate)
+    fence, commit_wait, proxy_fence, _ = sync_macros(128, emulate)
     acc = "float32"
     zero = tirx.const(0.0, acc)
 
