@@ -92,6 +92,15 @@ def c_lane(row, col):
     return 4 * (row % 8) + col // 2, 2 * (row // 8) + col % 2
 
 
+def tree(op, values):
+    """op over ``values`` (PrimExprs) as a balanced tree: log2(n) dependent steps
+    instead of a chain of n - 1."""
+    values = list(values)
+    while len(values) > 1:
+        values = [op(values[i], values[i + 1]) for i in range(0, len(values) - 1, 2)] + values[len(values) // 2 * 2:]
+    return values[0]
+
+
 PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
 C_TYPE = {"float16": "half", "bfloat16": "bfloat16"}  # as in __half_as_ushort, __bfloat16_as_ushort
 
@@ -655,47 +664,55 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                         mma(qfrag, mt * 8, kfrag, 0, sfrag, (mt * NS + 2 * ntp) * 4)
                         mma(qfrag, mt * 8, kfrag, 4, sfrag, (mt * NS + 2 * ntp + 1) * 4)
 
+    def row_values(sfrag, tx, mt, r):
+        """Thread tx's score values of its row slot 2*mt + r (C values l = 2r, 2r + 1 of
+        each score tile of row tile mt)."""
+        return [sfrag[tx, (mt * NS + nt) * 4 + 2 * r + i] for nt in range(NS) for i in range(2)]
+
     @T.macro
     def mask_max(sfrag, m_r, part, red, visible, scale2):
-        # 2. Scale (to log2 units), mask (visible(tx, l, nt, mt); None: every score is
-        # visible), and the rows' new running max (per thread, then over its group).
+        # 2. Mask (visible(tx, l, nt, mt); None: every score is visible), and the rows'
+        # new running max (per thread, then over its group), in log2 units. The scores
+        # stay unscaled: scale > 0, so max(s) * scale2 is the max of the scaled scores,
+        # and each probability below is then one FFMA and one ex2. The row's values
+        # reduce as a balanced tree: a chain of NS*2 dependent max (or adds) per row
+        # left the warp stalled on each one's latency (the profile's top stall).
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
-            for r in T.unroll(R):
-                part[tx, r] = m_r[tx, r]
-            for mt in T.unroll(MT):
-                for nt in T.unroll(NS):
-                    for l in T.unroll(4):
-                        if visible is None:
-                            sfrag[tx, (mt * NS + nt) * 4 + l] = sfrag[tx, (mt * NS + nt) * 4 + l] * scale2
-                        else:
+            if visible is not None:
+                for mt in T.unroll(MT):
+                    for nt in T.unroll(NS):
+                        for l in T.unroll(4):
                             sfrag[tx, (mt * NS + nt) * 4 + l] = T.Select(
-                                visible(tx, l, nt, mt), sfrag[tx, (mt * NS + nt) * 4 + l] * scale2, NINF
+                                visible(tx, l, nt, mt), sfrag[tx, (mt * NS + nt) * 4 + l], NINF
                             )
-                        part[tx, 2 * mt + l // 2] = T.max(part[tx, 2 * mt + l // 2], sfrag[tx, (mt * NS + nt) * 4 + l])
+            for mt in T.unroll(MT):
+                for r in T.unroll(2):
+                    part[tx, 2 * mt + r] = T.max(m_r[tx, 2 * mt + r], tree(T.max, row_values(sfrag, tx, mt, r)) * scale2)
         quad_reduce(part, red, True)
 
     @T.macro
-    def softmax_pv(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red):
-        # 3. Probabilities, their row sums, and the fade of the old sums and outputs. A row
-        # with no visible key yet keeps max -inf: factor 1, probabilities 0.
+    def softmax_pv(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, scale2):
+        # 3. Probabilities exp2(s * scale2 - max), their row sums, and the fade of the
+        # old sums and outputs. A row with no visible key yet keeps max -inf: its scores
+        # are all -inf, so subtracting 0 instead gives probabilities 0; factor 1.
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for r in T.unroll(R):
-                part[tx, r] = ZERO
+                part[tx, R + r] = T.Select(red[tx, r] == NINF, ZERO, red[tx, r])
             for mt in T.unroll(MT):
                 for nt in T.unroll(NS):
                     for l in T.unroll(4):
-                        sfrag[tx, (mt * NS + nt) * 4 + l] = T.Select(
-                            red[tx, 2 * mt + l // 2] == NINF,
-                            ZERO,
-                            T.exp2(sfrag[tx, (mt * NS + nt) * 4 + l] - red[tx, 2 * mt + l // 2]),
+                        sfrag[tx, (mt * NS + nt) * 4 + l] = T.exp2(
+                            sfrag[tx, (mt * NS + nt) * 4 + l] * scale2 - part[tx, R + 2 * mt + l // 2]
                         )
-                        part[tx, 2 * mt + l // 2] = part[tx, 2 * mt + l // 2] + sfrag[tx, (mt * NS + nt) * 4 + l]
                         # The A operand of P V (row-major 16 x 16 per pair of score tiles):
                         # value l2 = 4*(nt % 2) + l holds (row, key) = C value l of score
                         # tile nt.
                         pfrag[tx, mt * NS * 4 + (nt // 2) * 8 + 4 * (nt % 2) + l] = T.Cast(
                             dt, sfrag[tx, (mt * NS + nt) * 4 + l]
                         )
+            for mt in T.unroll(MT):
+                for r in T.unroll(2):
+                    part[tx, 2 * mt + r] = tree(lambda a, b: a + b, row_values(sfrag, tx, mt, r))
             for r in T.unroll(R):
                 # part[R + r] <- this thread's factor for row slot r, kept for the outputs below.
                 part[tx, R + r] = T.Select(red[tx, r] == NINF, ONE, T.exp2(m_r[tx, r] - red[tx, r]))
@@ -745,7 +762,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 load_rows(QK, Vt, k, v, b, kvh, lambda kk: pos_of(c, kk), Tn)
                 scores(QK, Qs, qfrag, kfrag, sfrag)
                 band_mask_max(c, sfrag, m_r, part, red, rel, first_r, last_r, inner_lo, inner_hi, scale2)
-                softmax_pv(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red)
+                softmax_pv(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, scale2)
         else:
             # Every warp holds its Q fragments before K overwrites their tile.
             wait_all(False)
@@ -759,7 +776,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 if c + 1 < c_end:
                     issue_rows(QK, k, b, kvh, lambda kk: pos_of(c + 1, kk), Tn)
                 band_mask_max(c, sfrag, m_r, part, red, rel, first_r, last_r, inner_lo, inner_hi, scale2)
-                softmax_pv(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red)
+                softmax_pv(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, scale2)
             wait_all(False)  # nothing in flight past the stream; its tiles are free again
 
     @T.macro
@@ -871,7 +888,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                             ),
                             scale2,
                         )
-                        softmax_pv(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red)
+                        softmax_pv(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, scale2)
                 finish_rows(out, lse, ofrag, m_r, l_r, b, h, lambda i: row0 + d * i, lambda i: row0 + d * i < Tn)
 
     @T.macro

@@ -26,7 +26,8 @@ def _check_tensor(name: str, x, rank: int) -> None:
 
 
 def check_inputs(
-    q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, left, right, *, values: bool
+    q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, scale, left, right, *,
+    values: bool
 ) -> None:
     """Raise TypeError/ValueError, naming the argument, for any input the kernels would
     not compute exactly. ``values=False`` checks shapes only (for fake tensors)."""
@@ -47,7 +48,10 @@ def check_inputs(
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {x.dtype}, but q has {q.dtype}; all must match")
-    # Types of the ints are checked by the op schema and the public function.
+    # Types of the ints (and of scale) are checked by the op schema and the public function.
+    # A positive scale: the GPU kernels take each row's max of the unscaled scores.
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
     for name, x in (("left", left), ("right", right)):
         if x < -1:
             raise ValueError(f"window_size {name} must be >= -1 (-1 means unbounded), got {x}")
@@ -253,7 +257,8 @@ def attention_forward(
 ):
     """Eager implementation behind ``torch.ops.swa_tvm.attention``: (out, lse)."""
     check_inputs(
-        q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, left, right, values=True
+        q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, scale, left, right,
+        values=True,
     )
     B, H, T, D = q.shape
     device = q.device.type
@@ -437,7 +442,7 @@ def sliding_window_attention(
       row (StreamingLLM), subject to causality, counted once. ``sink_logits`` [H] is a
       learned per-head sink (GPT-OSS): exp(sink_logits[h]) is added to the softmax
       denominator of every row of head h and carries no value.
-    * **Scale.** Scores are (q . k) * scale, with scale = 1/sqrt(D) by default.
+    * **Scale.** Scores are (q . k) * scale, with scale > 0 (1/sqrt(D) by default).
     * **Log-sum-exp.** ``lse[b, h, i]`` = log of row i's softmax denominator: the
       log-sum-exp of its visible scaled scores, with the sink term exp(sink_logits[h])
       included when given, so out[i] = sum_j exp(score_ij - lse_i) * v_j exactly. Use it
@@ -476,6 +481,8 @@ def sliding_window_attention(
         dilation = torch.full((H,), dilation, dtype=torch.int32, device=q.device)
     if scale is None:
         scale = 1.0 / math.sqrt(D)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
     from . import ops  # noqa: F401 - registers torch.ops.swa_tvm
 
     out, lse = torch.ops.swa_tvm.attention(

@@ -43,7 +43,8 @@ def _attention_fake(
     q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, scale, left, right
 ):
     check_inputs(
-        q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, left, right, values=False
+        q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, scale, left, right,
+        values=False,
     )
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, H, T, D = q.shape

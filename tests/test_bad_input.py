@@ -62,6 +62,10 @@ CASES = [
     ("sink_logits shape", dict(sink_logits=torch.randn(3)), ValueError, r"sink_logits must have shape \[H\]=\[4\]"),
     ("not a tensor", dict(q=[[1.0]]), TypeError, r"q must be a torch.Tensor"),
     ("sinks type", dict(num_sinks=1.0), TypeError, r"num_sinks must be an int"),
+    ("scale 0", dict(scale=0.0), ValueError, r"scale must be a positive finite number, got 0.0"),
+    ("scale < 0", dict(scale=-0.25), ValueError, r"scale must be a positive finite number, got -0.25"),
+    ("scale nan", dict(scale=float("nan")), ValueError, r"scale must be a positive finite number, got nan"),
+    ("scale type", dict(scale="0.25"), TypeError, r"scale must be a float, got str"),
 ]  # fmt: skip
 
 
