@@ -588,6 +588,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
     # Scores in log2 units (scale * log2 e), so each probability is one exp2 (the
     # hardware's ex2; exp would scale again); lse is brought back to natural log units.
     LOG2E, LN2 = tirx.const(math.log2(math.e), acc), tirx.const(math.log(2.0), acc)
+    RESCALE_SLACK = tirx.const(8.0, acc)  # log2 units: probabilities up to 256
 
     # Warp w = tx // 32 owns the item's 16-row tiles MT*w .. MT*w + MT - 1; a thread holds
     # C values of two rows of each, its row slots r = 2*mt + (0 or 1).
@@ -697,6 +698,14 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
         # are all -inf, so subtracting 0 instead gives probabilities 0; factor 1.
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for r in T.unroll(R):
+                # The running max moves only when the chunk's exceeds it by more than
+                # RESCALE_SLACK (FlashAttention-4's lazy rescaling): probabilities then
+                # reach at most 2^RESCALE_SLACK, harmless in fp32 sums and in the
+                # 16-bit P (range to 6e4, relative rounding), and most chunks of a
+                # long window keep factor 1, skipping the outputs' rescale below. The
+                # sums and outputs stay relative to the same max, so the result and
+                # lse are the same. First chunk: max -inf, difference +inf: moves.
+                red[tx, r] = T.Select(red[tx, r] - m_r[tx, r] > RESCALE_SLACK, red[tx, r], m_r[tx, r])
                 part[tx, R + r] = T.Select(red[tx, r] == NINF, ZERO, red[tx, r])
             for mt in T.unroll(MT):
                 for nt in T.unroll(NS):
