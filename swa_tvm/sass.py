@@ -73,6 +73,8 @@ SECTION = re.compile(r"^//-+ \.text\.(\w+) -+$", re.M)
 INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)[^;]*;")
 LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 BRANCH_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+# A branch that may fall through: predicated (@P0 BRA, @!P0 BRA !P1, ...).
+CONDITIONAL = re.compile(r"@!?U?P\w+\s+BRA|BRA\S*\s+!?U?P\d")
 
 
 def kernel_instructions(sass: str) -> dict[str, list[tuple[str, str]]]:
@@ -112,17 +114,50 @@ def hot_loop(insts, labels) -> tuple[int, int]:
     return best
 
 
+def shortest_pass(insts, labels, start: int, end: int) -> tuple[int, float]:
+    """(instructions, mma units) of the shortest way through the loop [start, end), from
+    its first instruction to its back branch, each forward branch inside taken or not as
+    is shorter: a chunk that skips every step it can (the masked chunks' mask, the
+    outputs' rescale; but also, with cp.async, the next chunk's copies, which all but
+    the last chunk issue). A lower bound of one chunk's dynamic count; the static count
+    (``loop_instructions``) counts both ways of every branch."""
+    inf = (float("inf"), 0.0)
+    best = [inf] * (end - start + 1)
+    best[0] = (0, 0.0)
+    for i in range(start, end):
+        n, mma = best[i - start]
+        if n == float("inf"):
+            continue
+        op, line = insts[i]
+        here = (n + 1, mma + mma_units(op, line))
+        if i == end - 1:  # the back branch: one pass done
+            best[-1] = min(best[-1], here)
+            break
+        m = BRANCH_TARGET.search(line) if op == "BRA" else None
+        target = labels.get(m.group(1)) if m else None
+        if target is not None and i < target < end:
+            best[target - start] = min(best[target - start], here)
+        if target is None or CONDITIONAL.search(line):  # falls through too
+            best[i + 1 - start] = min(best[i + 1 - start], here)
+    n, mma = best[-1]
+    return (int(n), mma) if n != float("inf") else (end - start, 0.0)
+
+
 def summarize(insts, labels) -> dict:
-    """Instruction counts of a kernel and of its hot loop (per mma, and the top opcodes)."""
+    """Instruction counts of a kernel and of its hot loop (per mma, and the top opcodes),
+    and of the loop's shortest pass (``shortest_pass``)."""
     start, end = hot_loop(insts, labels)
     loop = collections.Counter(op for op, _ in insts[start:end])
     mma, n = sum(mma_units(op, line) for op, line in insts[start:end]), sum(loop.values())
+    short, short_mma = shortest_pass(insts, labels, start, end)
     return {
         "instructions": len(insts),
         "loop_instructions": n,
         "loop_mma": mma,  # in m16n8k16 products (an HGMMA counts its share)
         "loop_per_mma": round(n / mma, 2) if mma else None,
         "loop_opcodes": dict(loop.most_common(12)),
+        "shortest_pass": short,
+        "shortest_pass_per_mma": round(short / short_mma, 2) if short_mma else None,
     }
 
 
@@ -171,7 +206,8 @@ def main(argv=None) -> int:
         return 0
     for name, r in result.items():
         print(f"{name}: {r.get('registers')} registers, {r.get('spill_stores', 0)} bytes spilled; "
-              f"hot loop {r['loop_instructions']} instructions, {r['loop_mma']} mma, {r['loop_per_mma']} per mma")
+              f"hot loop {r['loop_instructions']} instructions, {r['loop_mma']} mma, {r['loop_per_mma']} per mma; "
+              f"shortest pass {r['shortest_pass']}, {r['shortest_pass_per_mma']} per mma")
         print("    " + ", ".join(f"{op} {n}" for op, n in r["loop_opcodes"].items()))
     return 0
 

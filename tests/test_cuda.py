@@ -280,6 +280,9 @@ def test_machine_code_of_the_bf16_d128_kernels():
         assert r["loop_per_mma"] < most, (kind, r)
     forward = result[f"{kernels['local'].name}_kernel"]["loop_opcodes"]
     assert forward["LDSM"] == 64 and "LDS" not in forward, forward  # K's 32 and V's 32 ldmatrix.x4
+    # An unmasked chunk without rescale: 602 instructions before the softmax's trees,
+    # FFMA and lazy rescaling (559 with them, nvcc 13.0).
+    assert result[f"{kernels['local'].name}_kernel"]["shortest_pass"] < 580
 
 
 def test_machine_code_of_the_wgmma_forward():
@@ -436,6 +439,48 @@ def test_sass_hot_loop_is_the_innermost_with_the_most_mma():
     assert len(insts) == 13 and labels == {".L_x_1": 1, ".L_x_2": 6}
     r = sass.summarize(insts, labels)
     assert (r["loop_instructions"], r["loop_mma"], r["loop_per_mma"]) == (5, 2, 2.5), r
+
+
+def test_sass_shortest_pass_takes_each_branch_the_shorter_way():
+    """swa_tvm.sass.shortest_pass on a loop as nvcc lays out the forward's: a predicated
+    branch over the unmasked path to the masked one (longer), which jumps back to the
+    join; then a predicated skip of the rescale; then the back branch. The shortest pass
+    is the unmasked path without the rescale; the mma on it are counted."""
+    from swa_tvm import sass
+
+    lines, labels = [], {}
+
+    def emit(op, pred="", target=None):
+        text = f"        /*{16 * len(lines):04x}*/               {pred}{op}" + (f" `({target}) ;" if target else " R0, R1 ;")
+        lines.append(text)
+
+    def label(name):
+        labels[name] = len(lines)
+        lines.append(f"{name}:")
+
+    lines.append("//--------------------- .text.k_kernel --------------------------")
+    label(".L_x_0")
+    emit("HMMA")
+    emit("BRA", "@P0 ", ".L_x_1")  # masked chunk: to the longer path
+    emit("FMNMX")
+    emit("BRA", "", ".L_x_2")  # unconditional: over the masked path
+    label(".L_x_1")
+    for op in ("ISETP", "FSEL", "FSEL", "FMNMX"):
+        emit(op)
+    label(".L_x_2")
+    emit("BRA", "@!P1 ", ".L_x_3")  # no rescale: skip the multiplies
+    for op in ("FMUL", "FMUL", "FMUL"):
+        emit(op)
+    label(".L_x_3")
+    emit("HMMA")
+    emit("BRA", "@P2 ", ".L_x_0")  # back
+    insts, found = sass.kernel_instructions("\n".join(lines))["k_kernel"]
+    start, end = sass.hot_loop(insts, found)
+    assert (start, end) == (0, len(insts)) and len(insts) == 14
+    # HMMA, BRA, FMNMX, BRA, BRA (the rescale's skip), HMMA, BRA back: 7, two mma.
+    assert sass.shortest_pass(insts, found, start, end) == (7, 2)
+    r = sass.summarize(insts, found)
+    assert (r["loop_instructions"], r["shortest_pass"], r["shortest_pass_per_mma"]) == (14, 7, 3.5), r
 
 
 def _serial_on_cpu(func):
