@@ -569,12 +569,11 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
     NS, NO, KD = KC // 8, D // 8, D // 16  # score tiles, output tiles, k-steps of Q K^T
     R = 2 * MT  # rows a thread holds C values of: two per 16-row tile
     QREG = MT == 1  # Q's A fragments in registers (else re-read from Q's shared tile)
-    # The rows' band intervals: int32 with two row tiles a warp, whose doubled accumulators
-    # leave ptxas few registers for eight 64-bit pairs (bf16 D=128 sm_90: 4 x 32 spilled
-    # 16 bytes with cp.async, none now; 4 x 64 with cp.async spills still, 76 bytes);
-    # int64 where they fit (int32 there made ptxas spill sm_80's D=32 default instead).
-    # Band indices are within +-T, and T < 2^31 (int32 positions throughout).
-    INTERVAL = "int32" if MT > 1 else "int64"
+    # The rows' band intervals in int32 (band indices are within +-T, and T < 2^31: int32
+    # positions throughout). Their registers decide occupancy: the bf16 D=128 default
+    # needs 168 (nvcc 13.0, sm_90), three blocks of 128 threads per SM's 65536 registers;
+    # with int64 intervals 170, two blocks. Two row tiles a warp spilled with int64.
+    INTERVAL = "int32"
     # Shared tiles of rows padded by 8 values (the 8 rows a fragment load touches fall in
     # different banks), or with wgmma core matrices, unpadded (TileLayout).
     WG = bool(cfg.wgmma)

@@ -281,8 +281,10 @@ def test_machine_code_of_the_bf16_d128_kernels():
     forward = result[f"{kernels['local'].name}_kernel"]["loop_opcodes"]
     assert forward["LDSM"] == 64 and "LDS" not in forward, forward  # K's 32 and V's 32 ldmatrix.x4
     # An unmasked chunk without rescale: 602 instructions before the softmax's trees,
-    # FFMA and lazy rescaling (559 with them, nvcc 13.0).
-    assert result[f"{kernels['local'].name}_kernel"]["shortest_pass"] < 580
+    # FFMA and lazy rescaling (579 with them, nvcc 13.0). And three blocks of 128
+    # threads per SM: at most 168 registers (65536 / 384, in units of 8).
+    local = result[f"{kernels['local'].name}_kernel"]
+    assert local["shortest_pass"] < 590 and local["registers"] <= 168, local
 
 
 def test_machine_code_of_the_wgmma_forward():
