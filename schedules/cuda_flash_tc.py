@@ -496,6 +496,12 @@ class TCConfig:
     # K-major as Q K^T's is, instead of MN-major (``imm-trans-b``); synchronous loads
     # only (each value stored on its own).
     transpose_v: bool = False
+    # __launch_bounds__' second argument, the blocks per SM ptxas must leave registers
+    # for (0: none, ptxas's own heuristic). ptxas trades instructions for occupancy on
+    # its own: the bf16 D=128 default takes 168 registers (three blocks per SM) where
+    # min_blocks 1 gives it 211 (two) and 4% fewer instructions a chunk. Which is faster
+    # is a GPU's question (the GPU check's sweep).
+    min_blocks: int = 0
 
     @property
     def block_q(self) -> int:
@@ -552,6 +558,8 @@ def tile_scope(spec: KernelSpec, cfg) -> str:
             f"kernel {spec.name}: {cfg}: wgmma takes warps a multiple of 4 (whole warpgroups), m_tiles 1, "
             f"chunk <= 256 and head_dim <= 256 (got {spec.head_dim})"
         )
+    if getattr(cfg, "min_blocks", 0) < 0:
+        raise ValueError(f"kernel {spec.name}: {cfg}: min_blocks must be >= 0 (0: ptxas's own choice)")
     if getattr(cfg, "transpose_v", False) and (not cfg.wgmma or cfg.async_copy):
         raise ValueError(f"kernel {spec.name}: {cfg}: transpose_v takes wgmma and synchronous loads (async_copy False)")
     try:
@@ -836,68 +844,82 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                         lse[b, h, dst_row(t_row(tx, r))] = (m_r[tx, r] + T.log2(l_r[tx, r])) * LN2
 
     @T.macro
+    def with_min_blocks(inner):
+        # A thread block's code, under __launch_bounds__(threads, min_blocks) when the
+        # config asks for it (TCConfig.min_blocks).
+        if cfg.min_blocks > 0:
+            with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", cfg.min_blocks):
+                inner()
+        else:
+            inner()
+
+    @T.macro
+    def local_item(item, nitems, q, k, v, dil, xidx, sink, scale, out, lse, B, H, Hkv, Tn, E):
+        with T.sblock("flash_tc"):
+            T.reads()
+            T.writes()
+            # With Q in registers before the first key chunk arrives, Q and K share a
+            # tile (Qs is then a stub); else Q keeps its own.
+            QK = T.alloc_buffer((max(q_tile.size, kv_tile.size) if QREG else kv_tile.size,), dt, scope=SH)
+            Qs = T.alloc_buffer((8 if QREG else q_tile.size,), dt, scope=SH)
+            Vt = T.alloc_buffer((kv_tile.size,), dt, scope=SH)
+            qfrag = T.alloc_buffer((NT, KD * 8 if QREG else MT * 8), dt, scope="local")
+            kfrag = T.alloc_buffer((NT, 8), dt, scope="local")
+            vfrag = T.alloc_buffer((NT, 8), dt, scope="local")
+            sfrag = T.alloc_buffer((NT, MT * NS * 4), acc, scope="local")
+            pfrag = T.alloc_buffer((NT, MT * NS * 4), dt, scope="local")
+            ofrag = T.alloc_buffer((NT, MT * NO * 4), acc, scope="local")
+            m_r = T.alloc_buffer((NT, R), acc, scope="local")
+            l_r = T.alloc_buffer((NT, R), acc, scope="local")
+            first_r = T.alloc_buffer((NT, R), INTERVAL, scope="local")
+            last_r = T.alloc_buffer((NT, R), INTERVAL, scope="local")
+            rel = T.alloc_buffer((NT, 2 * R), "int32", scope="local")
+            part = T.alloc_buffer((NT, 2 * R), acc, scope="local")
+            red = T.alloc_buffer((NT, R), acc, scope="local")
+            xpos_s = T.alloc_buffer((KC,), "int64", scope=SH)
+            xres_s = T.alloc_buffer((KC,), "int64", scope=SH)
+            xt_s = T.alloc_buffer((KC,), "int64", scope=SH)
+            fld = T.alloc_buffer((ITEM_SCALARS,), "int64", scope="local")
+
+            store_item(fld, item, H, Hkv, nitems, dil, Tn)
+            b, h, beta, d, kvh, m0, r, row0, key0, c_begin, c_end, inner_lo, inner_hi = T.meta_var(load_item(fld))
+            scale2 = T.meta_var(scale * LOG2E)
+            # Items past the end run with every key masked and write nothing (see
+            # cuda_flash: no branch around barriers).
+            start_rows(QK, Qs, qfrag, ofrag, m_r, l_r, q, b, h,
+                       lambda i: T.min(row0 + d * i, Tn - 1), sink)
+            # Each row's visible band interval.
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                for rs in T.unroll(R):
+                    first_r[tx, rs] = T.Cast(INTERVAL, row_key_range(lo, hi, Tn, d, m0, r, t_row(tx, rs))[0])
+                    last_r[tx, rs] = T.Cast(INTERVAL, row_key_range(lo, hi, Tn, d, m0, r, t_row(tx, rs))[1])
+            stream(
+                QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
+                c_begin, c_end, lambda c, kk: band_positions(key0, d, c, KC)(kk), first_r, last_r, inner_lo, inner_hi,
+                scale2,
+            )
+            if extras:
+                for xc in T.serial((E + (KC - 1)) // KC):
+                    load_extra_positions(xpos_s, xres_s, xt_s, xidx, b, xc, d, E)
+                    load_rows(QK, Vt, k, v, b, kvh, lambda kk: xpos_s[kk], Tn)
+                    scores(QK, Qs, qfrag, kfrag, sfrag)
+                    mask_max(
+                        sfrag, m_r, part, red,
+                        lambda tx, l, nt, mt: extra_visible(
+                            lo, hi, Tn,
+                            xpos_s[nt * 8 + c_col(tx, l)], xres_s[nt * 8 + c_col(tx, l)], xt_s[nt * 8 + c_col(tx, l)],
+                            row0 + d * c_row(tx, l, mt), m0 + c_row(tx, l, mt), r,
+                        ),
+                        scale2,
+                    )
+                    softmax_pv(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, scale2)
+            finish_rows(out, lse, ofrag, m_r, l_r, b, h, lambda i: row0 + d * i, lambda i: row0 + d * i < Tn)
+
+    @T.macro
     def body(q, k, v, dil, xidx, sink, scale, out, lse, B, H, Hkv, Tn, E):
         nitems = T.meta_var((Tn + (BQ - 1)) // BQ + (maxd - 1))
         for item in T.thread_binding(B * H * nitems, thread="blockIdx.x"):
-            with T.sblock("flash_tc"):
-                T.reads()
-                T.writes()
-                # With Q in registers before the first key chunk arrives, Q and K share a
-                # tile (Qs is then a stub); else Q keeps its own.
-                QK = T.alloc_buffer((max(q_tile.size, kv_tile.size) if QREG else kv_tile.size,), dt, scope=SH)
-                Qs = T.alloc_buffer((8 if QREG else q_tile.size,), dt, scope=SH)
-                Vt = T.alloc_buffer((kv_tile.size,), dt, scope=SH)
-                qfrag = T.alloc_buffer((NT, KD * 8 if QREG else MT * 8), dt, scope="local")
-                kfrag = T.alloc_buffer((NT, 8), dt, scope="local")
-                vfrag = T.alloc_buffer((NT, 8), dt, scope="local")
-                sfrag = T.alloc_buffer((NT, MT * NS * 4), acc, scope="local")
-                pfrag = T.alloc_buffer((NT, MT * NS * 4), dt, scope="local")
-                ofrag = T.alloc_buffer((NT, MT * NO * 4), acc, scope="local")
-                m_r = T.alloc_buffer((NT, R), acc, scope="local")
-                l_r = T.alloc_buffer((NT, R), acc, scope="local")
-                first_r = T.alloc_buffer((NT, R), INTERVAL, scope="local")
-                last_r = T.alloc_buffer((NT, R), INTERVAL, scope="local")
-                rel = T.alloc_buffer((NT, 2 * R), "int32", scope="local")
-                part = T.alloc_buffer((NT, 2 * R), acc, scope="local")
-                red = T.alloc_buffer((NT, R), acc, scope="local")
-                xpos_s = T.alloc_buffer((KC,), "int64", scope=SH)
-                xres_s = T.alloc_buffer((KC,), "int64", scope=SH)
-                xt_s = T.alloc_buffer((KC,), "int64", scope=SH)
-                fld = T.alloc_buffer((ITEM_SCALARS,), "int64", scope="local")
-
-                store_item(fld, item, H, Hkv, nitems, dil, Tn)
-                b, h, beta, d, kvh, m0, r, row0, key0, c_begin, c_end, inner_lo, inner_hi = T.meta_var(load_item(fld))
-                scale2 = T.meta_var(scale * LOG2E)
-                # Items past the end run with every key masked and write nothing (see
-                # cuda_flash: no branch around barriers).
-                start_rows(QK, Qs, qfrag, ofrag, m_r, l_r, q, b, h,
-                           lambda i: T.min(row0 + d * i, Tn - 1), sink)
-                # Each row's visible band interval.
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    for rs in T.unroll(R):
-                        first_r[tx, rs] = T.Cast(INTERVAL, row_key_range(lo, hi, Tn, d, m0, r, t_row(tx, rs))[0])
-                        last_r[tx, rs] = T.Cast(INTERVAL, row_key_range(lo, hi, Tn, d, m0, r, t_row(tx, rs))[1])
-                stream(
-                    QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
-                    c_begin, c_end, lambda c, kk: band_positions(key0, d, c, KC)(kk), first_r, last_r, inner_lo, inner_hi,
-                    scale2,
-                )
-                if extras:
-                    for xc in T.serial((E + (KC - 1)) // KC):
-                        load_extra_positions(xpos_s, xres_s, xt_s, xidx, b, xc, d, E)
-                        load_rows(QK, Vt, k, v, b, kvh, lambda kk: xpos_s[kk], Tn)
-                        scores(QK, Qs, qfrag, kfrag, sfrag)
-                        mask_max(
-                            sfrag, m_r, part, red,
-                            lambda tx, l, nt, mt: extra_visible(
-                                lo, hi, Tn,
-                                xpos_s[nt * 8 + c_col(tx, l)], xres_s[nt * 8 + c_col(tx, l)], xt_s[nt * 8 + c_col(tx, l)],
-                                row0 + d * c_row(tx, l, mt), m0 + c_row(tx, l, mt), r,
-                            ),
-                            scale2,
-                        )
-                        softmax_pv(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, scale2)
-                finish_rows(out, lse, ofrag, m_r, l_r, b, h, lambda i: row0 + d * i, lambda i: row0 + d * i < Tn)
+            with_min_blocks(lambda: local_item(item, nitems, q, k, v, dil, xidx, sink, scale, out, lse, B, H, Hkv, Tn, E))
 
     @T.macro
     def finish_piece(ws_o, ws_lse, ofrag, m_r, l_r, b, h, s, g0, G):
@@ -949,52 +971,56 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
     store_piece = split_item_fields(NT, BQ, KC, causal)
 
     @T.macro
+    def global_item(item, nblk, qg, k, v, gidx, sink, scale, ws_o, ws_lse, B, H, Hkv, Tn, G, S):
+        with T.sblock("flash_tc_global"):
+            T.reads()
+            T.writes()
+            # As the local rows' tiles.
+            QK = T.alloc_buffer((max(q_tile.size, kv_tile.size) if QREG else kv_tile.size,), dt, scope=SH)
+            Qs = T.alloc_buffer((8 if QREG else q_tile.size,), dt, scope=SH)
+            Vt = T.alloc_buffer((kv_tile.size,), dt, scope=SH)
+            qfrag = T.alloc_buffer((NT, KD * 8 if QREG else MT * 8), dt, scope="local")
+            kfrag = T.alloc_buffer((NT, 8), dt, scope="local")
+            vfrag = T.alloc_buffer((NT, 8), dt, scope="local")
+            sfrag = T.alloc_buffer((NT, MT * NS * 4), acc, scope="local")
+            pfrag = T.alloc_buffer((NT, MT * NS * 4), dt, scope="local")
+            ofrag = T.alloc_buffer((NT, MT * NO * 4), acc, scope="local")
+            m_r = T.alloc_buffer((NT, R), acc, scope="local")
+            l_r = T.alloc_buffer((NT, R), acc, scope="local")
+            first_r = T.alloc_buffer((NT, R), INTERVAL, scope="local")
+            last_r = T.alloc_buffer((NT, R), INTERVAL, scope="local")
+            rel = T.alloc_buffer((NT, 2 * R), "int32", scope="local")
+            part = T.alloc_buffer((NT, 2 * R), acc, scope="local")
+            red = T.alloc_buffer((NT, R), acc, scope="local")
+            # split_item_fields' (b, h, g0, kvh, the piece s, its chunks c_begin..c_end),
+            # then the keys every valid row sees, 0..inner_hi (each thread's copy).
+            fld = T.alloc_buffer((8,), "int64", scope="local")
+
+            store_piece(fld, item, S, H, Hkv, nblk, gidx, G, Tn)
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                fld[7] = block_inner_last_key(gidx, fld[0], fld[2], G, Tn, BQ, causal)
+            b, h, g0, kvh, s = T.meta_var((fld[0], fld[1], fld[2], fld[3], fld[4]))
+            scale2 = T.meta_var(scale * LOG2E)
+            start_rows(QK, Qs, qfrag, ofrag, m_r, l_r, qg, b, h, lambda i: T.min(g0 + i, G - 1), None)
+            # Row slot rs sees keys 0..its last (-1: a padding row past G sees none).
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                for rs in T.unroll(R):
+                    first_r[tx, rs] = T.Cast(INTERVAL, 0)
+                    last_r[tx, rs] = T.Cast(INTERVAL, global_row_last_key(gidx, b, g0 + t_row(tx, rs), G, Tn, causal))
+            stream(
+                QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
+                fld[5], fld[6], lambda c, kk: T.Cast("int32", c * KC) + kk, first_r, last_r, T.int64(0), fld[7],
+                scale2,
+            )
+            finish_piece(ws_o, ws_lse, ofrag, m_r, l_r, b, h, s, g0, G)
+
+    @T.macro
     def global_body(qg, k, v, gidx, sink, scale, out, lse, ws_o, ws_lse, B, H, Hkv, Tn, G, S):
         # S pieces of each block's key chunks, the pieces' shares in ws_o/ws_lse (fp32,
         # the caller's: TVM's own workspace is not ordered by streams).
         nblk = T.meta_var((G + (BQ - 1)) // BQ)
         for item in T.thread_binding(B * H * nblk * S, thread="blockIdx.x"):
-            with T.sblock("flash_tc_global"):
-                T.reads()
-                T.writes()
-                # As the local rows' tiles.
-                QK = T.alloc_buffer((max(q_tile.size, kv_tile.size) if QREG else kv_tile.size,), dt, scope=SH)
-                Qs = T.alloc_buffer((8 if QREG else q_tile.size,), dt, scope=SH)
-                Vt = T.alloc_buffer((kv_tile.size,), dt, scope=SH)
-                qfrag = T.alloc_buffer((NT, KD * 8 if QREG else MT * 8), dt, scope="local")
-                kfrag = T.alloc_buffer((NT, 8), dt, scope="local")
-                vfrag = T.alloc_buffer((NT, 8), dt, scope="local")
-                sfrag = T.alloc_buffer((NT, MT * NS * 4), acc, scope="local")
-                pfrag = T.alloc_buffer((NT, MT * NS * 4), dt, scope="local")
-                ofrag = T.alloc_buffer((NT, MT * NO * 4), acc, scope="local")
-                m_r = T.alloc_buffer((NT, R), acc, scope="local")
-                l_r = T.alloc_buffer((NT, R), acc, scope="local")
-                first_r = T.alloc_buffer((NT, R), INTERVAL, scope="local")
-                last_r = T.alloc_buffer((NT, R), INTERVAL, scope="local")
-                rel = T.alloc_buffer((NT, 2 * R), "int32", scope="local")
-                part = T.alloc_buffer((NT, 2 * R), acc, scope="local")
-                red = T.alloc_buffer((NT, R), acc, scope="local")
-                # split_item_fields' (b, h, g0, kvh, the piece s, its chunks c_begin..c_end),
-                # then the keys every valid row sees, 0..inner_hi (each thread's copy).
-                fld = T.alloc_buffer((8,), "int64", scope="local")
-
-                store_piece(fld, item, S, H, Hkv, nblk, gidx, G, Tn)
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    fld[7] = block_inner_last_key(gidx, fld[0], fld[2], G, Tn, BQ, causal)
-                b, h, g0, kvh, s = T.meta_var((fld[0], fld[1], fld[2], fld[3], fld[4]))
-                scale2 = T.meta_var(scale * LOG2E)
-                start_rows(QK, Qs, qfrag, ofrag, m_r, l_r, qg, b, h, lambda i: T.min(g0 + i, G - 1), None)
-                # Row slot rs sees keys 0..its last (-1: a padding row past G sees none).
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    for rs in T.unroll(R):
-                        first_r[tx, rs] = T.Cast(INTERVAL, 0)
-                        last_r[tx, rs] = T.Cast(INTERVAL, global_row_last_key(gidx, b, g0 + t_row(tx, rs), G, Tn, causal))
-                stream(
-                    QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
-                    fld[5], fld[6], lambda c, kk: T.Cast("int32", c * KC) + kk, first_r, last_r, T.int64(0), fld[7],
-                    scale2,
-                )
-                finish_piece(ws_o, ws_lse, ofrag, m_r, l_r, b, h, s, g0, G)
+            with_min_blocks(lambda: global_item(item, nblk, qg, k, v, gidx, sink, scale, ws_o, ws_lse, B, H, Hkv, Tn, G, S))
         combine(ws_o, ws_lse, sink, out, lse, B, H, G, S)
 
     if spec.kind == "global":

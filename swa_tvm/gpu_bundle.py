@@ -83,6 +83,9 @@ TC_VARIANTS = (
     (4, 64, True, False, 1, True), (4, 64, True, True, 1, True), (4, 64, True, False, 1, True, True),
     (8, 64, True, False, 1, True), (8, 64, True, True, 1, True),
     (4, 128, True, False, 1, True), (8, 128, True, False, 1, True), (8, 128, True, True, 1, True),
+    # __launch_bounds__' blocks per SM: the default's 211 registers and two blocks (ptxas
+    # alone takes 168 and three), and the cp.async wgmma forward in three (168, no spill).
+    (4, 64, True, False, 1, False, False, 1), (4, 64, True, True, 1, True, False, 3),
 )
 TC_BWD_VARIANTS = ((2, 32), (2, 32, False), (4, 32), (4, 64), (4, 16), (2, 16), (1, 32),
                    (4, 32, True, True), (4, 64, True, True), (8, 32, True, True))
@@ -133,14 +136,17 @@ def build_variants(out: str, arch: str) -> str:
             # The forward's options.
             async_copy, m_tiles = getattr(cfg, "async_copy", False), getattr(cfg, "m_tiles", 1)
             wgmma, transpose_v = getattr(cfg, "wgmma", False), getattr(cfg, "transpose_v", False)
+            min_blocks = getattr(cfg, "min_blocks", 0)
             if wgmma and not hopper:
                 continue
             make = tc.flash_tc if kind == "local" else tc.flash_bwd_tc
             suffix = (f"tc_w{cfg.warps}_c{cfg.chunk}" + ("" if cfg.ldmatrix else "_lds16")
                       + ("_async" if async_copy else "") + (f"_m{m_tiles}" if m_tiles > 1 else "")
-                      + ("_wgmma" if wgmma else "") + ("_vt" if transpose_v else ""))
+                      + ("_wgmma" if wgmma else "") + ("_vt" if transpose_v else "")
+                      + (f"_mb{min_blocks}" if min_blocks else ""))
             add(spec, suffix, make(spec, cfg), kernel=tc.__name__.rsplit(".", 1)[1], warps=cfg.warps, chunk=cfg.chunk,
                 ldmatrix=cfg.ldmatrix, async_copy=async_copy, m_tiles=m_tiles, wgmma=wgmma, transpose_v=transpose_v,
+                min_blocks=min_blocks,
                 shared_bytes=cfg.shared_bytes(spec.head_dim, spec.dtype), default=cfg == tc.default_config(spec))
         make = cores.flash if kind == "local" else cores.flash_bwd
         add(spec, "cores", make(spec), kernel=cores.__name__.rsplit(".", 1)[1], config=str(cores.default_config(spec)))
@@ -170,7 +176,8 @@ def build_variants(out: str, arch: str) -> str:
         machine = sass.analyze(funcs, arch)
         for entry in entries:
             found = machine.get(f"{entry['function']}_kernel", {})
-            entry["sass"] = {key: found.get(key) for key in ("loop_instructions", "loop_mma", "loop_per_mma")}
+            entry["sass"] = {key: found.get(key) for key in ("loop_instructions", "loop_mma", "loop_per_mma",
+                                                              "shortest_pass", "shortest_pass_per_mma")}
     with open(os.path.join(folder, "variants.json"), "w") as f:
         json.dump({"spec": spec.to_dict(), "library": os.path.basename(path), "arch": arch, "variants": entries}, f,
                   indent=2)

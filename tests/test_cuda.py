@@ -80,15 +80,19 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
     for kind, got in tiles.items():
         want = {"warps": 4, "chunk": 32, "ldmatrix": True, "wgmma": False}
         if kind in ("local", "global"):
-            want.update(chunk=64, async_copy=False, m_tiles=1, transpose_v=False)
+            want.update(chunk=64, async_copy=False, m_tiles=1, transpose_v=False, min_blocks=0)
         assert got == want, (kind, got)
     assert {k["tiles_from"] for k in manifest["kernels"]} == {"default"}  # no tile record for this arch and head dim
-    assert ("tiles warps=4, chunk=64, ldmatrix=True, async_copy=False, m_tiles=1, wgmma=False, transpose_v=False"
+    assert ("tiles warps=4, chunk=64, ldmatrix=True, async_copy=False, m_tiles=1, wgmma=False, transpose_v=False, "
+            "min_blocks=0"
             in info.stdout), info.stdout
     # What ptxas reported for each kernel of the library (the global rows' gradients are
     # two kernels, their split-K forward too: the pieces, then the combine, which has no
     # tiles): registers within the 255 a thread may have, the tiles' static shared
-    # memory, and no spill at head dim 32.
+    # memory, and no spill at head dim 32, but for the forward with extra keys: ptxas's
+    # occupancy heuristic (TVM's --register-usage-level=10) holds it to 128 registers
+    # (four blocks per SM) at the price of 12 bytes stored before the loops and loaded
+    # after them (135 registers, none, under TCConfig(min_blocks=1)).
     # The global rows' gradients: the split-K dq's pieces and sum, then dk/dv.
     n_kernels = {"global": 2, "global_bwd": 3}
     for k in manifest["kernels"]:
@@ -98,13 +102,17 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
             if k["spec"]["kind"] in ("global", "global_bwd") and f.endswith("_kernel_1"):  # the sums: no tiles
                 assert r["spill_stores"] == 0 and r["smem"] == 0, (f, r)
                 continue
-            assert 32 <= r["registers"] <= 255 and r["spill_stores"] == 0 and 1024 < r["smem"] <= 48 * 1024, (k["name"], r)
+            spill = 16 if k["spec"]["kind"] == "local" and k["spec"]["extras"] else 0
+            assert 32 <= r["registers"] <= 255 and r["spill_stores"] <= spill and 1024 < r["smem"] <= 48 * 1024, (k["name"], r)
     # The split-K global rows take the caller's workspace, which the manifest names.
     workspaces = {"global": swa_tvm.library.GLOBAL_WORKSPACE, "global_bwd": swa_tvm.library.GLOBAL_BWD_WORKSPACE}
     assert {k["spec"]["kind"]: k.get("workspace") for k in manifest["kernels"]} == {
         k.kind: workspaces.get(k.kind) for k in kernels
     }
-    assert info.stdout.count(" registers, no spills, ") == sum(len(k["ptxas"]) for k in manifest["kernels"]), info.stdout
+    # info says what ptxas said: "no spills", or how many bytes.
+    spilled = sum(bool(r["spill_stores"]) for k in manifest["kernels"] for r in k["ptxas"].values())
+    assert info.stdout.count(" registers, no spills, ") == sum(len(k["ptxas"]) for k in manifest["kernels"]) - spilled
+    assert info.stdout.count(" B stored, ") == spilled, info.stdout
     for kind, workspace in workspaces.items():
         n = sum(k.kind == kind for k in kernels)
         assert info.stdout.count(f"the caller's workspace: {workspace}") == n, info.stdout
@@ -441,6 +449,22 @@ def test_sass_hot_loop_is_the_innermost_with_the_most_mma():
     assert len(insts) == 13 and labels == {".L_x_1": 1, ".L_x_2": 6}
     r = sass.summarize(insts, labels)
     assert (r["loop_instructions"], r["loop_mma"], r["loop_per_mma"]) == (5, 2, 2.5), r
+
+
+def test_tensor_core_forward_min_blocks_sets_the_launch_bounds():
+    """TCConfig.min_blocks is __launch_bounds__' second argument, on the local and the
+    global rows' kernels (0: none, ptxas's own choice); a negative one is refused."""
+    from swa_tvm.cuda_races import generated_source
+    from swa_tvm.schedules import cuda_flash_tc
+
+    for kind, window in (("local", (31, 0)), ("global", (0, 0))):
+        spec = KernelSpec(kind, 64, "bfloat16", *window)
+        for min_blocks, bounds in ((0, "__launch_bounds__(128) "), (2, "__launch_bounds__(128, 2) ")):
+            func = cuda_flash_tc.flash_tc(spec, cuda_flash_tc.TCConfig(4, 32, min_blocks=min_blocks))
+            source = generated_source({spec.name: func})
+            assert source.count(bounds + spec.name + "_kernel(") == 2, (kind, min_blocks)  # declared, defined
+    with pytest.raises(ValueError, match="min_blocks must be >= 0"):
+        cuda_flash_tc.flash_tc(spec, cuda_flash_tc.TCConfig(4, 32, min_blocks=-1))
 
 
 def test_sass_shortest_pass_takes_each_branch_the_shorter_way():
