@@ -71,6 +71,7 @@ from .cuda_flash_tc import (
     kn_loader,
     mma_macro,
     nk_loader,
+    in_sequence,
     pair_loader,
     tile_scope,
 )
@@ -174,6 +175,19 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
     # thread, not one tile's) covers the item's tiles too.
     load_item = pair_loader(NT, D, BR, WG)
     load_chunk = pair_loader(NT, D, KC, WG, wg_proxy_fence if WG else None)
+
+    load_chunk_unfenced = pair_loader(NT, D, KC, WG)
+
+    @T.macro
+    def load_band_chunk(A, B, src_a, src_b, b, hh, pos, n):
+        # A band chunk's rows, unclamped where all lie in the sequence (as the forward's);
+        # fenced for wgmma once after either form (so cuda_races sees each fence needed).
+        if in_sequence(pos, KC, n):
+            load_chunk_unfenced(A, B, src_a, src_b, b, hh, pos, n, False)
+        else:
+            load_chunk_unfenced(A, B, src_a, src_b, b, hh, pos, n)
+        if WG:
+            wg_proxy_fence()
     load_chunk_stats = stats_loader(NT, KC, acc, lse_scale=LOG2E)
     load_extra_positions = extra_positions_loader(NT, KC)
     load_last_keys = last_keys_loader(NT, KC, causal)
@@ -363,7 +377,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 zero(dqacc)
                 # 2. The band chunks that meet the item's span, then the extra keys.
                 for c in T.serial(c_begin, c_end):
-                    load_chunk(Kt, Vt, k, v, b, kvh, band_positions(key0, d, c, KC), Tn)
+                    load_band_chunk(Kt, Vt, k, v, b, kvh, band_positions(key0, d, c, KC), Tn)
                     products(Qs, dOs, Kt, Vt, fr)
                     if chunk_inside(c, inner_lo, inner_hi):
                         dq_scores(fr, lse_r, delta_r, None, scale2)
@@ -435,7 +449,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 zero(vacc)
                 # 2. The queries that see the item, chunk by chunk.
                 for c in T.serial(c_begin, c_end):
-                    load_chunk(Qt, dOt, q, dout, b, h, band_positions(key0, d, c, KC), Tn)
+                    load_band_chunk(Qt, dOt, q, dout, b, h, band_positions(key0, d, c, KC), Tn)
                     load_chunk_stats(lse_c, delta_c, lse, delta, b, h, band_positions(key0, d, c, KC), Tn)
                     products(Ks, Vs, Qt, dOt, fr)
                     if chunk_inside(c, inner_lo, inner_hi):

@@ -184,12 +184,26 @@ class TileLayout:
         return self.rows * (self.head_dim if self.cores else self.head_dim + 8)
 
 
+def row_position(pos, n, clamp: bool):
+    """A tile row's sequence position: clamped to [0, n), or as it is where the caller
+    knows it in range. Unclamped, a chunk's rows are an arithmetic sequence nvcc
+    addresses by increments: 85 instructions fewer a chunk in the bf16 D=128 forward."""
+    return clamp_row(pos, n) if clamp else pos
+
+
+def in_sequence(pos, rows: int, n):
+    """Whether positions pos(0) .. pos(rows - 1), rising, all lie in [0, n): a tile
+    loaded without clamping (``row_position``)."""
+    return T.And(pos(0) >= 0, T.Cast("int64", pos(rows - 1)) < n)
+
+
 def pair_loader(threads: int, head_dim: int, rows: int, cores: bool = False, proxy_fence=None,
                 transpose_b: bool = False):
-    """A T.macro ``load(A, B, src_a, src_b, b, hh, pos_of, n)``: rows i < ``rows`` of two
-    shared tiles (``TileLayout(head_dim, rows, cores)``) from src_a/src_b[b, hh,
-    pos_of(i)], the position clamped to [0, n) (a row out of range is masked by its
-    scores), in 16-byte vectors; then ``proxy_fence`` (wgmma's reads), if given.
+    """A T.macro ``load(A, B, src_a, src_b, b, hh, pos_of, n, clamp=True)``: rows i <
+    ``rows`` of two shared tiles (``TileLayout(head_dim, rows, cores)``) from
+    src_a/src_b[b, hh, pos_of(i)], the position clamped to [0, n) (a row out of range is
+    masked by its scores; ``clamp`` False: the caller knows every position is in range),
+    in 16-byte vectors; then ``proxy_fence`` (wgmma's reads), if given.
     ``transpose_b``: B's tile holds the transpose (``TileLayout(rows, head_dim, cores)``,
     head_dim rows of ``rows`` values), each vector stored value by value."""
     D, VEC = head_dim, 8
@@ -197,13 +211,13 @@ def pair_loader(threads: int, head_dim: int, rows: int, cores: bool = False, pro
     steps = -(-rows * D // VEC // threads)
 
     @T.macro
-    def load(A, Bt, src_a, src_b, b, hh, pos_of, n):
+    def load(A, Bt, src_a, src_b, b, hh, pos_of, n, clamp=True):
         for tx in T.thread_binding(threads, thread="threadIdx.x"):
             for x in T.serial(steps):
                 e = T.meta_var(x * threads + tx)
                 if e < rows * D // VEC:
                     i, cv = T.meta_var(lay.slot(e))
-                    j = T.meta_var(clamp_row(pos_of(i), n))
+                    j = T.meta_var(row_position(pos_of(i), n, clamp))
                     for u in T.vectorized(VEC):
                         A[lay.index(i, cv * VEC + u)] = src_a[b, hh, j, cv * VEC + u]
                     if transpose_b:  # one 16-byte load, then value by value
@@ -410,13 +424,13 @@ def async_loader(threads: int, head_dim: int, rows: int, emulate: bool, cores: b
     steps = -(-rows * D // VEC // threads)
 
     @T.macro
-    def issue(A, src, b, hh, pos_of, n):
+    def issue(A, src, b, hh, pos_of, n, clamp=True):
         for tx in T.thread_binding(threads, thread="threadIdx.x"):
             for x in T.serial(steps):
                 e = T.meta_var(x * threads + tx)
                 if e < rows * D // VEC:
                     i, cv = T.meta_var(lay.slot(e))
-                    j = T.meta_var(clamp_row(pos_of(i), n))
+                    j = T.meta_var(row_position(pos_of(i), n, clamp))
                     if emulate:
                         for u in T.vectorized(VEC):
                             A[lay.index(i, cv * VEC + u)] = src[b, hh, j, cv * VEC + u]
@@ -497,15 +511,24 @@ class TCConfig:
     # only (each value stored on its own).
     transpose_v: bool = False
     # __launch_bounds__' second argument, the blocks per SM ptxas must leave registers
-    # for (0: none, ptxas's own heuristic). ptxas trades instructions for occupancy on
-    # its own: the bf16 D=128 default takes 168 registers (three blocks per SM) where
-    # min_blocks 1 gives it 211 (two) and 4% fewer instructions a chunk. Which is faster
-    # is a GPU's question (the GPU check's sweep).
-    min_blocks: int = 0
+    # for; 0: none (ptxas's own heuristic); None: two blocks of up to 4 warps, else one.
+    # Left to itself ptxas aims at occupancies it then misses: the bf16 D=128 default
+    # took 180 registers (two blocks, as 213 would) and 2% more instructions a chunk,
+    # the 4 x 64 wgmma forward 180 where 202 saves 8% (still two blocks), and the D=32
+    # forward with extra keys 128, spilling, where 133 spill nothing. Three blocks (168
+    # registers) is the sweep's question for a GPU.
+    min_blocks: int | None = None
 
     @property
     def block_q(self) -> int:
         return 16 * self.warps * self.m_tiles
+
+    @property
+    def blocks_per_sm(self) -> int:
+        """``min_blocks`` resolved (0: no second launch bound)."""
+        if self.min_blocks is None:
+            return 2 if self.warps <= 4 else 1
+        return self.min_blocks
 
     def shared_bytes(self, head_dim: int, dtype: str) -> int:
         el = tvm.runtime.DataType(dtype).bits // 8
@@ -558,8 +581,8 @@ def tile_scope(spec: KernelSpec, cfg) -> str:
             f"kernel {spec.name}: {cfg}: wgmma takes warps a multiple of 4 (whole warpgroups), m_tiles 1, "
             f"chunk <= 256 and head_dim <= 256 (got {spec.head_dim})"
         )
-    if getattr(cfg, "min_blocks", 0) < 0:
-        raise ValueError(f"kernel {spec.name}: {cfg}: min_blocks must be >= 0 (0: ptxas's own choice)")
+    if (getattr(cfg, "min_blocks", None) or 0) < 0:
+        raise ValueError(f"kernel {spec.name}: {cfg}: min_blocks must be >= 0 (0: ptxas's own choice) or None")
     if getattr(cfg, "transpose_v", False) and (not cfg.wgmma or cfg.async_copy):
         raise ValueError(f"kernel {spec.name}: {cfg}: transpose_v takes wgmma and synchronous loads (async_copy False)")
     try:
@@ -645,7 +668,9 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
         # O[64 x D] += P V: V's tile as it is (MN-major), or transposed.
         wgmma_o = (wgmma_macro(NW, dt, "nk", D, D, emulate) if cfg.transpose_v
                    else wgmma_macro(NW, dt, "kn", D, KC, emulate))
-    load_rows = pair_loader(NT, D, KC, WG, wg_proxy_fence if WG else None, bool(cfg.transpose_v))
+    # Fenced for wgmma by the callers, once after whichever of its two forms ran (one
+    # fence per form would hide either's deletion from cuda_races, which takes both).
+    load_rows = pair_loader(NT, D, KC, WG, None, bool(cfg.transpose_v))
     issue_rows, wait_all = async_loader(NT, D, KC, emulate, WG)
 
     @T.macro
@@ -766,6 +791,17 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
             chunk_bounds(rel, first_r, last_r, c)
             mask_max(sfrag, m_r, part, red, lambda tx, l, nt, mt: chunk_visible(rel, tx, l, nt, 2 * mt + l // 2), scale2)
 
+    def chunk_in_sequence(c, pos_of, n):
+        return in_sequence(lambda kk: pos_of(c, kk), KC, n)
+
+    @T.macro
+    def issue_chunk(A, src, b, kvh, pos_of, c, n):
+        # cp.async of chunk c's rows, unclamped where all are in the sequence.
+        if chunk_in_sequence(c, pos_of, n):
+            issue_rows(A, src, b, kvh, lambda kk: pos_of(c, kk), n, False)
+        else:
+            issue_rows(A, src, b, kvh, lambda kk: pos_of(c, kk), n)
+
     @T.macro
     def stream(QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
                c_begin, c_end, pos_of, first_r, last_r, inner_lo, inner_hi, scale2):
@@ -775,7 +811,12 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
         # S = Q K(c)^T is computed, K(c + 1) while the softmax and P V(c) are.
         if not cfg.async_copy:
             for c in T.serial(c_begin, c_end):
-                load_rows(QK, Vt, k, v, b, kvh, lambda kk: pos_of(c, kk), Tn)
+                if chunk_in_sequence(c, pos_of, Tn):
+                    load_rows(QK, Vt, k, v, b, kvh, lambda kk: pos_of(c, kk), Tn, False)
+                else:
+                    load_rows(QK, Vt, k, v, b, kvh, lambda kk: pos_of(c, kk), Tn)
+                if WG:
+                    wg_proxy_fence()
                 scores(QK, Qs, qfrag, kfrag, sfrag)
                 band_mask_max(c, sfrag, m_r, part, red, rel, first_r, last_r, inner_lo, inner_hi, scale2)
                 softmax_pv(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, scale2)
@@ -783,14 +824,14 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
             # Every warp holds its Q fragments before K overwrites their tile.
             wait_all(False)
             if c_begin < c_end:
-                issue_rows(QK, k, b, kvh, lambda kk: pos_of(c_begin, kk), Tn)
+                issue_chunk(QK, k, b, kvh, pos_of, c_begin, Tn)
             for c in T.serial(c_begin, c_end):
                 wait_all(True)  # K(c) is in; every warp is done with V(c - 1)
-                issue_rows(Vt, v, b, kvh, lambda kk: pos_of(c, kk), Tn)
+                issue_chunk(Vt, v, b, kvh, pos_of, c, Tn)
                 scores(QK, Qs, qfrag, kfrag, sfrag)
                 wait_all(True)  # V(c) is in; every warp is done with K(c)
                 if c + 1 < c_end:
-                    issue_rows(QK, k, b, kvh, lambda kk: pos_of(c + 1, kk), Tn)
+                    issue_chunk(QK, k, b, kvh, pos_of, c + 1, Tn)
                 band_mask_max(c, sfrag, m_r, part, red, rel, first_r, last_r, inner_lo, inner_hi, scale2)
                 softmax_pv(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, scale2)
             wait_all(False)  # nothing in flight past the stream; its tiles are free again
@@ -847,8 +888,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
     def with_min_blocks(inner):
         # A thread block's code, under __launch_bounds__(threads, min_blocks) when the
         # config asks for it (TCConfig.min_blocks).
-        if cfg.min_blocks > 0:
-            with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", cfg.min_blocks):
+        if cfg.blocks_per_sm > 0:
+            with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", cfg.blocks_per_sm):
                 inner()
         else:
             inner()
@@ -902,6 +943,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 for xc in T.serial((E + (KC - 1)) // KC):
                     load_extra_positions(xpos_s, xres_s, xt_s, xidx, b, xc, d, E)
                     load_rows(QK, Vt, k, v, b, kvh, lambda kk: xpos_s[kk], Tn)
+                    if WG:
+                        wg_proxy_fence()
                     scores(QK, Qs, qfrag, kfrag, sfrag)
                     mask_max(
                         sfrag, m_r, part, red,

@@ -194,7 +194,7 @@ def races(body: str) -> list[str]:
     return found
 
 
-KERNEL = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\([^;{]*\)\s*\{')
+KERNEL = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\([\d, ]+\) )?(\w+)\([^;{]*\)\s*\{')
 
 
 def kernel_bodies(source: str) -> dict[str, str]:

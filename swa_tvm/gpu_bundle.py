@@ -83,9 +83,11 @@ TC_VARIANTS = (
     (4, 64, True, False, 1, True), (4, 64, True, True, 1, True), (4, 64, True, False, 1, True, True),
     (8, 64, True, False, 1, True), (8, 64, True, True, 1, True),
     (4, 128, True, False, 1, True), (8, 128, True, False, 1, True), (8, 128, True, True, 1, True),
-    # __launch_bounds__' blocks per SM: the default's 211 registers and two blocks (ptxas
-    # alone takes 168 and three), and the cp.async wgmma forward in three (168, no spill).
-    (4, 64, True, False, 1, False, False, 1), (4, 64, True, True, 1, True, False, 3),
+    # __launch_bounds__' blocks per SM (TCConfig.min_blocks; the others take two): three
+    # (168 registers; the default's 28 bytes of spill are in its masked chunks' path),
+    # and ptxas's own choice (0) for the default tiles.
+    (4, 64, True, False, 1, False, False, 3), (4, 32, True, True, 1, False, False, 3),
+    (4, 64, True, True, 1, True, False, 3), (4, 64, True, False, 1, False, False, 0),
 )
 TC_BWD_VARIANTS = ((2, 32), (2, 32, False), (4, 32), (4, 64), (4, 16), (2, 16), (1, 32),
                    (4, 32, True, True), (4, 64, True, True), (8, 32, True, True))
@@ -136,14 +138,14 @@ def build_variants(out: str, arch: str) -> str:
             # The forward's options.
             async_copy, m_tiles = getattr(cfg, "async_copy", False), getattr(cfg, "m_tiles", 1)
             wgmma, transpose_v = getattr(cfg, "wgmma", False), getattr(cfg, "transpose_v", False)
-            min_blocks = getattr(cfg, "min_blocks", 0)
+            min_blocks = getattr(cfg, "min_blocks", None)
             if wgmma and not hopper:
                 continue
             make = tc.flash_tc if kind == "local" else tc.flash_bwd_tc
             suffix = (f"tc_w{cfg.warps}_c{cfg.chunk}" + ("" if cfg.ldmatrix else "_lds16")
                       + ("_async" if async_copy else "") + (f"_m{m_tiles}" if m_tiles > 1 else "")
                       + ("_wgmma" if wgmma else "") + ("_vt" if transpose_v else "")
-                      + (f"_mb{min_blocks}" if min_blocks else ""))
+                      + (f"_mb{min_blocks}" if min_blocks is not None else ""))
             add(spec, suffix, make(spec, cfg), kernel=tc.__name__.rsplit(".", 1)[1], warps=cfg.warps, chunk=cfg.chunk,
                 ldmatrix=cfg.ldmatrix, async_copy=async_copy, m_tiles=m_tiles, wgmma=wgmma, transpose_v=transpose_v,
                 min_blocks=min_blocks,

@@ -80,19 +80,18 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
     for kind, got in tiles.items():
         want = {"warps": 4, "chunk": 32, "ldmatrix": True, "wgmma": False}
         if kind in ("local", "global"):
-            want.update(chunk=64, async_copy=False, m_tiles=1, transpose_v=False, min_blocks=0)
+            want.update(chunk=64, async_copy=False, m_tiles=1, transpose_v=False, min_blocks=None)
         assert got == want, (kind, got)
     assert {k["tiles_from"] for k in manifest["kernels"]} == {"default"}  # no tile record for this arch and head dim
     assert ("tiles warps=4, chunk=64, ldmatrix=True, async_copy=False, m_tiles=1, wgmma=False, transpose_v=False, "
-            "min_blocks=0"
+            "min_blocks=None"
             in info.stdout), info.stdout
     # What ptxas reported for each kernel of the library (the global rows' gradients are
     # two kernels, their split-K forward too: the pieces, then the combine, which has no
     # tiles): registers within the 255 a thread may have, the tiles' static shared
-    # memory, and no spill at head dim 32, but for the forward with extra keys: ptxas's
-    # occupancy heuristic (TVM's --register-usage-level=10) holds it to 128 registers
-    # (four blocks per SM) at the price of 12 bytes stored before the loops and loaded
-    # after them (135 registers, none, under TCConfig(min_blocks=1)).
+    # memory, and no spill at head dim 32 (ptxas's own occupancy choice held the forward
+    # with extra keys to 128 registers, spilling 12 bytes; TCConfig's two blocks per SM
+    # leave it 133, no spill).
     # The global rows' gradients: the split-K dq's pieces and sum, then dk/dv.
     n_kernels = {"global": 2, "global_bwd": 3}
     for k in manifest["kernels"]:
@@ -102,8 +101,7 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
             if k["spec"]["kind"] in ("global", "global_bwd") and f.endswith("_kernel_1"):  # the sums: no tiles
                 assert r["spill_stores"] == 0 and r["smem"] == 0, (f, r)
                 continue
-            spill = 16 if k["spec"]["kind"] == "local" and k["spec"]["extras"] else 0
-            assert 32 <= r["registers"] <= 255 and r["spill_stores"] <= spill and 1024 < r["smem"] <= 48 * 1024, (k["name"], r)
+            assert 32 <= r["registers"] <= 255 and r["spill_stores"] == 0 and 1024 < r["smem"] <= 48 * 1024, (k["name"], r)
     # The split-K global rows take the caller's workspace, which the manifest names.
     workspaces = {"global": swa_tvm.library.GLOBAL_WORKSPACE, "global_bwd": swa_tvm.library.GLOBAL_BWD_WORKSPACE}
     assert {k["spec"]["kind"]: k.get("workspace") for k in manifest["kernels"]} == {
@@ -265,7 +263,9 @@ def test_tensor_core_chunk_loops_divide_nothing():
         loop = braced(body, body.index("for (int64_t c = "))
         assert "swa_mma_bf16(" in loop, name
         assert re.findall(r"[^/*]/[^/*]|%", loop) == [], name
-        assert loop.count("int64_t") < 80, (name, loop.count("int64_t"))
+        # The loads' 64-bit addresses, in two forms (clamped rows, and the chunks inside
+        # the sequence unclamped): 80 in dk/dv; 2731 in the code the H200 profiled.
+        assert loop.count("int64_t") < 120, (name, loop.count("int64_t"))
 
 
 def test_machine_code_of_the_bf16_d128_kernels():
@@ -289,10 +289,10 @@ def test_machine_code_of_the_bf16_d128_kernels():
     forward = result[f"{kernels['local'].name}_kernel"]["loop_opcodes"]
     assert forward["LDSM"] == 64 and "LDS" not in forward, forward  # K's 32 and V's 32 ldmatrix.x4
     # An unmasked chunk without rescale: 602 instructions before the softmax's trees,
-    # FFMA and lazy rescaling (579 with them, nvcc 13.0). And three blocks of 128
-    # threads per SM: at most 168 registers (65536 / 384, in units of 8).
+    # FFMA, lazy rescaling and unclamped rows in chunks inside the sequence (484 with
+    # them, nvcc 13.0); two blocks of 128 threads per SM (TCConfig.min_blocks).
     local = result[f"{kernels['local'].name}_kernel"]
-    assert local["shortest_pass"] < 590 and local["registers"] <= 168, local
+    assert local["shortest_pass"] < 500 and local["registers"] <= 255, local
 
 
 def test_machine_code_of_the_wgmma_forward():
@@ -300,7 +300,7 @@ def test_machine_code_of_the_wgmma_forward():
     it is or transposed: no spill; in the chunk loop 8 HGMMA.64x64x16 (Q K^T, K-steps of
     the head dim) and 4 HGMMA.64x128x16 (P V), the work of 128 mma.sync per warp, and no
     HMMA or ldmatrix left (the tensor cores read K and V from shared memory); fewer
-    instructions per product than the mma.sync kernel's (6.8); the shared stores fenced
+    instructions per product than the mma.sync default on the loop's shortest pass; the shared stores fenced
     for the async proxy; and ptxas did not serialize the wgmma."""
     from swa_tvm import cuda_races, sass
     from swa_tvm.cuda_pack import nvcc_compile, ptxas_resources
@@ -334,7 +334,8 @@ def test_machine_code_of_the_wgmma_forward():
         assert shapes == {"HGMMA.64x64x16": 8, "HGMMA.64x128x16": 4}, (kernel, shapes)
         assert not any(re.search(r"\b(HMMA|LDSM)\b", line) for line in loop), kernel
         assert resources[kernel]["spill_stores"] == 0, (kernel, resources[kernel])
-        assert len(loop) / sass.summarize(insts, labels)["loop_mma"] < 6.8, (kernel, len(loop))
+        # Fewer instructions a product on most chunks' pass than the mma.sync default's 3.78.
+        assert sass.summarize(insts, labels)["shortest_pass_per_mma"] < 3.78, (kernel, len(loop))
         assert any("FENCE.VIEW.ASYNC.S" in line for _, line in insts), kernel
 
 
@@ -453,16 +454,18 @@ def test_sass_hot_loop_is_the_innermost_with_the_most_mma():
 
 def test_tensor_core_forward_min_blocks_sets_the_launch_bounds():
     """TCConfig.min_blocks is __launch_bounds__' second argument, on the local and the
-    global rows' kernels (0: none, ptxas's own choice); a negative one is refused."""
+    global rows' kernels (0: none, ptxas's own choice; None: two blocks of up to 4
+    warps, one of more); a negative one is refused."""
     from swa_tvm.cuda_races import generated_source
     from swa_tvm.schedules import cuda_flash_tc
 
     for kind, window in (("local", (31, 0)), ("global", (0, 0))):
         spec = KernelSpec(kind, 64, "bfloat16", *window)
-        for min_blocks, bounds in ((0, "__launch_bounds__(128) "), (2, "__launch_bounds__(128, 2) ")):
-            func = cuda_flash_tc.flash_tc(spec, cuda_flash_tc.TCConfig(4, 32, min_blocks=min_blocks))
+        for warps, min_blocks, bounds in ((4, 0, "(128) "), (4, 3, "(128, 3) "), (4, None, "(128, 2) "),
+                                          (8, None, "(256, 1) ")):
+            func = cuda_flash_tc.flash_tc(spec, cuda_flash_tc.TCConfig(warps, 32, min_blocks=min_blocks))
             source = generated_source({spec.name: func})
-            assert source.count(bounds + spec.name + "_kernel(") == 2, (kind, min_blocks)  # declared, defined
+            assert source.count("__launch_bounds__" + bounds + spec.name + "_kernel(") == 2, (kind, min_blocks)
     with pytest.raises(ValueError, match="min_blocks must be >= 0"):
         cuda_flash_tc.flash_tc(spec, cuda_flash_tc.TCConfig(4, 32, min_blocks=-1))
 
