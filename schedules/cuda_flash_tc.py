@@ -601,9 +601,9 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
     R = 2 * MT  # rows a thread holds C values of: two per 16-row tile
     QREG = MT == 1  # Q's A fragments in registers (else re-read from Q's shared tile)
     # The rows' band intervals in int32 (band indices are within +-T, and T < 2^31: int32
-    # positions throughout). Their registers decide occupancy: the bf16 D=128 default
-    # needs 168 (nvcc 13.0, sm_90), three blocks of 128 threads per SM's 65536 registers;
-    # with int64 intervals 170, two blocks. Two row tiles a warp spilled with int64.
+    # positions throughout): fewer registers than int64 pairs (under ptxas's own choice,
+    # min_blocks=0, the bf16 D=128 default fit 168, three blocks per SM, where int64
+    # took 170; two row tiles a warp spilled with int64).
     INTERVAL = "int32"
     # Shared tiles of rows padded by 8 values (the 8 rows a fragment load touches fall in
     # different banks), or with wgmma core matrices, unpadded (TileLayout).
