@@ -68,10 +68,10 @@ from .cuda_flash_tc import (
     a_loader,
     c_pos,
     chunk_mask,
+    in_sequence,
     kn_loader,
     mma_macro,
     nk_loader,
-    in_sequence,
     pair_loader,
     tile_scope,
 )
@@ -175,7 +175,6 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
     # thread, not one tile's) covers the item's tiles too.
     load_item = pair_loader(NT, D, BR, WG)
     load_chunk = pair_loader(NT, D, KC, WG, wg_proxy_fence if WG else None)
-
     load_chunk_unfenced = pair_loader(NT, D, KC, WG)
 
     @T.macro
