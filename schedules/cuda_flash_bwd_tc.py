@@ -68,8 +68,8 @@ from .cuda_flash_tc import (
     a_loader,
     c_pos,
     chunk_mask,
-    in_sequence,
     kn_loader,
+    load_band_rows,
     mma_macro,
     nk_loader,
     pair_loader,
@@ -179,14 +179,9 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
 
     @T.macro
     def load_band_chunk(A, B, src_a, src_b, b, hh, pos, n):
-        # A band chunk's rows, unclamped where all lie in the sequence (as the forward's);
-        # fenced for wgmma once after either form (so cuda_races sees each fence needed).
-        if in_sequence(pos, KC, n):
-            load_chunk_unfenced(A, B, src_a, src_b, b, hh, pos, n, False)
-        else:
-            load_chunk_unfenced(A, B, src_a, src_b, b, hh, pos, n)
-        if WG:
-            wg_proxy_fence()
+        # A band chunk's rows, unclamped where all lie in the sequence (as the forward's).
+        load_band_rows(lambda clamp: load_chunk_unfenced(A, B, src_a, src_b, b, hh, pos, n, clamp),
+                       pos, KC, n, wg_proxy_fence if WG else None)
     load_chunk_stats = stats_loader(NT, KC, acc, lse_scale=LOG2E)
     load_extra_positions = extra_positions_loader(NT, KC)
     load_last_keys = last_keys_loader(NT, KC, causal)

@@ -197,6 +197,20 @@ def in_sequence(pos, rows: int, n):
     return T.And(pos(0) >= 0, T.Cast("int64", pos(rows - 1)) < n)
 
 
+@T.macro
+def load_band_rows(load, pos, rows, n, fence=None):
+    """``load(clamp)`` of rows whose positions are ``pos(i)``, i < ``rows``, rising:
+    unclamped where all lie in [0, n) (``in_sequence``), else clamped; then ``fence``
+    (wgmma's proxy fence) once after whichever form ran (a fence per form would hide
+    either's deletion from cuda_races, which takes both branches)."""
+    if in_sequence(pos, rows, n):
+        load(False)
+    else:
+        load(True)
+    if fence is not None:
+        fence()
+
+
 def pair_loader(threads: int, head_dim: int, rows: int, cores: bool = False, proxy_fence=None,
                 transpose_b: bool = False):
     """A T.macro ``load(A, B, src_a, src_b, b, hh, pos_of, n, clamp=True)``: rows i <
@@ -791,16 +805,11 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
             chunk_bounds(rel, first_r, last_r, c)
             mask_max(sfrag, m_r, part, red, lambda tx, l, nt, mt: chunk_visible(rel, tx, l, nt, 2 * mt + l // 2), scale2)
 
-    def chunk_in_sequence(c, pos_of, n):
-        return in_sequence(lambda kk: pos_of(c, kk), KC, n)
-
     @T.macro
     def issue_chunk(A, src, b, kvh, pos_of, c, n):
-        # cp.async of chunk c's rows, unclamped where all are in the sequence.
-        if chunk_in_sequence(c, pos_of, n):
-            issue_rows(A, src, b, kvh, lambda kk: pos_of(c, kk), n, False)
-        else:
-            issue_rows(A, src, b, kvh, lambda kk: pos_of(c, kk), n)
+        # cp.async of chunk c's rows (no fence: wait_all's, once they land).
+        load_band_rows(lambda clamp: issue_rows(A, src, b, kvh, lambda kk: pos_of(c, kk), n, clamp),
+                       lambda kk: pos_of(c, kk), KC, n)
 
     @T.macro
     def stream(QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
@@ -811,12 +820,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
         # S = Q K(c)^T is computed, K(c + 1) while the softmax and P V(c) are.
         if not cfg.async_copy:
             for c in T.serial(c_begin, c_end):
-                if chunk_in_sequence(c, pos_of, Tn):
-                    load_rows(QK, Vt, k, v, b, kvh, lambda kk: pos_of(c, kk), Tn, False)
-                else:
-                    load_rows(QK, Vt, k, v, b, kvh, lambda kk: pos_of(c, kk), Tn)
-                if WG:
-                    wg_proxy_fence()
+                load_band_rows(lambda clamp: load_rows(QK, Vt, k, v, b, kvh, lambda kk: pos_of(c, kk), Tn, clamp),
+                               lambda kk: pos_of(c, kk), KC, Tn, wg_proxy_fence if WG else None)
                 scores(QK, Qs, qfrag, kfrag, sfrag)
                 band_mask_max(c, sfrag, m_r, part, red, rel, first_r, last_r, inner_lo, inner_hi, scale2)
                 softmax_pv(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, scale2)
@@ -895,8 +900,10 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
             inner()
 
     @T.macro
-    def local_item(item, nitems, q, k, v, dil, xidx, sink, scale, out, lse, B, H, Hkv, Tn, E):
-        with T.sblock("flash_tc"):
+    def row_block(name, body):
+        # A thread block's sblock and the tiles, fragments and row state both kinds of
+        # rows (local, global) use, handed to body(tiles) as one tuple, in this order.
+        with T.sblock(name):
             T.reads()
             T.writes()
             # With Q in registers before the first key chunk arrives, Q and K share a
@@ -917,52 +924,58 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
             rel = T.alloc_buffer((NT, 2 * R), "int32", scope="local")
             part = T.alloc_buffer((NT, 2 * R), acc, scope="local")
             red = T.alloc_buffer((NT, R), acc, scope="local")
-            xpos_s = T.alloc_buffer((KC,), "int64", scope=SH)
-            xres_s = T.alloc_buffer((KC,), "int64", scope=SH)
-            xt_s = T.alloc_buffer((KC,), "int64", scope=SH)
-            fld = T.alloc_buffer((ITEM_SCALARS,), "int64", scope="local")
+            body((QK, Qs, Vt, qfrag, kfrag, vfrag, sfrag, pfrag, ofrag, m_r, l_r, first_r, last_r, rel, part, red))
 
-            store_item(fld, item, H, Hkv, nitems, dil, Tn)
-            b, h, beta, d, kvh, m0, r, row0, key0, c_begin, c_end, inner_lo, inner_hi = T.meta_var(load_item(fld))
-            scale2 = T.meta_var(scale * LOG2E)
-            # Items past the end run with every key masked and write nothing (see
-            # cuda_flash: no branch around barriers).
-            start_rows(QK, Qs, qfrag, ofrag, m_r, l_r, q, b, h,
-                       lambda i: T.min(row0 + d * i, Tn - 1), sink)
-            # Each row's visible band interval.
-            for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                for rs in T.unroll(R):
-                    first_r[tx, rs] = T.Cast(INTERVAL, row_key_range(lo, hi, Tn, d, m0, r, t_row(tx, rs))[0])
-                    last_r[tx, rs] = T.Cast(INTERVAL, row_key_range(lo, hi, Tn, d, m0, r, t_row(tx, rs))[1])
-            stream(
-                QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
-                c_begin, c_end, lambda c, kk: band_positions(key0, d, c, KC)(kk), first_r, last_r, inner_lo, inner_hi,
-                scale2,
-            )
-            if extras:
-                for xc in T.serial((E + (KC - 1)) // KC):
-                    load_extra_positions(xpos_s, xres_s, xt_s, xidx, b, xc, d, E)
-                    load_rows(QK, Vt, k, v, b, kvh, lambda kk: xpos_s[kk], Tn)
-                    if WG:
-                        wg_proxy_fence()
-                    scores(QK, Qs, qfrag, kfrag, sfrag)
-                    mask_max(
-                        sfrag, m_r, part, red,
-                        lambda tx, l, nt, mt: extra_visible(
-                            lo, hi, Tn,
-                            xpos_s[nt * 8 + c_col(tx, l)], xres_s[nt * 8 + c_col(tx, l)], xt_s[nt * 8 + c_col(tx, l)],
-                            row0 + d * c_row(tx, l, mt), m0 + c_row(tx, l, mt), r,
-                        ),
-                        scale2,
-                    )
-                    softmax_pv(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, scale2)
-            finish_rows(out, lse, ofrag, m_r, l_r, b, h, lambda i: row0 + d * i, lambda i: row0 + d * i < Tn)
+    @T.macro
+    def local_item(tiles, item, nitems, q, k, v, dil, xidx, sink, scale, out, lse, B, H, Hkv, Tn, E):
+        QK, Qs, Vt, qfrag, kfrag, vfrag, sfrag, pfrag, ofrag, m_r, l_r, first_r, last_r, rel, part, red = T.meta_var(tiles)
+        xpos_s = T.alloc_buffer((KC,), "int64", scope=SH)
+        xres_s = T.alloc_buffer((KC,), "int64", scope=SH)
+        xt_s = T.alloc_buffer((KC,), "int64", scope=SH)
+        fld = T.alloc_buffer((ITEM_SCALARS,), "int64", scope="local")
+
+        store_item(fld, item, H, Hkv, nitems, dil, Tn)
+        b, h, beta, d, kvh, m0, r, row0, key0, c_begin, c_end, inner_lo, inner_hi = T.meta_var(load_item(fld))
+        scale2 = T.meta_var(scale * LOG2E)
+        # Items past the end run with every key masked and write nothing (see
+        # cuda_flash: no branch around barriers).
+        start_rows(QK, Qs, qfrag, ofrag, m_r, l_r, q, b, h,
+                   lambda i: T.min(row0 + d * i, Tn - 1), sink)
+        # Each row's visible band interval.
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for rs in T.unroll(R):
+                first_r[tx, rs] = T.Cast(INTERVAL, row_key_range(lo, hi, Tn, d, m0, r, t_row(tx, rs))[0])
+                last_r[tx, rs] = T.Cast(INTERVAL, row_key_range(lo, hi, Tn, d, m0, r, t_row(tx, rs))[1])
+        stream(
+            QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
+            c_begin, c_end, lambda c, kk: band_positions(key0, d, c, KC)(kk), first_r, last_r, inner_lo, inner_hi,
+            scale2,
+        )
+        if extras:
+            for xc in T.serial((E + (KC - 1)) // KC):
+                load_extra_positions(xpos_s, xres_s, xt_s, xidx, b, xc, d, E)
+                load_rows(QK, Vt, k, v, b, kvh, lambda kk: xpos_s[kk], Tn)
+                if WG:
+                    wg_proxy_fence()
+                scores(QK, Qs, qfrag, kfrag, sfrag)
+                mask_max(
+                    sfrag, m_r, part, red,
+                    lambda tx, l, nt, mt: extra_visible(
+                        lo, hi, Tn,
+                        xpos_s[nt * 8 + c_col(tx, l)], xres_s[nt * 8 + c_col(tx, l)], xt_s[nt * 8 + c_col(tx, l)],
+                        row0 + d * c_row(tx, l, mt), m0 + c_row(tx, l, mt), r,
+                    ),
+                    scale2,
+                )
+                softmax_pv(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, scale2)
+        finish_rows(out, lse, ofrag, m_r, l_r, b, h, lambda i: row0 + d * i, lambda i: row0 + d * i < Tn)
 
     @T.macro
     def body(q, k, v, dil, xidx, sink, scale, out, lse, B, H, Hkv, Tn, E):
         nitems = T.meta_var((Tn + (BQ - 1)) // BQ + (maxd - 1))
         for item in T.thread_binding(B * H * nitems, thread="blockIdx.x"):
-            with_min_blocks(lambda: local_item(item, nitems, q, k, v, dil, xidx, sink, scale, out, lse, B, H, Hkv, Tn, E))
+            with_min_blocks(lambda: row_block("flash_tc", lambda tiles: local_item(
+                tiles, item, nitems, q, k, v, dil, xidx, sink, scale, out, lse, B, H, Hkv, Tn, E)))
 
     @T.macro
     def finish_piece(ws_o, ws_lse, ofrag, m_r, l_r, b, h, s, g0, G):
@@ -1014,48 +1027,29 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
     store_piece = split_item_fields(NT, BQ, KC, causal)
 
     @T.macro
-    def global_item(item, nblk, qg, k, v, gidx, sink, scale, ws_o, ws_lse, B, H, Hkv, Tn, G, S):
-        with T.sblock("flash_tc_global"):
-            T.reads()
-            T.writes()
-            # As the local rows' tiles.
-            QK = T.alloc_buffer((max(q_tile.size, kv_tile.size) if QREG else kv_tile.size,), dt, scope=SH)
-            Qs = T.alloc_buffer((8 if QREG else q_tile.size,), dt, scope=SH)
-            Vt = T.alloc_buffer((kv_tile.size,), dt, scope=SH)
-            qfrag = T.alloc_buffer((NT, KD * 8 if QREG else MT * 8), dt, scope="local")
-            kfrag = T.alloc_buffer((NT, 8), dt, scope="local")
-            vfrag = T.alloc_buffer((NT, 8), dt, scope="local")
-            sfrag = T.alloc_buffer((NT, MT * NS * 4), acc, scope="local")
-            pfrag = T.alloc_buffer((NT, MT * NS * 4), dt, scope="local")
-            ofrag = T.alloc_buffer((NT, MT * NO * 4), acc, scope="local")
-            m_r = T.alloc_buffer((NT, R), acc, scope="local")
-            l_r = T.alloc_buffer((NT, R), acc, scope="local")
-            first_r = T.alloc_buffer((NT, R), INTERVAL, scope="local")
-            last_r = T.alloc_buffer((NT, R), INTERVAL, scope="local")
-            rel = T.alloc_buffer((NT, 2 * R), "int32", scope="local")
-            part = T.alloc_buffer((NT, 2 * R), acc, scope="local")
-            red = T.alloc_buffer((NT, R), acc, scope="local")
-            # split_item_fields' (b, h, g0, kvh, the piece s, its chunks c_begin..c_end),
-            # then the keys every valid row sees, 0..inner_hi (each thread's copy).
-            fld = T.alloc_buffer((8,), "int64", scope="local")
+    def global_item(tiles, item, nblk, qg, k, v, gidx, sink, scale, ws_o, ws_lse, B, H, Hkv, Tn, G, S):
+        QK, Qs, Vt, qfrag, kfrag, vfrag, sfrag, pfrag, ofrag, m_r, l_r, first_r, last_r, rel, part, red = T.meta_var(tiles)
+        # split_item_fields' (b, h, g0, kvh, the piece s, its chunks c_begin..c_end),
+        # then the keys every valid row sees, 0..inner_hi (each thread's copy).
+        fld = T.alloc_buffer((8,), "int64", scope="local")
 
-            store_piece(fld, item, S, H, Hkv, nblk, gidx, G, Tn)
-            for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                fld[7] = block_inner_last_key(gidx, fld[0], fld[2], G, Tn, BQ, causal)
-            b, h, g0, kvh, s = T.meta_var((fld[0], fld[1], fld[2], fld[3], fld[4]))
-            scale2 = T.meta_var(scale * LOG2E)
-            start_rows(QK, Qs, qfrag, ofrag, m_r, l_r, qg, b, h, lambda i: T.min(g0 + i, G - 1), None)
-            # Row slot rs sees keys 0..its last (-1: a padding row past G sees none).
-            for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                for rs in T.unroll(R):
-                    first_r[tx, rs] = T.Cast(INTERVAL, 0)
-                    last_r[tx, rs] = T.Cast(INTERVAL, global_row_last_key(gidx, b, g0 + t_row(tx, rs), G, Tn, causal))
-            stream(
-                QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
-                fld[5], fld[6], lambda c, kk: T.Cast("int32", c * KC) + kk, first_r, last_r, T.int64(0), fld[7],
-                scale2,
-            )
-            finish_piece(ws_o, ws_lse, ofrag, m_r, l_r, b, h, s, g0, G)
+        store_piece(fld, item, S, H, Hkv, nblk, gidx, G, Tn)
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            fld[7] = block_inner_last_key(gidx, fld[0], fld[2], G, Tn, BQ, causal)
+        b, h, g0, kvh, s = T.meta_var((fld[0], fld[1], fld[2], fld[3], fld[4]))
+        scale2 = T.meta_var(scale * LOG2E)
+        start_rows(QK, Qs, qfrag, ofrag, m_r, l_r, qg, b, h, lambda i: T.min(g0 + i, G - 1), None)
+        # Row slot rs sees keys 0..its last (-1: a padding row past G sees none).
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for rs in T.unroll(R):
+                first_r[tx, rs] = T.Cast(INTERVAL, 0)
+                last_r[tx, rs] = T.Cast(INTERVAL, global_row_last_key(gidx, b, g0 + t_row(tx, rs), G, Tn, causal))
+        stream(
+            QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
+            fld[5], fld[6], lambda c, kk: T.Cast("int32", c * KC) + kk, first_r, last_r, T.int64(0), fld[7],
+            scale2,
+        )
+        finish_piece(ws_o, ws_lse, ofrag, m_r, l_r, b, h, s, g0, G)
 
     @T.macro
     def global_body(qg, k, v, gidx, sink, scale, out, lse, ws_o, ws_lse, B, H, Hkv, Tn, G, S):
@@ -1063,7 +1057,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
         # the caller's: TVM's own workspace is not ordered by streams).
         nblk = T.meta_var((G + (BQ - 1)) // BQ)
         for item in T.thread_binding(B * H * nblk * S, thread="blockIdx.x"):
-            with_min_blocks(lambda: global_item(item, nblk, qg, k, v, gidx, sink, scale, ws_o, ws_lse, B, H, Hkv, Tn, G, S))
+            with_min_blocks(lambda: row_block("flash_tc_global", lambda tiles: global_item(
+                tiles, item, nblk, qg, k, v, gidx, sink, scale, ws_o, ws_lse, B, H, Hkv, Tn, G, S)))
         combine(ws_o, ws_lse, sink, out, lse, B, H, G, S)
 
     if spec.kind == "global":
