@@ -75,7 +75,7 @@ from .cuda_flash_tc import (
     pair_loader,
     tile_scope,
 )
-from .cuda_wgmma import sync_macros, wgmma_macro, wgmma_ss_macro
+from .cuda_wgmma import a_packer, packed_a, sync_macros, wgmma_macro, wgmma_ss_macro
 
 
 class Frags(NamedTuple):
@@ -163,7 +163,11 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
     store_key_item, load_key_item_scalars = item_scalars(NT, BR, hi, lo, KC)  # the transposed band (dk/dv)
     chunk_inside, chunk_bounds, chunk_visible = chunk_mask(NT, 2, KC)
     _, _, wg_proxy_fence, wg_group = sync_macros(NT, emulate)
+    # bfrag: mma.sync's B operands of a load; with wgmma (B from shared memory), the
+    # chunk's A operands of ``accumulate``, packed in 32-bit registers.
+    BOPS = packed_a(NT, KK, dt, emulate) if WG else ((NT, 8), dt)
     if WG:
+        pack_a = a_packer(NT, dt, emulate)
         wgmma_products = wgmma_ss_macro(NW, dt, KC, BR, emulate)  # S or dP [64 x KC] per warpgroup
         wgmma_accumulate = wgmma_macro(NW, dt, "kn", D, KC, emulate)  # [64 x D] += (P or dS) C
 
@@ -207,7 +211,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 sfrag[tx, x] = ZERO
                 dpfrag[tx, x] = ZERO
         if WG:  # S's and dP's k-steps, one group
-            wg_group(KD, lambda ks: s_and_dp(A, A2, Bt, B2, ks, sfrag, dpfrag))
+            wg_group(KD, lambda ks: s_and_dp(A, A2, Bt, B2, ks, sfrag, dpfrag), sfrag, NS * 4, dpfrag)
         for ks in T.unroll(0 if WG else KD):
             load_a(A, afrag, 0, lambda tx: (tx // 32) * 16, ks)
             load_a(A2, a2frag, 0, lambda tx: (tx // 32) * 16, ks)
@@ -223,9 +227,10 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
     def accumulate(wfrag, Ct, bfrag, cacc):
         # cacc += W C: W the warp's rows x the chunk's KC partners (A fragments), C the
         # chunk's tile [partners, D] read along its rows, two output tiles per load
-        # (wgmma: every column at once).
+        # (wgmma: every column at once, W packed into bfrag first).
         if WG:
-            wg_group(KK, lambda ks: wgmma_accumulate(wfrag, ks * 8, Ct, ks, cacc))
+            pack_a(wfrag, 0, bfrag, 0, KK)
+            wg_group(KK, lambda ks: wgmma_accumulate(bfrag, ks * 4, Ct, ks, cacc), cacc, NO * 4)
         for ks in T.unroll(0 if WG else KK):
             for ndp in T.unroll(NO // 2):
                 load_kn(Ct, bfrag, ks, ndp)
@@ -342,7 +347,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 xt_s = T.alloc_buffer((KC,), "int64", scope=SH)
                 afrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 a2frag = T.alloc_buffer((NT, 8), dt, scope="local")
-                bfrag = T.alloc_buffer((NT, 8), dt, scope="local")
+                bfrag = T.alloc_buffer(BOPS[0], BOPS[1], scope="local")
                 b2frag = T.alloc_buffer((NT, 8), dt, scope="local")
                 sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
                 dpfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
@@ -413,7 +418,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 delta_c = T.alloc_buffer((KC,), acc, scope=SH)
                 afrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 a2frag = T.alloc_buffer((NT, 8), dt, scope="local")
-                bfrag = T.alloc_buffer((NT, 8), dt, scope="local")
+                bfrag = T.alloc_buffer(BOPS[0], BOPS[1], scope="local")
                 b2frag = T.alloc_buffer((NT, 8), dt, scope="local")
                 sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
                 dpfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
@@ -475,7 +480,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 Vt = T.alloc_buffer((chunk_tile.size,), dt, scope=SH)
                 afrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 a2frag = T.alloc_buffer((NT, 8), dt, scope="local")
-                bfrag = T.alloc_buffer((NT, 8), dt, scope="local")
+                bfrag = T.alloc_buffer(BOPS[0], BOPS[1], scope="local")
                 b2frag = T.alloc_buffer((NT, 8), dt, scope="local")
                 sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
                 dpfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
@@ -540,7 +545,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 gpos_c = T.alloc_buffer((KC,), "int64", scope=SH)
                 afrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 a2frag = T.alloc_buffer((NT, 8), dt, scope="local")
-                bfrag = T.alloc_buffer((NT, 8), dt, scope="local")
+                bfrag = T.alloc_buffer(BOPS[0], BOPS[1], scope="local")
                 b2frag = T.alloc_buffer((NT, 8), dt, scope="local")
                 sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
                 dpfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
@@ -587,7 +592,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 xt_s = T.alloc_buffer((BR,), "int64", scope=SH)
                 afrag = T.alloc_buffer((NT, 8), dt, scope="local")
                 a2frag = T.alloc_buffer((NT, 8), dt, scope="local")
-                bfrag = T.alloc_buffer((NT, 8), dt, scope="local")
+                bfrag = T.alloc_buffer(BOPS[0], BOPS[1], scope="local")
                 b2frag = T.alloc_buffer((NT, 8), dt, scope="local")
                 sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
                 dpfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")

@@ -48,7 +48,7 @@ from .cuda_flash import (
     local_kernel,
     split_item_fields,
 )
-from .cuda_wgmma import COMMON_SOURCE, core_offset, sync_macros, wgmma_macro
+from .cuda_wgmma import COMMON_SOURCE, a_packer, core_offset, deferred_macros, packed_a, sync_macros, wgmma_macro
 
 # A macro, not a function: its C operands are the callers' register-array elements
 # (lvalues), so no address is taken and nvcc keeps the fragments in registers. Two 16-bit
@@ -217,7 +217,8 @@ def pair_loader(threads: int, head_dim: int, rows: int, cores: bool = False, pro
     ``rows`` of two shared tiles (``TileLayout(head_dim, rows, cores)``) from
     src_a/src_b[b, hh, pos_of(i)], the position clamped to [0, n) (a row out of range is
     masked by its scores; ``clamp`` False: the caller knows every position is in range),
-    in 16-byte vectors; then ``proxy_fence`` (wgmma's reads), if given.
+    in 16-byte vectors; then ``proxy_fence`` (wgmma's reads), if given. Either tile (with
+    its source) may be None: the other alone.
     ``transpose_b``: B's tile holds the transpose (``TileLayout(rows, head_dim, cores)``,
     head_dim rows of ``rows`` values), each vector stored value by value."""
     D, VEC = head_dim, 8
@@ -232,17 +233,19 @@ def pair_loader(threads: int, head_dim: int, rows: int, cores: bool = False, pro
                 if e < rows * D // VEC:
                     i, cv = T.meta_var(lay.slot(e))
                     j = T.meta_var(row_position(pos_of(i), n, clamp))
-                    for u in T.vectorized(VEC):
-                        A[lay.index(i, cv * VEC + u)] = src_a[b, hh, j, cv * VEC + u]
-                    if transpose_b:  # one 16-byte load, then value by value
-                        stage = T.alloc_buffer((VEC,), src_b.dtype, scope="local")
+                    if A is not None:
                         for u in T.vectorized(VEC):
-                            stage[u] = src_b[b, hh, j, cv * VEC + u]
-                        for u in T.unroll(VEC):
-                            Bt[lay_b.index(cv * VEC + u, i)] = stage[u]
-                    else:
-                        for u in T.vectorized(VEC):
-                            Bt[lay.index(i, cv * VEC + u)] = src_b[b, hh, j, cv * VEC + u]
+                            A[lay.index(i, cv * VEC + u)] = src_a[b, hh, j, cv * VEC + u]
+                    if Bt is not None:
+                        if transpose_b:  # one 16-byte load, then value by value
+                            stage = T.alloc_buffer((VEC,), src_b.dtype, scope="local")
+                            for u in T.vectorized(VEC):
+                                stage[u] = src_b[b, hh, j, cv * VEC + u]
+                            for u in T.unroll(VEC):
+                                Bt[lay_b.index(cv * VEC + u, i)] = stage[u]
+                        else:
+                            for u in T.vectorized(VEC):
+                                Bt[lay.index(i, cv * VEC + u)] = src_b[b, hh, j, cv * VEC + u]
         if proxy_fence is not None:
             proxy_fence()
 
@@ -532,6 +535,11 @@ class TCConfig:
     # forward with extra keys 128, spilling, where 133 spill nothing. Three blocks (168
     # registers) is the sweep's question for a GPU.
     min_blocks: int | None = None
+    # FlashAttention-3's intra-warpgroup pipelining (wgmma, synchronous loads): chunk c's
+    # Q K^T and chunk c - 1's P V are issued together and only the first is waited for,
+    # so the softmax of chunk c runs while the tensor cores do P V (V's tile lags K's
+    # by a chunk; the outputs' rescale and the next P's packing wait for P V).
+    overlap: bool = False
 
     @property
     def block_q(self) -> int:
@@ -597,6 +605,8 @@ def tile_scope(spec: KernelSpec, cfg) -> str:
         )
     if (getattr(cfg, "min_blocks", None) or 0) < 0:
         raise ValueError(f"kernel {spec.name}: {cfg}: min_blocks must be >= 0 (0: ptxas's own choice) or None")
+    if getattr(cfg, "overlap", False) and (not cfg.wgmma or cfg.async_copy):
+        raise ValueError(f"kernel {spec.name}: {cfg}: overlap takes wgmma and synchronous loads (async_copy False)")
     if getattr(cfg, "transpose_v", False) and (not cfg.wgmma or cfg.async_copy):
         raise ValueError(f"kernel {spec.name}: {cfg}: transpose_v takes wgmma and synchronous loads (async_copy False)")
     try:
@@ -621,7 +631,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
     INTERVAL = "int32"
     # Shared tiles of rows padded by 8 values (the 8 rows a fragment load touches fall in
     # different banks), or with wgmma core matrices, unpadded (TileLayout).
-    WG = bool(cfg.wgmma)
+    WG, OVERLAP = bool(cfg.wgmma), bool(cfg.overlap)
     VEC = 8  # 16-bit values per 16-byte global load (D % 16 == 0: every row starts 16-byte aligned)
     Q_STEPS = -(-BQ * D // VEC // NT)
     q_tile, kv_tile = TileLayout(D, BQ, WG), TileLayout(D, KC, WG)
@@ -676,8 +686,14 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                     else:
                         red[tx, rr] = T.cuda.warp_reduce(part[tx, rr], "sum", 4)
 
-    _, _, wg_proxy_fence, wg_group = sync_macros(NT, emulate)
+    wg_fence, _, wg_proxy_fence, wg_group = sync_macros(NT, emulate)
+    wg_commit, wg_wait0, wg_wait1, pin = deferred_macros(NT, emulate)
+    # The overlapped stream's K and V loads, one tile each (V's as the pair's B tile).
+    load_k, load_v = pair_loader(NT, D, KC, WG), pair_loader(NT, D, KC, WG, None, bool(cfg.transpose_v))
+    QPK = PPK = ((1, 1), "uint32")
     if WG:
+        pack_a = a_packer(NT, dt, emulate)
+        QPK, PPK = packed_a(NT, KD, dt, emulate), packed_a(NT, KC // 16, dt, emulate)
         wgmma_s = wgmma_macro(NW, dt, "nk", KC, KC, emulate)  # S[64 x KC] += Q K^T per warpgroup
         # O[64 x D] += P V: V's tile as it is (MN-major), or transposed.
         wgmma_o = (wgmma_macro(NW, dt, "nk", D, D, emulate) if cfg.transpose_v
@@ -688,7 +704,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
     issue_rows, wait_all = async_loader(NT, D, KC, emulate, WG)
 
     @T.macro
-    def scores(Kt, Qs, qfrag, kfrag, sfrag):
+    def scores(Kt, Qs, qfrag, qpk, kfrag, sfrag):
         # 1. S = Q K^T: score tile nt (keys nt*8..+8) of row tile mt, value l at
         # sfrag[(mt*NS + nt)*4 + l], over the k-steps of the head dim; each K operand
         # read feeds the MT row tiles, two score tiles per load.
@@ -696,7 +712,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
             for x in T.unroll(MT * NS * 4):
                 sfrag[tx, x] = ZERO
         if WG:  # one wgmma per k-step per warpgroup, K's tile read in place
-            wg_group(KD, lambda ks: wgmma_s(qfrag, ks * 8, Kt, ks, sfrag))
+            wg_group(KD, lambda ks: wgmma_s(qpk, ks * 4, Kt, ks, sfrag), sfrag, NS * 4)
         for ks in T.unroll(0 if WG else KD):
             if not QREG:
                 for mt in T.unroll(MT):
@@ -738,9 +754,20 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
         quad_reduce(part, red, True)
 
     @T.macro
-    def softmax_pv(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, scale2):
+    def rescale_rows(tx, ofrag, part):
+        # Thread tx's outputs times its rows' factors part[R..2R) (``softmax``).
+        for mt in T.unroll(MT):
+            # Skipped where neither row's max moved (factors exactly 1), as in most of a
+            # long window's chunks: NO*4 multiplies per row tile.
+            if T.Or(part[tx, R + 2 * mt] != ONE, part[tx, R + 2 * mt + 1] != ONE):
+                for x in T.unroll(NO * 4):
+                    ofrag[tx, mt * NO * 4 + x] = ofrag[tx, mt * NO * 4 + x] * part[tx, R + 2 * mt + (x % 4) // 2]
+
+    @T.macro
+    def softmax(sfrag, pfrag, ofrag, m_r, l_r, part, red, scale2):
         # 3. Probabilities exp2(s * scale2 - max), their row sums, and the fade of the
-        # old sums and outputs. A row with no visible key yet keeps max -inf: its scores
+        # old sums and outputs (ofrag None: the caller's, ``rescale``; the factors stay
+        # in part[R..2R)). A row with no visible key yet keeps max -inf: its scores
         # are all -inf, so subtracting 0 instead gives probabilities 0; factor 1.
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for r in T.unroll(R):
@@ -772,20 +799,21 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 # part[R + r] <- this thread's factor for row slot r, kept for the outputs below.
                 part[tx, R + r] = T.Select(red[tx, r] == NINF, ONE, T.exp2(m_r[tx, r] - red[tx, r]))
                 m_r[tx, r] = red[tx, r]
-            for mt in T.unroll(MT):
-                # Skipped where neither row's max moved (factors exactly 1), as in most of a
-                # long window's chunks: NO*4 multiplies per row tile.
-                if T.Or(part[tx, R + 2 * mt] != ONE, part[tx, R + 2 * mt + 1] != ONE):
-                    for x in T.unroll(NO * 4):
-                        ofrag[tx, mt * NO * 4 + x] = ofrag[tx, mt * NO * 4 + x] * part[tx, R + 2 * mt + (x % 4) // 2]
+            if ofrag is not None:
+                rescale_rows(tx, ofrag, part)
         quad_reduce(part, red, False)
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for r in T.unroll(R):
                 l_r[tx, r] = l_r[tx, r] * part[tx, R + r] + red[tx, r]
+
+    @T.macro
+    def softmax_pv(Vt, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part, red, scale2):
+        softmax(sfrag, pfrag, ofrag, m_r, l_r, part, red, scale2)
         # 4. O += P V: k-step ks covers keys ks*16..+16, output tiles nd columns nd*8..+8,
         # two per load, each load feeding the MT row tiles (wgmma: all D columns at once).
         if WG:
-            wg_group(KC // 16, lambda ks: wgmma_o(pfrag, ks * 8, Vt, ks, ofrag))
+            pack_a(pfrag, 0, ppk, 0, KC // 16)
+            wg_group(KC // 16, lambda ks: wgmma_o(ppk, ks * 4, Vt, ks, ofrag), ofrag, NO * 4)
         for ks in T.unroll(0 if WG else KC // 16):
             for ndp in T.unroll(NO // 2):
                 load_kn(Vt, vfrag, ks, ndp)
@@ -812,19 +840,84 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                        lambda kk: pos_of(c, kk), KC, n)
 
     @T.macro
-    def stream(QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
+    def zero_tile(A, size):
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for x in T.serial(-(-size // VEC // NT)):
+                if (x * NT + tx) * VEC < size:
+                    for u in T.vectorized(VEC):
+                        A[(x * NT + tx) * VEC + u] = T.Cast(dt, 0)
+
+    @T.macro
+    def overlapped_stream(QK, Vt, qpk, sfrag, pfrag, ppk, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
+                          c_begin, c_end, pos_of, first_r, last_r, inner_lo, inner_hi, scale2):
+        # FlashAttention-3's intra-warpgroup overlap, on single tiles: chunk c loads K(c)
+        # and V(c - 1) (zeros at the first, with P = 0: an exact no-op), issues S(c) =
+        # Q K(c)^T and O += P(c - 1) V(c - 1) as two groups, waits for the first only,
+        # computes chunk c's softmax while the tensor cores do P V, then waits for it,
+        # rescales O to chunk c's max and packs P(c) for the next chunk. The last P V
+        # follows the loop. O stays relative to the max of the chunk whose P was last
+        # added: P(c - 1) V(c - 1) lands before the rescale to chunk c's max.
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for i in T.unroll(PPK[0][1]):
+                ppk[tx, i] = T.Cast(PPK[1], 0)
+        for c in T.serial(c_begin, c_end):
+            load_band_rows(lambda clamp: load_k(QK, None, k, None, b, kvh, lambda kk: pos_of(c, kk), Tn, clamp),
+                           lambda kk: pos_of(c, kk), KC, Tn)
+            if c > c_begin:
+                load_band_rows(lambda clamp: load_v(None, Vt, None, v, b, kvh, lambda kk: pos_of(c - 1, kk), Tn, clamp),
+                               lambda kk: pos_of(c - 1, kk), KC, Tn)
+            else:
+                zero_tile(Vt, kv_tile.size)
+            wg_proxy_fence()  # once after whichever stores ran (as load_band_rows')
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                for x in T.unroll(NS * 4):
+                    sfrag[tx, x] = ZERO
+            pin(sfrag, NS * 4)
+            pin(ofrag, NO * 4)
+            wg_fence()
+            for ks in T.unroll(KD):
+                wgmma_s(qpk, ks * 4, QK, ks, sfrag)
+            wg_commit()
+            for ks in T.unroll(KC // 16):
+                wgmma_o(ppk, ks * 4, Vt, ks, ofrag)
+            wg_commit()
+            wg_wait1()  # S(c) is done; P(c - 1) V(c - 1) may still run
+            pin(sfrag, NS * 4)
+            band_mask_max(c, sfrag, m_r, part, red, rel, first_r, last_r, inner_lo, inner_hi, scale2)
+            softmax(sfrag, pfrag, None, m_r, l_r, part, red, scale2)
+            wg_wait0()  # P V is done: O and P's registers are free
+            pin(ofrag, NO * 4)
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                rescale_rows(tx, ofrag, part)
+            pack_a(pfrag, 0, ppk, 0, KC // 16)
+        # (Unconditional, so that the barrier before it is outside any branch: without
+        # chunks, P = 0 and V's tile zeros.)
+        if c_begin < c_end:
+            load_band_rows(lambda clamp: load_v(None, Vt, None, v, b, kvh, lambda kk: pos_of(c_end - 1, kk), Tn, clamp),
+                           lambda kk: pos_of(c_end - 1, kk), KC, Tn)
+        else:
+            zero_tile(Vt, kv_tile.size)
+        wg_proxy_fence()
+        wg_group(KC // 16, lambda ks: wgmma_o(ppk, ks * 4, Vt, ks, ofrag), ofrag, NO * 4)
+
+    @T.macro
+    def stream(QK, Qs, Vt, qfrag, qpk, kfrag, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
                c_begin, c_end, pos_of, first_r, last_r, inner_lo, inner_hi, scale2):
         # Band chunks c_begin <= c < c_end: chunk c's keys kk at positions pos_of(c, kk),
         # masked by band_mask_max. Synchronous: K and V, then both products. Async
         # (FlashAttention-2's order, one tile each, no double buffer): V(c) loads while
-        # S = Q K(c)^T is computed, K(c + 1) while the softmax and P V(c) are.
-        if not cfg.async_copy:
+        # S = Q K(c)^T is computed, K(c + 1) while the softmax and P V(c) are. Overlapped
+        # (TCConfig.overlap): see ``overlapped_stream``.
+        if OVERLAP:
+            overlapped_stream(QK, Vt, qpk, sfrag, pfrag, ppk, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
+                              c_begin, c_end, pos_of, first_r, last_r, inner_lo, inner_hi, scale2)
+        elif not cfg.async_copy:
             for c in T.serial(c_begin, c_end):
                 load_band_rows(lambda clamp: load_rows(QK, Vt, k, v, b, kvh, lambda kk: pos_of(c, kk), Tn, clamp),
                                lambda kk: pos_of(c, kk), KC, Tn, wg_proxy_fence if WG else None)
-                scores(QK, Qs, qfrag, kfrag, sfrag)
+                scores(QK, Qs, qfrag, qpk, kfrag, sfrag)
                 band_mask_max(c, sfrag, m_r, part, red, rel, first_r, last_r, inner_lo, inner_hi, scale2)
-                softmax_pv(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, scale2)
+                softmax_pv(Vt, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part, red, scale2)
         else:
             # Every warp holds its Q fragments before K overwrites their tile.
             wait_all(False)
@@ -833,16 +926,16 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
             for c in T.serial(c_begin, c_end):
                 wait_all(True)  # K(c) is in; every warp is done with V(c - 1)
                 issue_chunk(Vt, v, b, kvh, pos_of, c, Tn)
-                scores(QK, Qs, qfrag, kfrag, sfrag)
+                scores(QK, Qs, qfrag, qpk, kfrag, sfrag)
                 wait_all(True)  # V(c) is in; every warp is done with K(c)
                 if c + 1 < c_end:
                     issue_chunk(QK, k, b, kvh, pos_of, c + 1, Tn)
                 band_mask_max(c, sfrag, m_r, part, red, rel, first_r, last_r, inner_lo, inner_hi, scale2)
-                softmax_pv(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, scale2)
+                softmax_pv(Vt, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part, red, scale2)
             wait_all(False)  # nothing in flight past the stream; its tiles are free again
 
     @T.macro
-    def start_rows(QK, Qs, qfrag, ofrag, m_r, l_r, src, b, h, src_row, sink):
+    def start_rows(QK, Qs, qfrag, qpk, ofrag, m_r, l_r, src, b, h, src_row, sink):
         # The block's query rows (row i from src[b, h, src_row(i)]) into their shared tile
         # (QK, then into A fragments for every k-step of the head dim, with Q in
         # registers; else Qs); each row's running max starts at the head's sink logit
@@ -871,6 +964,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                         qfrag[tx, ks * 8 + l] = Qt[
                             q_tile.index((tx // 32) * 16 + a_pos(tx % 32, l)[0], ks * 16 + a_pos(tx % 32, l)[1])
                         ]
+            if WG:  # once: every chunk's Q K^T reads them
+                pack_a(qfrag, 0, qpk, 0, KD)
 
     @T.macro
     def finish_rows(out, lse, ofrag, m_r, l_r, b, h, dst_row, valid):
@@ -912,10 +1007,13 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
             Qs = T.alloc_buffer((8 if QREG else q_tile.size,), dt, scope=SH)
             Vt = T.alloc_buffer((kv_tile.size,), dt, scope=SH)
             qfrag = T.alloc_buffer((NT, KD * 8 if QREG else MT * 8), dt, scope="local")
+            # wgmma's A operands packed in 32-bit registers (stubs for mma.sync).
+            qpk = T.alloc_buffer(QPK[0], QPK[1], scope="local")
             kfrag = T.alloc_buffer((NT, 8), dt, scope="local")
             vfrag = T.alloc_buffer((NT, 8), dt, scope="local")
             sfrag = T.alloc_buffer((NT, MT * NS * 4), acc, scope="local")
             pfrag = T.alloc_buffer((NT, MT * NS * 4), dt, scope="local")
+            ppk = T.alloc_buffer(PPK[0], PPK[1], scope="local")
             ofrag = T.alloc_buffer((NT, MT * NO * 4), acc, scope="local")
             m_r = T.alloc_buffer((NT, R), acc, scope="local")
             l_r = T.alloc_buffer((NT, R), acc, scope="local")
@@ -924,11 +1022,11 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
             rel = T.alloc_buffer((NT, 2 * R), "int32", scope="local")
             part = T.alloc_buffer((NT, 2 * R), acc, scope="local")
             red = T.alloc_buffer((NT, R), acc, scope="local")
-            body((QK, Qs, Vt, qfrag, kfrag, vfrag, sfrag, pfrag, ofrag, m_r, l_r, first_r, last_r, rel, part, red))
+            body((QK, Qs, Vt, qfrag, qpk, kfrag, vfrag, sfrag, pfrag, ppk, ofrag, m_r, l_r, first_r, last_r, rel, part, red))
 
     @T.macro
     def local_item(tiles, item, nitems, q, k, v, dil, xidx, sink, scale, out, lse, B, H, Hkv, Tn, E):
-        QK, Qs, Vt, qfrag, kfrag, vfrag, sfrag, pfrag, ofrag, m_r, l_r, first_r, last_r, rel, part, red = T.meta_var(tiles)
+        QK, Qs, Vt, qfrag, qpk, kfrag, vfrag, sfrag, pfrag, ppk, ofrag, m_r, l_r, first_r, last_r, rel, part, red = T.meta_var(tiles)
         xpos_s = T.alloc_buffer((KC,), "int64", scope=SH)
         xres_s = T.alloc_buffer((KC,), "int64", scope=SH)
         xt_s = T.alloc_buffer((KC,), "int64", scope=SH)
@@ -939,7 +1037,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
         scale2 = T.meta_var(scale * LOG2E)
         # Items past the end run with every key masked and write nothing (see
         # cuda_flash: no branch around barriers).
-        start_rows(QK, Qs, qfrag, ofrag, m_r, l_r, q, b, h,
+        start_rows(QK, Qs, qfrag, qpk, ofrag, m_r, l_r, q, b, h,
                    lambda i: T.min(row0 + d * i, Tn - 1), sink)
         # Each row's visible band interval.
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
@@ -947,7 +1045,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 first_r[tx, rs] = T.Cast(INTERVAL, row_key_range(lo, hi, Tn, d, m0, r, t_row(tx, rs))[0])
                 last_r[tx, rs] = T.Cast(INTERVAL, row_key_range(lo, hi, Tn, d, m0, r, t_row(tx, rs))[1])
         stream(
-            QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
+            QK, Qs, Vt, qfrag, qpk, kfrag, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
             c_begin, c_end, lambda c, kk: band_positions(key0, d, c, KC)(kk), first_r, last_r, inner_lo, inner_hi,
             scale2,
         )
@@ -957,7 +1055,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 load_rows(QK, Vt, k, v, b, kvh, lambda kk: xpos_s[kk], Tn)
                 if WG:
                     wg_proxy_fence()
-                scores(QK, Qs, qfrag, kfrag, sfrag)
+                scores(QK, Qs, qfrag, qpk, kfrag, sfrag)
                 mask_max(
                     sfrag, m_r, part, red,
                     lambda tx, l, nt, mt: extra_visible(
@@ -967,7 +1065,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                     ),
                     scale2,
                 )
-                softmax_pv(Vt, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, scale2)
+                softmax_pv(Vt, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part, red, scale2)
         finish_rows(out, lse, ofrag, m_r, l_r, b, h, lambda i: row0 + d * i, lambda i: row0 + d * i < Tn)
 
     @T.macro
@@ -1028,7 +1126,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
 
     @T.macro
     def global_item(tiles, item, nblk, qg, k, v, gidx, sink, scale, ws_o, ws_lse, B, H, Hkv, Tn, G, S):
-        QK, Qs, Vt, qfrag, kfrag, vfrag, sfrag, pfrag, ofrag, m_r, l_r, first_r, last_r, rel, part, red = T.meta_var(tiles)
+        QK, Qs, Vt, qfrag, qpk, kfrag, vfrag, sfrag, pfrag, ppk, ofrag, m_r, l_r, first_r, last_r, rel, part, red = T.meta_var(tiles)
         # split_item_fields' (b, h, g0, kvh, the piece s, its chunks c_begin..c_end),
         # then the keys every valid row sees, 0..inner_hi (each thread's copy).
         fld = T.alloc_buffer((8,), "int64", scope="local")
@@ -1038,14 +1136,14 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
             fld[7] = block_inner_last_key(gidx, fld[0], fld[2], G, Tn, BQ, causal)
         b, h, g0, kvh, s = T.meta_var((fld[0], fld[1], fld[2], fld[3], fld[4]))
         scale2 = T.meta_var(scale * LOG2E)
-        start_rows(QK, Qs, qfrag, ofrag, m_r, l_r, qg, b, h, lambda i: T.min(g0 + i, G - 1), None)
+        start_rows(QK, Qs, qfrag, qpk, ofrag, m_r, l_r, qg, b, h, lambda i: T.min(g0 + i, G - 1), None)
         # Row slot rs sees keys 0..its last (-1: a padding row past G sees none).
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for rs in T.unroll(R):
                 first_r[tx, rs] = T.Cast(INTERVAL, 0)
                 last_r[tx, rs] = T.Cast(INTERVAL, global_row_last_key(gidx, b, g0 + t_row(tx, rs), G, Tn, causal))
         stream(
-            QK, Qs, Vt, qfrag, kfrag, sfrag, pfrag, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
+            QK, Qs, Vt, qfrag, qpk, kfrag, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
             fld[5], fld[6], lambda c, kk: T.Cast("int32", c * KC) + kk, first_r, last_r, T.int64(0), fld[7],
             scale2,
         )

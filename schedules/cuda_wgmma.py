@@ -24,9 +24,15 @@ FlexAttention reach the rest. Its fit to our kernel is exact where it matters:
 
 Ordering rules (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"): a
 ``wgmma.fence`` before the first wgmma and after any other instruction touched its
-accumulators; ``commit_group`` then ``wait_group 0`` before the results are read; shared
-memory written by ordinary stores (or cp.async) reaches the async proxy wgmma reads
-through only after a ``fence.proxy.async`` by the writers, then a barrier.
+accumulators or A registers; ``commit_group`` then ``wait_group`` before the results are
+read; shared memory written by ordinary stores (or cp.async) reaches the async proxy
+wgmma reads through only after a ``fence.proxy.async`` by the writers, then a barrier.
+The compiler does not know the first two: it moved the accumulators' zeroing and the A
+operands' packing past the fence, and ptxas then injected a ``warpgroup.arrive`` before
+each such wgmma (its C7519 notes). So A operands are packed into 32-bit registers
+before the group (``a_packer``), and every register the products touch is pinned on
+its side of the fence and of the wait by an empty asm that "modifies" it
+(``swa_reg_fence_*``, CUTLASS's ``warpgroup_fence_operand``).
 
 ``emulate=True``: the product lane by lane (the CPU runs it, as ``cuda_flash_tc``'s
 emulation), each shared operand read where ``canonical_address`` says the hardware
@@ -97,33 +103,41 @@ __device__ __forceinline__ unsigned long long swa_gmma_desc(const void* p, unsig
 #define swa_wgmma_fence() asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory")
 #define swa_wgmma_commit_wait0() \
   asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory")
+#define swa_wgmma_commit() asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory")
+#define swa_wgmma_wait0() asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory")
+#define swa_wgmma_wait1() asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory")
+// An empty asm that "modifies" a register: code writing it stays before, code reading it after.
+#define swa_reg_fence_f(x) asm volatile("" : "+f"(x) :: "memory")
+#define swa_reg_fence_r(x) asm volatile("" : "+r"(x) :: "memory")
+// Two 16-bit values into one 32-bit A operand register, the first in the low half.
+#define swa_pack_bf16(d, x, y) d = ((unsigned)__bfloat16_as_ushort(x) | ((unsigned)__bfloat16_as_ushort(y) << 16))
+#define swa_pack_f16(d, x, y) d = ((unsigned)__half_as_ushort(x) | ((unsigned)__half_as_ushort(y) << 16))
 #define swa_fence_proxy_async() asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory")
 #endif
 """
 
 
 def wgmma_source(name: str, n: int, dtype: str, trans_b: int, lbo: int, sbo: int) -> str:
-    """A C macro ``name(a0..a7, ptr, d0..d{n/2-1})``: D[64 x n] += A[64 x 16] B[16 x n],
-    A from registers (eight 16-bit values, the mma A fragment, packed in pairs), B the
-    shared tile at ``ptr`` with LBO/SBO (bytes), D the thread's n/2 fp32 accumulators.
-    scale-d is 1 (always accumulate: the caller zeroes D)."""
-    from .cuda_flash_tc import C_TYPE, PTX_TYPE
+    """A C macro ``name(a0..a3, ptr, d0..d{n/2-1})``: D[64 x n] += A[64 x 16] B[16 x n],
+    A from registers (the mma A fragment's eight 16-bit values packed in four 32-bit
+    registers, ``a_packer``), B the shared tile at ``ptr`` with LBO/SBO (bytes), D the
+    thread's n/2 fp32 accumulators. scale-d is 1 (always accumulate: the caller zeroes D)."""
+    from .cuda_flash_tc import PTX_TYPE
 
     half = n // 2
     d = ",".join(f"%{i}" for i in range(half))
     a = ",".join(f"%{half + i}" for i in range(4))
-    params = ", ".join([f"a{i}" for i in range(8)] + ["ptr"] + [f"d{i}" for i in range(half)])
+    params = ", ".join([f"a{i}" for i in range(4)] + ["ptr"] + [f"d{i}" for i in range(half)])
     outs = ", ".join(f'"+f"(d{i})' for i in range(half))
-    pack, ptx, ct = f"{name}_PACK", PTX_TYPE[dtype], C_TYPE[dtype]
+    ptx = PTX_TYPE[dtype]
     return (
         COMMON_SOURCE
-        + f"#define {pack}(x, y) ((unsigned)__{ct}_as_ushort(x) | ((unsigned)__{ct}_as_ushort(y) << 16))\n"
         + f"#define {name}({params}) \\\n"
         + f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{half + 5}, 0;\\n" \\\n'
         + f'               "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} '
         + f'{{{d}}}, {{{a}}}, %{half + 4}, p, 1, 1, {trans_b};\\n}}\\n" \\\n'
         + f"    : {outs} \\\n"
-        + f'    : "r"({pack}(a0, a1)), "r"({pack}(a2, a3)), "r"({pack}(a4, a5)), "r"({pack}(a6, a7)), \\\n'
+        + '    : "r"(a0), "r"(a1), "r"(a2), "r"(a3), \\\n'
         + f'      "l"(swa_gmma_desc(ptr, {lbo}u, {sbo}u)), "n"(1))\n'
     )
 
@@ -208,10 +222,10 @@ def wgmma_ss_macro(warps: int, dtype: str, n: int, a_rows: int, emulate: bool):
 
 
 def wgmma_macro(warps: int, dtype: str, operand: str, n: int, rows: int, emulate: bool, swap: bool = False):
-    """A T.macro ``wgmma(afrag, a0, tile, ks, cfrag)``: in each warpgroup of the block's
+    """A T.macro ``wgmma(apk, p0, tile, ks, cfrag)``: in each warpgroup of the block's
     ``warps`` warps (a multiple of 4; group g owns rows 64g..64g+63), C[rows x n] +=
-    A B over k-step ``ks``: A the threads' fragments afrag[tx, a0 .. a0 + 7] (mma's A
-    layout per warp), B k-step ``ks`` of ``tile`` (``core_offset`` layout, ``rows``
+    A B over k-step ``ks``: A the threads' fragments (mma's A layout per warp) as
+    ``a_packer`` packed them, at apk[tx, p0 .. p0 + 3], B k-step ``ks`` of ``tile`` (``core_offset`` layout, ``rows``
     rows) read as ``operand`` ("nk": B[k][j] = tile[j][16*ks + k], n = the tile's rows
     used; "kn": B[k][j] = tile[16*ks + k][j], n = its columns), C the threads'
     accumulators cfrag[tx, 0 .. n/2 - 1] (mma's C tiles of 8 columns side by side).
@@ -232,51 +246,122 @@ def wgmma_macro(warps: int, dtype: str, operand: str, n: int, rows: int, emulate
         start = descriptor_fields(operand, rows, ks)[0]
         return tile[canonical_address(start, lbo, sbo, major, j, k) // 2]
 
-    def call(afrag, a0, tile, ks, cfrag, tx):
+    def call(apk, p0, tile, ks, cfrag, tx):
         start = descriptor_fields(operand, rows, ks)[0] // 2  # bytes -> 16-bit values
-        values = [afrag[tx, a0 + i] for i in range(8)] + [tile.access_ptr("r", offset=start)]
+        values = [apk[tx, p0 + i] for i in range(4)] + [tile.access_ptr("r", offset=start)]
         return T.cuda.func_call(name, *values, *[cfrag[tx, i] for i in range(n // 2)], source_code=source)
 
     @T.macro
-    def wgmma(afrag, a0, tile, ks, cfrag):
-        if emulate:
+    def wgmma(apk, p0, tile, ks, cfrag):
+        if emulate:  # the packed values as a_packer's emulation keeps them, two per slot
             product(
-                cfrag, lambda w, row, k: afrag[w * 32 + a_lane(row, k)[0], a0 + a_lane(row, k)[1]],
+                cfrag, lambda w, row, k: apk[w * 32 + a_lane(row, k)[0], 2 * p0 + a_lane(row, k)[1]],
                 lambda k, j: b_value(tile, ks, k, j),
             )
         else:
             for tx in T.thread_binding(nt, thread="threadIdx.x"):
-                T.evaluate(call(afrag, a0, tile, ks, cfrag, tx))
+                T.evaluate(call(apk, p0, tile, ks, cfrag, tx))
 
     return wgmma
+
+
+def packed_a(threads: int, steps: int, dtype: str, emulate: bool) -> tuple[tuple[int, int], str]:
+    """(shape, dtype) of a buffer of ``steps`` k-steps of A operands as ``a_packer``
+    packs them: four 32-bit registers a k-step per thread (emulated: the eight 16-bit
+    values themselves)."""
+    return ((threads, 8 * steps), dtype) if emulate else ((threads, 4 * steps), "uint32")
+
+
+def a_packer(threads: int, dtype: str, emulate: bool):
+    """A T.macro ``pack(afrag, a0, apk, p0, steps)``: ``steps`` k-steps of A fragments
+    (afrag[tx, a0 .. a0 + 8*steps - 1], mma's A layout) into 32-bit operand registers
+    apk[tx, p0 .. p0 + 4*steps - 1] (``packed_a``), each then pinned before any later
+    wgmma.fence (the compiler otherwise packs next to each wgmma, after the fence).
+    Emulated: a copy (apk holds 16-bit values, 2*p0 onwards)."""
+    from .cuda_flash_tc import PTX_TYPE
+
+    name = f"swa_pack_{PTX_TYPE[dtype]}"
+
+    @T.macro
+    def pack(afrag, a0, apk, p0, steps):
+        for tx in T.thread_binding(threads, thread="threadIdx.x"):
+            for i in T.unroll(steps * 4):
+                if emulate:
+                    for h in T.unroll(2):
+                        apk[tx, 2 * (p0 + i) + h] = afrag[tx, a0 + 2 * i + h]
+                else:
+                    T.evaluate(T.cuda.func_call(name, apk[tx, p0 + i], afrag[tx, a0 + 2 * i], afrag[tx, a0 + 2 * i + 1],
+                                                source_code=COMMON_SOURCE))
+                    T.evaluate(T.cuda.func_call("swa_reg_fence_r", apk[tx, p0 + i], source_code=COMMON_SOURCE))
+
+    return pack
+
+
+def per_thread(threads: int, emulate: bool, name: str):
+    """A T.macro ``run()``: every thread calls ``COMMON_SOURCE``'s ``name()`` (nothing
+    when emulated)."""
+
+    @T.macro
+    def run():
+        if not emulate:
+            for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                T.evaluate(T.cuda.func_call(name, source_code=COMMON_SOURCE))
+
+    return run
 
 
 def sync_macros(threads: int, emulate: bool):
     """T.macros ``fence()``, ``commit_wait()`` (commit the group, wait for all of it),
     ``proxy_fence()`` (make this thread's shared-memory stores visible to wgmma, before
-    the barrier that follows them), nothing when emulated; and ``group(steps, issue)``:
-    a fence, ``issue(ks)`` (wgmma products) for each k-step, then commit and wait, the
-    order every product of the kernels keeps."""
+    the barrier that follows them), nothing when emulated; and ``group(steps, issue,
+    acc, n, acc2=None)``: accumulators acc[tx, 0 .. n - 1] (and acc2's) pinned, a
+    fence, ``issue(ks)`` (wgmma products) for each k-step, then commit, wait, and the
+    accumulators pinned again (``reg_fence``), the order every product of the kernels
+    keeps."""
 
-    def per_thread(name):
-        @T.macro
-        def run():
-            if not emulate:
-                for tx in T.thread_binding(threads, thread="threadIdx.x"):
-                    T.evaluate(T.cuda.func_call(name, source_code=COMMON_SOURCE))
-
-        return run
-
-    fence, commit_wait = per_thread("swa_wgmma_fence"), per_thread("swa_wgmma_commit_wait0")
+    fence = per_thread(threads, emulate, "swa_wgmma_fence")
+    commit_wait = per_thread(threads, emulate, "swa_wgmma_commit_wait0")
+    pin = reg_fence(threads, emulate)
 
     @T.macro
-    def group(steps, issue):
+    def group(steps, issue, acc, n, acc2=None):
+        pin(acc, n)
+        if acc2 is not None:
+            pin(acc2, n)
         fence()
         for ks in T.unroll(steps):
             issue(ks)
         commit_wait()
+        pin(acc, n)
+        if acc2 is not None:
+            pin(acc2, n)
 
-    return fence, commit_wait, per_thread("swa_fence_proxy_async"), group
+    return fence, commit_wait, per_thread(threads, emulate, "swa_fence_proxy_async"), group
+
+
+def deferred_macros(threads: int, emulate: bool):
+    """T.macros for groups waited for later (``TCConfig.overlap``): ``commit()`` closes
+    the thread's group, ``wait0()`` / ``wait1()`` wait until none / at most the newest
+    group is pending, and ``reg_fence``'s ``pin``; nothing when emulated (the CPU's
+    products are done when issued)."""
+
+    return (per_thread(threads, emulate, "swa_wgmma_commit"), per_thread(threads, emulate, "swa_wgmma_wait0"),
+            per_thread(threads, emulate, "swa_wgmma_wait1"), reg_fence(threads, emulate))
+
+
+def reg_fence(threads: int, emulate: bool):
+    """A T.macro ``pin(acc, n)``: an empty asm "modifying" each of the fp32 registers
+    acc[tx, 0 .. n - 1], so that ordinary code writing them stays before it and code
+    reading them after (nothing when emulated)."""
+
+    @T.macro
+    def pin(acc, n):
+        if not emulate:
+            for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                for i in T.unroll(n):
+                    T.evaluate(T.cuda.func_call("swa_reg_fence_f", acc[tx, i], source_code=COMMON_SOURCE))
+
+    return pin
 
 
 def probe(dtype: str, operand: str, rows: int, cols: int, ks: int, swap: bool = False, emulate: bool = False):
@@ -293,6 +378,8 @@ def probe(dtype: str, operand: str, rows: int, cols: int, ks: int, swap: bool = 
     n = rows if operand == "nk" else cols
     steps = -(-rows * cols // 128)
     wgmma = wgmma_macro(4, dtype, operand, n, rows, emulate, swap)
+    pack = a_packer(128, dtype, emulate)
+    apk_shape, apk_dtype = packed_a(128, 1, dtype, emulate)
     fence, commit_wait, proxy_fence, _ = sync_macros(128, emulate)
     acc = "float32"
     zero = tirx.const(0.0, acc)
@@ -305,6 +392,7 @@ def probe(dtype: str, operand: str, rows: int, cols: int, ks: int, swap: bool = 
                 T.writes()
                 tile = T.alloc_buffer((rows * cols,), dtype, scope="shared")
                 afrag = T.alloc_buffer((128, 8), dtype, scope="local")
+                apk = T.alloc_buffer(apk_shape, apk_dtype, scope="local")
                 cfrag = T.alloc_buffer((128, n // 2), acc, scope="local")
                 for tx in T.thread_binding(128, thread="threadIdx.x"):
                     for x in T.serial(steps):
@@ -316,9 +404,10 @@ def probe(dtype: str, operand: str, rows: int, cols: int, ks: int, swap: bool = 
                         afrag[tx, l] = a[(tx // 32) * 16 + a_pos(tx % 32, l)[0], a_pos(tx % 32, l)[1]]
                     for i in T.unroll(n // 2):
                         cfrag[tx, i] = zero
+                pack(afrag, 0, apk, 0, 1)
                 proxy_fence()
                 fence()
-                wgmma(afrag, 0, tile, ks, cfrag)
+                wgmma(apk, 0, tile, ks, cfrag)
                 commit_wait()
                 for tx in T.thread_binding(128, thread="threadIdx.x"):
                     for i in T.unroll(n // 2):

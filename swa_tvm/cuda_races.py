@@ -24,7 +24,12 @@ last ``__syncthreads()``:
 - a read by wgmma (the tensor cores' async proxy) of a buffer written since the last
   ``fence.proxy.async`` that was itself followed by a barrier: each writer must fence its
   own completed stores (a cp.async's after its wait), then everyone meets, then wgmma
-  reads (PTX ISA, memory consistency of the async proxy).
+  reads (PTX ISA, memory consistency of the async proxy);
+- a write (or cp.async) into a buffer a wgmma still reads: wgmma reads shared memory
+  until a ``wgmma.wait_group N`` leaves at most the N newest committed groups pending,
+  so the read lasts from the issue to the wait that completes its group (a group left
+  pending across a barrier is still reading), and only a barrier after that wait frees
+  the buffer for the other threads; groups never waited for at the end.
 
 It is a model of the source, not of the hardware: a buffer is one unit (a write and a
 read of different halves without a barrier between counts as a race), so kernels whose
@@ -46,7 +51,10 @@ WAIT = re.compile(r"\bswa_cp_async_wait_all\(\)")
 PROXY_FENCE = re.compile(r"\bswa_fence_proxy_async\(\)")
 # A wgmma product (cuda_wgmma's macros), not its fences or waits: its buffers are read
 # by the async proxy.
-WGMMA = re.compile(r"\bswa_wgmma_(?!fence|commit)\w+\(")
+WGMMA = re.compile(r"\bswa_wgmma_(?!fence|commit|wait)\w+\(")
+# wgmma's groups: commit closes the thread's open group; wait N leaves N pending.
+WGMMA_COMMIT = re.compile(r"\bswa_wgmma_commit(?:_wait0)?\(\)")
+WGMMA_WAIT = re.compile(r"\bswa_wgmma_(?:commit_)?wait(\d)\(\)")
 ASYNC = re.compile(r"\bswa_cp_async_16\(\(&\((\w+)\[")
 ASSIGN = re.compile(r"^(?P<lhs>[^=]+?)\s=\s(?P<rhs>.*);$")
 
@@ -95,7 +103,7 @@ def _accesses(text: str, names) -> list[tuple[str, str]]:
 def events(body: str) -> list[tuple]:
     """The kernel's shared-memory events in program order: ("sync",), ("wait",),
     ("proxy_fence",), ("read", buf, subscript), ("write", buf, subscript), ("async",
-    buf), ("wgmma", buf); each loop body twice."""
+    buf), ("wgmma", buf), ("wgmma_commit",), ("wgmma_wait", n); each loop body twice."""
     shared = shared_buffers(body)
     names = re.compile(r"\b(" + "|".join(map(re.escape, shared)) + r")\b") if shared else None
     stack: list[tuple[str, list]] = [("top", [])]
@@ -118,6 +126,11 @@ def events(body: str) -> list[tuple]:
                 found.append(("proxy_fence",))
         elif PROXY_FENCE.search(line):
             found.append(("proxy_fence",))
+        elif WGMMA_COMMIT.search(line) or WGMMA_WAIT.search(line):
+            if WGMMA_COMMIT.search(line):
+                found.append(("wgmma_commit",))
+            if WGMMA_WAIT.search(line):
+                found.append(("wgmma_wait", int(WGMMA_WAIT.search(line).group(1))))
         elif names and WGMMA.search(line):
             found += [("read", n, sub) for n, sub in _accesses(line, names)]
             found += [("wgmma", n) for n, _ in _accesses(line, names)]
@@ -151,9 +164,21 @@ def races(body: str) -> list[str]:
     waited: set = set()  # waited for by the issuing thread, no barrier since
     unfenced: set = set()  # written (or cp.async-complete) since the last fence.proxy.async
     fenced: set = set()  # fenced, no barrier since
+    open_group: set = set()  # read by this thread's wgmma since its last commit
+    groups: list = []  # committed wgmma groups not yet waited for, oldest first
     found = []
     for i, (kind, *rest) in enumerate(events(body)):
         buf, sub = (rest + [None, None])[:2]
+        if kind == "wgmma_commit":
+            groups.append(open_group)
+            open_group = set()
+            continue
+        if kind == "wgmma_wait":  # buf: how many groups may stay pending
+            for done in groups[: max(len(groups) - buf, 0)]:
+                for name in done:  # read until now: the others still need a barrier
+                    read.setdefault(name, set()).add("<wgmma>")
+            groups = groups[max(len(groups) - buf, 0):]
+            continue
         if kind == "sync":
             read.clear()
             written.clear()
@@ -169,6 +194,7 @@ def races(body: str) -> list[str]:
         elif kind == "wgmma":
             if buf in unfenced or buf in fenced:
                 found.append(f"{i}: wgmma reads {buf} written since the last fence.proxy.async and barrier")
+            open_group.add(buf)
         elif kind == "read":
             # The same subscript text as a write since the barrier: the thread's own element.
             if buf in written and sub not in written[buf]:
@@ -184,6 +210,8 @@ def races(body: str) -> list[str]:
             # may land before an earlier copy of the same place.
             if kind == "write" and (buf in inflight or buf in waited):
                 found.append(f"{i}: {what} {buf} while a cp.async into it is not complete")
+            if buf in open_group or any(buf in group for group in groups):
+                found.append(f"{i}: {what} {buf} while a wgmma reading it is not waited for")
             if kind == "async":
                 inflight.add(buf)
             else:
@@ -191,6 +219,8 @@ def races(body: str) -> list[str]:
                 unfenced.add(buf)
     if inflight:
         found.append(f"end: cp.async into {sorted(inflight)} never waited for")
+    if open_group or groups:
+        found.append(f"end: wgmma reading {sorted(set(open_group).union(*groups))} never waited for")
     return found
 
 
@@ -208,13 +238,15 @@ def dynamic(body: str) -> bool:
 
 
 def deletions(body: str) -> dict[str, tuple[int, list[int]]]:
-    """For barriers, cp.async waits and async-proxy fences: (how many, lines whose
-    deletion ``races`` does not catch)."""
+    """For barriers, cp.async waits, async-proxy fences and wgmma's deferred waits (a
+    commit's own wait0 is not deferred): (how many, lines whose deletion ``races`` does
+    not catch)."""
     lines = body.splitlines()
     found = {}
-    for what, text in (("barriers", SYNC), ("waits", "swa_cp_async_wait_all();"),
-                       ("proxy fences", "swa_fence_proxy_async();")):
-        at = [i for i, line in enumerate(lines) if line.strip() == text]
+    for what, texts in (("barriers", (SYNC,)), ("waits", ("swa_cp_async_wait_all();",)),
+                        ("proxy fences", ("swa_fence_proxy_async();",)),
+                        ("wgmma waits", ("swa_wgmma_wait0();", "swa_wgmma_wait1();"))):
+        at = [i for i, line in enumerate(lines) if line.strip() in texts]
         found[what] = (len(at), [i for i in at if not races("\n".join(lines[:i] + lines[i + 1 :]))])
     return found
 
@@ -280,7 +312,7 @@ def main(argv=None) -> int:
     if not sources:
         p.error("give --spec or --source")
     bad = 0
-    totals = {"barriers": [0, 0], "waits": [0, 0]}
+    totals = {"barriers": [0, 0], "waits": [0, 0], "proxy fences": [0, 0], "wgmma waits": [0, 0]}
     for source in sources:
         for name, body in kernel_bodies(source).items():
             if dynamic(body):

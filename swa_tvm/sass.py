@@ -69,7 +69,7 @@ def disassemble(cubin: bytes) -> str:
         return subprocess.run([tool, "-c", path], capture_output=True, text=True, check=True).stdout
 
 
-SECTION = re.compile(r"^//-+ \.text\.(\w+) -+$", re.M)
+SECTION = re.compile(r"^//-+ \.text\.(\w+) +-+$", re.M)  # short names are padded
 INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)[^;]*;")
 LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 BRANCH_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     p.add_argument("--spec", action="append", required=True, help="an AttentionSpec (as swa-tvm export takes); repeatable")
     p.add_argument("--arch", default="sm_90")
     p.add_argument("--forward-tiles", help="the tensor-core forward's TCConfig fields instead of its default, e.g. 4,32,1,1,2 "
-                   "(4,64,1,0,1,1: wgmma, with --arch sm_90a)")
+                   "(4,64,1,0,1,1: wgmma, with --arch sm_90a; 4,64,1,0,1,1,0,none,1: overlapped; none: the field's None)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)
     import json
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     for text in args.spec:
         for k in AttentionSpec.parse(text).kernels():
             if args.forward_tiles and cuda_flash_tc.supports(k):
-                cfg = cuda_flash_tc.TCConfig(*(int(x) for x in args.forward_tiles.split(",")))
+                cfg = cuda_flash_tc.TCConfig(*(None if x == "none" else int(x) for x in args.forward_tiles.split(",")))
                 funcs[k.name] = cuda_flash_tc.flash_tc(k, cfg)
             else:
                 funcs[k.name] = schedule_spec(k, target)

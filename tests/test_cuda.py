@@ -218,19 +218,21 @@ def test_fused_cuda_kernels_have_the_barriers_they_need():
 
 
 def test_wgmma_kernels_fence_and_barrier_what_the_tensor_cores_read():
-    """The wgmma kernels (forward with synchronous and cp.async loads, V transposed, the
-    dq and dk/dv kernels; local rows with extra keys, global rows) by swa_tvm.cuda_races:
-    no shared-memory race, and every tile the tensor cores read (the async proxy) was
-    fenced by its writers, then barriered, after its last write; deleting any one of
-    those fences is caught."""
+    """The wgmma kernels (forward with synchronous and cp.async loads, V transposed,
+    overlapped, the dq and dk/dv kernels; local rows with extra keys, global rows) by
+    swa_tvm.cuda_races: no shared-memory race, and every tile the tensor cores read
+    (the async proxy) was fenced by its writers, then barriered, after its last write;
+    deleting any one of those fences is caught."""
     from swa_tvm.cuda_races import deletions, dynamic, generated_source, kernel_bodies, races
     from swa_tvm.schedules import cuda_flash_bwd_tc, cuda_flash_tc
 
     local, glob = KernelSpec("local", 32, "bfloat16", 63, 0, extras=True), KernelSpec("global", 32, "bfloat16", 0, -1)
     funcs = {}
     for k, cfg in ((local, (4, 32, True, False, 1, True)), (local, (4, 32, True, True, 1, True)),
-                   (local, (4, 32, True, False, 1, True, True)), (glob, (4, 32, True, True, 1, True))):
-        name = f"{k.name}__{'_'.join(map(str, map(int, cfg)))}"
+                   (local, (4, 32, True, False, 1, True, True)), (glob, (4, 32, True, True, 1, True)),
+                   (local, (4, 32, True, False, 1, True, False, None, True)),
+                   (glob, (4, 32, True, False, 1, True, True, None, True))):
+        name = f"{k.name}__{'_'.join(str(int(x)) if x is not None else 'n' for x in cfg)}"
         funcs[name] = cuda_flash_tc.flash_tc(k, cuda_flash_tc.TCConfig(*cfg)).with_attr("global_symbol", name)
     for kind in ("local_dq", "local_dkv"):
         k = KernelSpec(kind, 32, "bfloat16", 63, 0)
@@ -325,7 +327,10 @@ def test_machine_code_of_the_wgmma_forward():
         assert order == ["fence_proxy_async", "wgmma_fence", *products, "wgmma_commit_wait0", "wgmma_fence", *pv,
                          "wgmma_commit_wait0"], (name, order)
     cubin, report = nvcc_compile(source, "sm_90a", "cubin")
-    assert "serialized" not in report, report[-2000:]
+    # ptxas neither serialized the wgmma nor had to insert a warpgroup.arrive (C7519)
+    # before one: it did for each P V product before the A operands were packed and
+    # the registers pinned on their side of the fence (cuda_wgmma.a_packer).
+    assert "serialized" not in report and "C7519" not in report, report[-2000:]
     resources = ptxas_resources(report)
     for kernel, (insts, labels) in sass.kernel_instructions(sass.disassemble(cubin)).items():
         start, end = sass.hot_loop(insts, labels)
@@ -337,6 +342,47 @@ def test_machine_code_of_the_wgmma_forward():
         # Fewer instructions a product on most chunks' pass than the mma.sync default's 3.78.
         assert sass.summarize(insts, labels)["shortest_pass_per_mma"] < 3.78, (kernel, len(loop))
         assert any("FENCE.VIEW.ASYNC.S" in line for _, line in insts), kernel
+
+
+def test_wgmma_overlap_forward_waits_for_q_k_before_p_v():
+    """TCConfig.overlap (FlashAttention-3's intra-warpgroup pipelining), bf16 D=128, 4
+    warps x 64 keys, sm_90a: in the chunk loop one warpgroup.arrive, Q K^T's 8
+    HGMMA.64x64x16 then the previous chunk's P V as 4 HGMMA.64x128x16, a wait that
+    leaves one group pending (the softmax runs beside P V), then a wait for all; no
+    spill, and ptxas neither serialized a wgmma nor injected a wait or an arrive. The
+    waits are the kernel's: deleting the one that leaves P V pending makes ptxas inject
+    its own (the registers it guards), deleting the loop's full wait races on V's tile
+    (cuda_races). The option needs wgmma and synchronous loads."""
+    from swa_tvm import cuda_races, sass
+    from swa_tvm.cuda_pack import nvcc_compile, ptxas_resources
+    from swa_tvm.cuda_races import generated_source
+    from swa_tvm.schedules import cuda_flash_tc
+
+    spec = next(k for k in AttentionSpec.parse("head_dim=128,window=4095:0,dtype=bfloat16").kernels() if k.kind == "local")
+    for bad in (cuda_flash_tc.TCConfig(4, 64, overlap=True), cuda_flash_tc.TCConfig(4, 64, async_copy=True, wgmma=True,
+                                                                                     overlap=True)):
+        with pytest.raises(ValueError, match="overlap takes wgmma and synchronous loads"):
+            cuda_flash_tc.flash_tc(spec, bad)
+    name = f"{spec.name}_overlap"
+    func = cuda_flash_tc.flash_tc(spec, cuda_flash_tc.TCConfig(4, 64, wgmma=True, overlap=True))
+    source = generated_source({name: func.with_attr("global_symbol", name)}, "sm_90a")
+    cubin, report = nvcc_compile(source, "sm_90a", "cubin")
+    assert "(C75" not in report, [line for line in report.splitlines() if "(C75" in line]
+    assert ptxas_resources(report)[f"{name}_kernel"]["spill_stores"] == 0
+    insts, labels = sass.kernel_instructions(sass.disassemble(cubin))[f"{name}_kernel"]
+    start, end = sass.hot_loop(insts, labels)
+    steps = [m.group(0) for _, line in insts[start:end]
+             for m in [re.search(r"WARPGROUP\.ARRIVE|HGMMA\.64x\d+x16|WARPGROUP\.DEPBAR\.LE gsb0, 0x\d", line)] if m]
+    assert steps == (["WARPGROUP.ARRIVE"] + ["HGMMA.64x64x16"] * 8 + ["HGMMA.64x128x16"] * 4
+                     + ["WARPGROUP.DEPBAR.LE gsb0, 0x1", "WARPGROUP.DEPBAR.LE gsb0, 0x0"]), steps
+    # Without the wait for Q K^T alone, ptxas must guard the scores' registers itself.
+    _, unguarded = nvcc_compile(source.replace("swa_wgmma_wait1();", ""), "sm_90a", "cubin")
+    assert re.search(r"\(C751[78]\)", unguarded), unguarded[-2000:]
+    body = cuda_races.kernel_body(source, f"{name}_kernel")
+    assert cuda_races.races(body) == []
+    waits, missed = cuda_races.deletions(body)["wgmma waits"]
+    lines = body.splitlines()
+    assert waits == 2 and [lines[i].strip() for i in missed] == ["swa_wgmma_wait1();"], missed
 
 
 def test_machine_code_of_the_wgmma_gradients():
@@ -354,7 +400,7 @@ def test_machine_code_of_the_wgmma_gradients():
     cfg = cuda_flash_bwd_tc.TCBwdConfig(4, 32, wgmma=True)
     funcs = {kernels[kind].name: cuda_flash_bwd_tc.flash_bwd_tc(kernels[kind], cfg) for kind in ("local_dq", "local_dkv")}
     cubin, report = nvcc_compile(generated_source(funcs, "sm_90a"), "sm_90a", "cubin")
-    assert "serialized" not in report
+    assert "serialized" not in report and "C7519" not in report, report[-2000:]
     listing = sass.kernel_instructions(sass.disassemble(cubin))
     for kind, pv, most in (("local_dq", 2, 6.3), ("local_dkv", 4, 5.7)):
         insts, labels = listing[f"{kernels[kind].name}_kernel"]
@@ -739,6 +785,11 @@ def test_cuda_flash_kernel_computes_the_reference(dtype, window, dilation, extra
         # not), a sink; mma.sync, then wgmma.
         ("float16", (100, 20), [1, 2, 1, 1], True, (2, 16), 20.0),
         ("bfloat16", (100, 20), [1, 1, 2, 1], True, (4, 16, True, True, 1, True), 20.0),
+        # wgmma overlapped (chunk c's Q K^T with chunk c - 1's P V, V a chunk behind K):
+        # extras after the stream; V transposed with a ramp; a long window.
+        ("bfloat16", (21, 0), [1, 3, 2, 1], True, (4, 16, True, False, 1, True, False, None, True), 0.0),
+        ("float16", (8, 9), [2, 2, 2, 2], False, (4, 32, True, False, 1, True, True, None, True), 20.0),
+        ("bfloat16", (100, 20), [1, 1, 2, 1], True, (4, 16, True, False, 1, True, False, None, True), 20.0),
     ],
 )
 def test_cuda_flash_tc_kernel_computes_the_reference(dtype, window, dilation, extras, config, ramp):
@@ -757,8 +808,8 @@ def test_cuda_flash_tc_kernel_computes_the_reference(dtype, window, dilation, ex
 
 @pytest.mark.parametrize(
     "kernel_kind,dtype,causal",
-    [("tc", "bfloat16", True), ("tc", "float16", False), ("tc_wgmma", "bfloat16", True), ("cores", "float32", True),
-     ("cores", "float32", False)],
+    [("tc", "bfloat16", True), ("tc", "float16", False), ("tc_wgmma", "bfloat16", True),
+     ("tc_wgmma_overlap", "float16", True), ("cores", "float32", True), ("cores", "float32", False)],
 )
 def test_cuda_flash_global_rows_compute_the_reference(kernel_kind, dtype, causal):
     """Global rows on the fused kernels (serial on the CPU; the tensor-core one emulated):
@@ -766,7 +817,8 @@ def test_cuda_flash_global_rows_compute_the_reference(kernel_kind, dtype, causal
     padded one, unsorted positions; GQA; learned sinks; keys in chunks up to the block's
     last position. On tensor cores split-K: the keys in 3 or 4 pieces (the caller's
     workspace), a block each (causal: pieces past a block's last position left empty),
-    then combined with the sink; and on wgmma (a warpgroup: a block of 64 rows, padded)."""
+    then combined with the sink; and on wgmma (a warpgroup: a block of 64 rows, padded),
+    also overlapped (TCConfig.overlap; the empty pieces take its no-chunk path)."""
     from swa_tvm.reference import sliding_window_attention_ref
     from swa_tvm.schedules import cuda_flash, cuda_flash_tc
 
@@ -775,6 +827,8 @@ def test_cuda_flash_global_rows_compute_the_reference(kernel_kind, dtype, causal
         cfg = cuda_flash_tc.TCConfig(2, 16, async_copy=True) if causal else cuda_flash_tc.TCConfig(1, 16, m_tiles=2)
         if kernel_kind == "tc_wgmma":
             cfg = cuda_flash_tc.TCConfig(4, 16, async_copy=True, wgmma=True)
+        if kernel_kind == "tc_wgmma_overlap":
+            cfg = cuda_flash_tc.TCConfig(4, 16, wgmma=True, overlap=True)
         func = cuda_flash_tc.flash_tc(spec, cfg, emulate=True)
     else:
         func = cuda_flash.flash(spec, cuda_flash.FlashConfig(32, 16, 64))
@@ -1209,12 +1263,12 @@ def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
     """The GPU check's tile-configuration sweep: one module, one function per variant
     (tensor-core configurations and the CUDA-core kernel of the forward, dq and dk/dv
     kernels), listed in variants.json with the kind each computes; for sm_90 built as
-    sm_90a, with the wgmma forward."""
+    sm_90a, with the wgmma forward (V transposed, overlapped)."""
     from swa_tvm import gpu_bundle
 
     # 16-bit loads and cp.async; two 16-row tiles per warp.
     monkeypatch.setattr(gpu_bundle, "TC_VARIANTS", ((4, 64), (2, 16, False, True), (1, 16, True, False, 2),
-                                                    (4, 16, True, False, 1, True, True)))
+                                                    (4, 16, True, False, 1, True, True, None, True)))
     monkeypatch.setattr(gpu_bundle, "TC_BWD_VARIANTS", ((2, 32), (4, 32)))  # 4 x 32: dynamic shared memory
     monkeypatch.setattr(gpu_bundle, "WGMMA_PROBES", (("kn", 64, 128, 1, True),))
     path = gpu_bundle.build_variants(str(tmp_path), "sm_90")
@@ -1226,7 +1280,7 @@ def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
         ("local", "tc_w4_c64", "cuda_flash_tc", True),  # bf16 D=128's default
         ("local", "tc_w2_c16_lds16_async", "cuda_flash_tc", False),
         ("local", "tc_w1_c16_m2", "cuda_flash_tc", False),
-        ("local", "tc_w4_c16_wgmma_vt", "cuda_flash_tc", False),
+        ("local", "tc_w4_c16_wgmma_vt_ov", "cuda_flash_tc", False),
         ("local", "cores", "cuda_flash", None),
         ("local_dq", "tc_w2_c32", "cuda_flash_bwd_tc", True),
         ("local_dq", "tc_w4_c32", "cuda_flash_bwd_tc", False),
