@@ -80,11 +80,11 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
     for kind, got in tiles.items():
         want = {"warps": 4, "chunk": 32, "ldmatrix": True, "wgmma": False}
         if kind in ("local", "global"):
-            want.update(chunk=64, async_copy=False, m_tiles=1, transpose_v=False, min_blocks=None)
+            want.update(chunk=64, async_copy=False, m_tiles=1, transpose_v=False, min_blocks=None, overlap=False)
         assert got == want, (kind, got)
     assert {k["tiles_from"] for k in manifest["kernels"]} == {"default"}  # no tile record for this arch and head dim
     assert ("tiles warps=4, chunk=64, ldmatrix=True, async_copy=False, m_tiles=1, wgmma=False, transpose_v=False, "
-            "min_blocks=None"
+            "min_blocks=None, overlap=False"
             in info.stdout), info.stdout
     # What ptxas reported for each kernel of the library (the global rows' gradients are
     # two kernels, their split-K forward too: the pieces, then the combine, which has no
