@@ -51,16 +51,15 @@ from .cuda_flash import (
 from .cuda_wgmma import COMMON_SOURCE, a_packer, core_offset, deferred_macros, packed_a, sync_macros, wgmma_macro
 
 # A macro, not a function: its C operands are the callers' register-array elements
-# (lvalues), so no address is taken and nvcc keeps the fragments in registers. Two 16-bit
-# values pack into one 32-bit operand register, the first in the low half.
+# (lvalues), so no address is taken and nvcc keeps the fragments in registers. The 16-bit
+# pairs pack by COMMON_SOURCE's swa_pack_*, emitted ahead of it (guarded: once per kernel).
 MMA_SOURCE = r"""
-#define {name}_PACK(x, y) ((unsigned)__{t}_as_ushort(x) | ((unsigned)__{t}_as_ushort(y) << 16))
 #define {name}(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, c0, c1, c2, c3) \
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32 " \
                "{{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, {{%8,%9}}, {{%0,%1,%2,%3}};\n" \
                : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3) \
-               : "r"({name}_PACK(a0, a1)), "r"({name}_PACK(a2, a3)), "r"({name}_PACK(a4, a5)), \
-                 "r"({name}_PACK(a6, a7)), "r"({name}_PACK(b0, b1)), "r"({name}_PACK(b2, b3)))
+               : "r"(swa_pack_{ptx}(a0, a1)), "r"(swa_pack_{ptx}(a2, a3)), "r"(swa_pack_{ptx}(a4, a5)), \
+                 "r"(swa_pack_{ptx}(a6, a7)), "r"(swa_pack_{ptx}(b0, b1)), "r"(swa_pack_{ptx}(b2, b3)))
 """
 # The fragment maps (lane of the warp, value index) <-> (row, column) of the PTX ISA's
 # m16n8k16 figures, in both directions. Plain arithmetic, so they take ints (the tests
@@ -126,7 +125,7 @@ def mma_macro(warps: int, dtype: str, emulate: bool):
     (see the module doc)."""
     nt = 32 * warps
     name = f"swa_mma_{PTX_TYPE[dtype]}"
-    source = MMA_SOURCE.format(name=name, t=C_TYPE[dtype], ptx=PTX_TYPE[dtype])
+    source = COMMON_SOURCE + MMA_SOURCE.format(name=name, ptx=PTX_TYPE[dtype])
 
     def f32(x):
         return T.Cast("float32", x)

@@ -109,9 +109,10 @@ __device__ __forceinline__ unsigned long long swa_gmma_desc(const void* p, unsig
 // An empty asm that "modifies" a register: code writing it stays before, code reading it after.
 #define swa_reg_fence_f(x) asm volatile("" : "+f"(x) :: "memory")
 #define swa_reg_fence_r(x) asm volatile("" : "+r"(x) :: "memory")
-// Two 16-bit values into one 32-bit A operand register, the first in the low half.
-#define swa_pack_bf16(d, x, y) d = ((unsigned)__bfloat16_as_ushort(x) | ((unsigned)__bfloat16_as_ushort(y) << 16))
-#define swa_pack_f16(d, x, y) d = ((unsigned)__half_as_ushort(x) | ((unsigned)__half_as_ushort(y) << 16))
+// Two 16-bit values into one 32-bit operand register, the first in the low half (the
+// A/B fragments of mma.sync and wgmma alike).
+#define swa_pack_bf16(x, y) ((unsigned)__bfloat16_as_ushort(x) | ((unsigned)__bfloat16_as_ushort(y) << 16))
+#define swa_pack_f16(x, y) ((unsigned)__half_as_ushort(x) | ((unsigned)__half_as_ushort(y) << 16))
 #define swa_fence_proxy_async() asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory")
 #endif
 """
@@ -290,8 +291,8 @@ def a_packer(threads: int, dtype: str, emulate: bool):
                     for h in T.unroll(2):
                         apk[tx, 2 * (p0 + i) + h] = afrag[tx, a0 + 2 * i + h]
                 else:
-                    T.evaluate(T.cuda.func_call(name, apk[tx, p0 + i], afrag[tx, a0 + 2 * i], afrag[tx, a0 + 2 * i + 1],
-                                                source_code=COMMON_SOURCE))
+                    apk[tx, p0 + i] = T.cuda.func_call(name, afrag[tx, a0 + 2 * i], afrag[tx, a0 + 2 * i + 1],
+                                                       source_code=COMMON_SOURCE, return_type="uint32")
                     T.evaluate(T.cuda.func_call("swa_reg_fence_r", apk[tx, p0 + i], source_code=COMMON_SOURCE))
 
     return pack
