@@ -4,7 +4,8 @@ fp32 accumulation), FlashAttention-2 style: each warp owns 16 query rows of the 
 ``mma.sync.m16n8k16`` fragments, and the probabilities feed the P·V product straight
 from the score fragments (the accumulator layout of one 16x8 tile pair is the operand
 layout of the next product). Only the query block (once) and the key and value chunks
-pass through shared memory (the chunks synchronously, or by cp.async: TCConfig).
+pass through shared memory (the chunks synchronously, or by cp.async into one K/V tile
+pair or a ring of two: TCConfig).
 
 Fragment layout (PTX ISA, "Matrix Fragments for mma.m16n8k16"; the same map TVM's own
 ``tensor_intrin.cuda.ldmatrix_32x8_to_shared_16x16_layout`` encodes), lane t of a warp,
@@ -539,6 +540,11 @@ class TCConfig:
     # so the softmax of chunk c runs while the tensor cores do P V (V's tile lags K's
     # by a chunk; the outputs' rescale and the next P's packing wait for P V).
     overlap: bool = False
+    # K/V stages (cp.async only). 1: FlashAttention-2's order on one K and one V tile,
+    # each copy hidden behind half a chunk's work. 2: a ring of two K/V tile pairs,
+    # chunk c + 1's copies issued before chunk c's products, so they have a whole
+    # chunk's work to land behind (CUTLASS's multistage main loop); twice the tiles.
+    stages: int = 1
 
     @property
     def block_q(self) -> int:
@@ -556,7 +562,8 @@ class TCConfig:
         # Q's tile (K's too, with Q in registers), K's, V's; the extra keys' positions;
         # 64-byte alignment.
         rows = max(self.block_q, self.chunk) if self.m_tiles == 1 else self.block_q + self.chunk
-        return (rows + self.chunk) * (head_dim + (0 if self.wgmma else 8)) * el + self.chunk * 3 * 8 + 6 * 64
+        rows += (2 * self.stages - 1) * self.chunk  # V's tile, and each further stage's K and V
+        return rows * (head_dim + (0 if self.wgmma else 8)) * el + self.chunk * 3 * 8 + (6 + 2 * (self.stages - 1)) * 64
 
 
 def supports(spec: KernelSpec) -> bool:
@@ -606,6 +613,8 @@ def tile_scope(spec: KernelSpec, cfg) -> str:
         raise ValueError(f"kernel {spec.name}: {cfg}: min_blocks must be >= 0 (0: ptxas's own choice) or None")
     if getattr(cfg, "overlap", False) and (not cfg.wgmma or cfg.async_copy):
         raise ValueError(f"kernel {spec.name}: {cfg}: overlap takes wgmma and synchronous loads (async_copy False)")
+    if getattr(cfg, "stages", 1) not in (1, 2) or (getattr(cfg, "stages", 1) == 2 and not cfg.async_copy):
+        raise ValueError(f"kernel {spec.name}: {cfg}: stages must be 1 or 2, and 2 takes cp.async (async_copy True)")
     if getattr(cfg, "transpose_v", False) and (not cfg.wgmma or cfg.async_copy):
         raise ValueError(f"kernel {spec.name}: {cfg}: transpose_v takes wgmma and synchronous loads (async_copy False)")
     try:
@@ -630,7 +639,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
     INTERVAL = "int32"
     # Shared tiles of rows padded by 8 values (the 8 rows a fragment load touches fall in
     # different banks), or with wgmma core matrices, unpadded (TileLayout).
-    WG, OVERLAP = bool(cfg.wgmma), bool(cfg.overlap)
+    WG, OVERLAP, STAGES = bool(cfg.wgmma), bool(cfg.overlap), cfg.stages
     VEC = 8  # 16-bit values per 16-byte global load (D % 16 == 0: every row starts 16-byte aligned)
     Q_STEPS = -(-BQ * D // VEC // NT)
     q_tile, kv_tile = TileLayout(D, BQ, WG), TileLayout(D, KC, WG)
@@ -900,16 +909,55 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
         wg_group(KC // 16, lambda ks: wgmma_o(ppk, ks * 4, Vt, ks, ofrag), ofrag, NO * 4)
 
     @T.macro
-    def stream(QK, Qs, Vt, qfrag, qpk, kfrag, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
-               c_begin, c_end, pos_of, first_r, last_r, inner_lo, inner_hi, scale2):
+    def ring_chunk(c, Kt, Vt, Qs, qfrag, qpk, kfrag, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part, red, rel,
+                   first_r, last_r, inner_lo, inner_hi, scale2):
+        scores(Kt, Qs, qfrag, qpk, kfrag, sfrag)
+        band_mask_max(c, sfrag, m_r, part, red, rel, first_r, last_r, inner_lo, inner_hi, scale2)
+        softmax_pv(Vt, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part, red, scale2)
+
+    @T.macro
+    def ring_stream(QK, Qs, Vt, K1, V1, qfrag, qpk, kfrag, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part, red, rel,
+                    k, v, b, kvh, Tn, c_begin, c_end, pos_of, first_r, last_r, inner_lo, inner_hi, scale2):
+        # Two K/V stages by cp.async: chunks c_begin + 2i in (QK, Vt), the others in
+        # (K1, V1), two chunks a turn (one buffer per stage and tile, so that cuda_races'
+        # one-buffer model still applies). A stage's copies are issued right after the
+        # barrier that ends every warp's reads of its previous chunk, and land while the
+        # other stage's chunk is computed.
+        wait_all(False)  # every warp holds its Q fragments before K overwrites their tile
+        if c_begin < c_end:
+            issue_chunk(QK, k, b, kvh, pos_of, c_begin, Tn)
+            issue_chunk(Vt, v, b, kvh, pos_of, c_begin, Tn)
+        for i in T.serial((c_end - c_begin + 1) // 2):
+            wait_all(True)  # chunk c in (QK, Vt); every warp is done with (K1, V1)
+            if c_begin + 2 * i + 1 < c_end:
+                issue_chunk(K1, k, b, kvh, pos_of, c_begin + 2 * i + 1, Tn)
+                issue_chunk(V1, v, b, kvh, pos_of, c_begin + 2 * i + 1, Tn)
+            ring_chunk(c_begin + 2 * i, QK, Vt, Qs, qfrag, qpk, kfrag, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part,
+                       red, rel, first_r, last_r, inner_lo, inner_hi, scale2)
+            wait_all(True)  # chunk c + 1 in (K1, V1); every warp is done with (QK, Vt)
+            if c_begin + 2 * i + 2 < c_end:
+                issue_chunk(QK, k, b, kvh, pos_of, c_begin + 2 * i + 2, Tn)
+                issue_chunk(Vt, v, b, kvh, pos_of, c_begin + 2 * i + 2, Tn)
+            if c_begin + 2 * i + 1 < c_end:
+                ring_chunk(c_begin + 2 * i + 1, K1, V1, Qs, qfrag, qpk, kfrag, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r,
+                           part, red, rel, first_r, last_r, inner_lo, inner_hi, scale2)
+        wait_all(False)  # every warp is done with both stages
+
+    @T.macro
+    def stream(QK, Qs, Vt, K1, V1, qfrag, qpk, kfrag, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part, red, rel, k, v,
+               b, kvh, Tn, c_begin, c_end, pos_of, first_r, last_r, inner_lo, inner_hi, scale2):
         # Band chunks c_begin <= c < c_end: chunk c's keys kk at positions pos_of(c, kk),
         # masked by band_mask_max. Synchronous: K and V, then both products. Async
         # (FlashAttention-2's order, one tile each, no double buffer): V(c) loads while
-        # S = Q K(c)^T is computed, K(c + 1) while the softmax and P V(c) are. Overlapped
+        # S = Q K(c)^T is computed, K(c + 1) while the softmax and P V(c) are. Two stages
+        # (K1, V1 the second pair; else None): see ``ring_stream``. Overlapped
         # (TCConfig.overlap): see ``overlapped_stream``.
         if OVERLAP:
             overlapped_stream(QK, Vt, qpk, sfrag, pfrag, ppk, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
                               c_begin, c_end, pos_of, first_r, last_r, inner_lo, inner_hi, scale2)
+        elif STAGES == 2:
+            ring_stream(QK, Qs, Vt, K1, V1, qfrag, qpk, kfrag, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part, red, rel,
+                        k, v, b, kvh, Tn, c_begin, c_end, pos_of, first_r, last_r, inner_lo, inner_hi, scale2)
         elif not cfg.async_copy:
             for c in T.serial(c_begin, c_end):
                 load_band_rows(lambda clamp: load_rows(QK, Vt, k, v, b, kvh, lambda kk: pos_of(c, kk), Tn, clamp),
@@ -1024,8 +1072,23 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
             body((QK, Qs, Vt, qfrag, qpk, kfrag, vfrag, sfrag, pfrag, ppk, ofrag, m_r, l_r, first_r, last_r, rel, part, red))
 
     @T.macro
+    def ring_tiles(tiles, body):
+        # The second K/V stage's tiles (TCConfig.stages = 2), in row_block's sblock.
+        K1 = T.alloc_buffer((kv_tile.size,), dt, scope=SH)
+        V1 = T.alloc_buffer((kv_tile.size,), dt, scope=SH)
+        body(tiles + (K1, V1))
+
+    def with_stages(body):
+        """body(tiles), row_block's tiles then the second stage's K and V (None, None
+        with one stage: no tiles allocated, so one-stage kernels are as they were)."""
+        if STAGES == 2:
+            return lambda tiles: ring_tiles(tiles, body)
+        return lambda tiles: body(tiles + (None, None))
+
+    @T.macro
     def local_item(tiles, item, nitems, q, k, v, dil, xidx, sink, scale, out, lse, B, H, Hkv, Tn, E):
-        QK, Qs, Vt, qfrag, qpk, kfrag, vfrag, sfrag, pfrag, ppk, ofrag, m_r, l_r, first_r, last_r, rel, part, red = T.meta_var(tiles)
+        QK, Qs, Vt, qfrag, qpk, kfrag, vfrag, sfrag, pfrag, ppk, ofrag, m_r, l_r, first_r, last_r, rel, part, red, K1, V1 = \
+            T.meta_var(tiles)
         xpos_s = T.alloc_buffer((KC,), "int64", scope=SH)
         xres_s = T.alloc_buffer((KC,), "int64", scope=SH)
         xt_s = T.alloc_buffer((KC,), "int64", scope=SH)
@@ -1044,7 +1107,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 first_r[tx, rs] = T.Cast(INTERVAL, row_key_range(lo, hi, Tn, d, m0, r, t_row(tx, rs))[0])
                 last_r[tx, rs] = T.Cast(INTERVAL, row_key_range(lo, hi, Tn, d, m0, r, t_row(tx, rs))[1])
         stream(
-            QK, Qs, Vt, qfrag, qpk, kfrag, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
+            QK, Qs, Vt, K1, V1, qfrag, qpk, kfrag, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
             c_begin, c_end, lambda c, kk: band_positions(key0, d, c, KC)(kk), first_r, last_r, inner_lo, inner_hi,
             scale2,
         )
@@ -1071,8 +1134,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
     def body(q, k, v, dil, xidx, sink, scale, out, lse, B, H, Hkv, Tn, E):
         nitems = T.meta_var((Tn + (BQ - 1)) // BQ + (maxd - 1))
         for item in T.thread_binding(B * H * nitems, thread="blockIdx.x"):
-            with_min_blocks(lambda: row_block("flash_tc", lambda tiles: local_item(
-                tiles, item, nitems, q, k, v, dil, xidx, sink, scale, out, lse, B, H, Hkv, Tn, E)))
+            with_min_blocks(lambda: row_block("flash_tc", with_stages(lambda tiles: local_item(
+                tiles, item, nitems, q, k, v, dil, xidx, sink, scale, out, lse, B, H, Hkv, Tn, E))))
 
     @T.macro
     def finish_piece(ws_o, ws_lse, ofrag, m_r, l_r, b, h, s, g0, G):
@@ -1125,7 +1188,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
 
     @T.macro
     def global_item(tiles, item, nblk, qg, k, v, gidx, sink, scale, ws_o, ws_lse, B, H, Hkv, Tn, G, S):
-        QK, Qs, Vt, qfrag, qpk, kfrag, vfrag, sfrag, pfrag, ppk, ofrag, m_r, l_r, first_r, last_r, rel, part, red = T.meta_var(tiles)
+        QK, Qs, Vt, qfrag, qpk, kfrag, vfrag, sfrag, pfrag, ppk, ofrag, m_r, l_r, first_r, last_r, rel, part, red, K1, V1 = \
+            T.meta_var(tiles)
         # split_item_fields' (b, h, g0, kvh, the piece s, its chunks c_begin..c_end),
         # then the keys every valid row sees, 0..inner_hi (each thread's copy).
         fld = T.alloc_buffer((8,), "int64", scope="local")
@@ -1142,7 +1206,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 first_r[tx, rs] = T.Cast(INTERVAL, 0)
                 last_r[tx, rs] = T.Cast(INTERVAL, global_row_last_key(gidx, b, g0 + t_row(tx, rs), G, Tn, causal))
         stream(
-            QK, Qs, Vt, qfrag, qpk, kfrag, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
+            QK, Qs, Vt, K1, V1, qfrag, qpk, kfrag, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
             fld[5], fld[6], lambda c, kk: T.Cast("int32", c * KC) + kk, first_r, last_r, T.int64(0), fld[7],
             scale2,
         )
@@ -1154,8 +1218,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
         # the caller's: TVM's own workspace is not ordered by streams).
         nblk = T.meta_var((G + (BQ - 1)) // BQ)
         for item in T.thread_binding(B * H * nblk * S, thread="blockIdx.x"):
-            with_min_blocks(lambda: row_block("flash_tc_global", lambda tiles: global_item(
-                tiles, item, nblk, qg, k, v, gidx, sink, scale, ws_o, ws_lse, B, H, Hkv, Tn, G, S)))
+            with_min_blocks(lambda: row_block("flash_tc_global", with_stages(lambda tiles: global_item(
+                tiles, item, nblk, qg, k, v, gidx, sink, scale, ws_o, ws_lse, B, H, Hkv, Tn, G, S))))
         combine(ws_o, ws_lse, sink, out, lse, B, H, G, S)
 
     if spec.kind == "global":

@@ -85,17 +85,20 @@ def shared_buffers(body: str) -> list[str]:
 
 def _accesses(text: str, names) -> list[tuple[str, str]]:
     """(buffer, subscript text) of each shared buffer named in ``text``: ``buf[i]`` gives
-    i, ``(buf + i)`` (a vector access) gives "+i", anything else ""."""
+    i, ``(buf + i)`` (a vector access) gives "+i", ``((T*)buf)[i]`` (a dead tile's
+    storage reused for another type by TVM) "*i", anything else ""."""
     found = []
     for m in names.finditer(text):
         j, sub = m.end(), ""
+        cast = text.startswith(")[", j)
+        j += cast
         if text.startswith("[", j) or text.startswith(" + ", j):
             opener, closer = ("[", "]") if text[j] == "[" else ("(", ")")
             depth, k = 1, j + 1
             while depth and k < len(text):
                 depth += {opener: 1, closer: -1}.get(text[k], 0)
                 k += 1
-            sub = text[j : k - 1] if opener == "[" else "+" + text[j + 3 : k - 1]
+            sub = ("*" if cast else "") + (text[j : k - 1] if opener == "[" else "+" + text[j + 3 : k - 1])
         found.append((m.group(1), sub))
     return found
 

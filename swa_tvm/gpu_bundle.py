@@ -67,7 +67,7 @@ def build_libraries(out: str, arch: str) -> list[str]:
 # default is picked without one): tensor-core (warps, partners per chunk[, ldmatrix:
 # False loads the B operands read along a tile's rows with 16-bit loads instead[,
 # async_copy: the forward's K and V chunks by cp.async[, m_tiles: the forward's 16-row
-# tiles per warp[, wgmma[, transpose_v[, min_blocks[, overlap]]]]]]]; the gradients' (warps, chunk[, ldmatrix[,
+# tiles per warp[, wgmma[, transpose_v[, min_blocks[, overlap[, stages]]]]]]]]; the gradients' (warps, chunk[, ldmatrix[,
 # wgmma]])), and the CUDA-core kernel; for the forward and for the two band gradient
 # kernels. At the issue's bf16 D=128 causal W=4096 shape.
 # Those past 48 KiB of shared memory (forward 8 x 64 and every m_tiles=2, backward 4 x 32
@@ -92,6 +92,10 @@ TC_VARIANTS = (
     # the softmax beside P V), V as it is and transposed, and with 8 warps.
     (4, 64, True, False, 1, True, False, None, True), (4, 64, True, False, 1, True, True, None, True),
     (8, 64, True, False, 1, True, False, None, True),
+    # Two K/V stages by cp.async (TCConfig.stages: chunk c + 1's copies land during
+    # chunk c's work): mma.sync 4 x 64 and 4 x 32 with two row tiles, wgmma 4 x 64, 8 x 64.
+    (4, 64, True, True, 1, False, False, None, False, 2), (4, 32, True, True, 2, False, False, None, False, 2),
+    (4, 64, True, True, 1, True, False, None, False, 2), (8, 64, True, True, 1, True, False, None, False, 2),
 )
 TC_BWD_VARIANTS = ((2, 32), (2, 32, False), (4, 32), (4, 64), (4, 16), (2, 16), (1, 32),
                    (4, 32, True, True), (4, 64, True, True), (8, 32, True, True))
@@ -143,16 +147,18 @@ def build_variants(out: str, arch: str) -> str:
             async_copy, m_tiles = getattr(cfg, "async_copy", False), getattr(cfg, "m_tiles", 1)
             wgmma, transpose_v = getattr(cfg, "wgmma", False), getattr(cfg, "transpose_v", False)
             min_blocks, overlap = getattr(cfg, "min_blocks", None), getattr(cfg, "overlap", False)
+            stages = getattr(cfg, "stages", 1)
             if wgmma and not hopper:
                 continue
             make = tc.flash_tc if kind == "local" else tc.flash_bwd_tc
             suffix = (f"tc_w{cfg.warps}_c{cfg.chunk}" + ("" if cfg.ldmatrix else "_lds16")
                       + ("_async" if async_copy else "") + (f"_m{m_tiles}" if m_tiles > 1 else "")
                       + ("_wgmma" if wgmma else "") + ("_vt" if transpose_v else "")
-                      + (f"_mb{min_blocks}" if min_blocks is not None else "") + ("_ov" if overlap else ""))
+                      + (f"_mb{min_blocks}" if min_blocks is not None else "") + ("_ov" if overlap else "")
+                      + (f"_s{stages}" if stages > 1 else ""))
             add(spec, suffix, make(spec, cfg), kernel=tc.__name__.rsplit(".", 1)[1], warps=cfg.warps, chunk=cfg.chunk,
                 ldmatrix=cfg.ldmatrix, async_copy=async_copy, m_tiles=m_tiles, wgmma=wgmma, transpose_v=transpose_v,
-                min_blocks=min_blocks, overlap=overlap,
+                min_blocks=min_blocks, overlap=overlap, stages=stages,
                 shared_bytes=cfg.shared_bytes(spec.head_dim, spec.dtype), default=cfg == tc.default_config(spec))
         make = cores.flash if kind == "local" else cores.flash_bwd
         add(spec, "cores", make(spec), kernel=cores.__name__.rsplit(".", 1)[1], config=str(cores.default_config(spec)))

@@ -183,6 +183,38 @@ def matmul_rate(dev: torch.device, dtype) -> float:
     return 2 * n**3 / (_time_ms(lambda: a @ b) * 1e-3) / 1e12
 
 
+def l2_read_rate(dev: torch.device, mib: int = 16) -> float:
+    """TB/s of torch's sum over a ``mib`` MiB bf16 tensor read again and again, so that
+    it stays in L2 (H100/H200: 50 MiB): what L2 feeds the SMs at least (a reduction
+    need not reach L2's peak), beside which ``staged_kv_bytes`` per second says how near
+    a forward variant runs to it."""
+    x = torch.randn(mib << 19, device=dev, dtype=torch.bfloat16)
+    return x.numel() * 2 / (_time_ms(lambda: x.sum(dtype=torch.float32), warmup=5, reps=20) * 1e-3) / 1e12
+
+
+def staged_kv_bytes(entry: dict, spec: dict, shape) -> int | None:
+    """Bytes of K and V a tensor-core forward variant (``entry``: warps, chunk, m_tiles)
+    copies into shared memory at ``shape`` = B, H, H_kv, T under ``spec``'s window with
+    dilation 1: per block of 16 * warps * m_tiles rows, every chunk of the band (aligned
+    to its index 0, as ``cuda_flash.band_positions``) that holds a key of the rows' union
+    (``compute.item_key_span``). Every block loads its own, from L2 in the main: blocks
+    of one head's consecutive rows share most of their keys but seldom an SM at once.
+    None for a kernel other than the tensor-core forward."""
+    if entry.get("kind", "local") != "local" or "warps" not in entry:
+        return None
+    (B, H, _, T), D, lo, hi = shape, spec["head_dim"], spec["left"], spec["right"]
+    rows, chunk = 16 * entry["warps"] * entry.get("m_tiles", 1), entry["chunk"]
+    chunks = 0
+    for m0 in range(0, T, rows):
+        first = max(0, lo - m0) if lo >= 0 else 0
+        last = T - m0 + lo - 1 if lo >= 0 else T - 1
+        if hi >= 0:
+            last = min(last, rows - 1 + lo + hi if lo >= 0 else m0 + rows - 1 + hi)
+        chunks += last // chunk - first // chunk + 1 if last >= first else 0
+    el = {"float16": 2, "bfloat16": 2, "float32": 4}[spec["dtype"]]
+    return B * H * chunks * chunk * D * el * 2
+
+
 def time_variants(results: dict, dev: torch.device, libs: str) -> None:
     """Time the fused kernels' tile configurations (``lib/variants``, built by
     gpu_bundle.build_variants: the forward, dq and dk/dv kernels, each on tensor cores
@@ -376,6 +408,9 @@ def variant_rows(module, meta: dict, dev: torch.device, shape=VARIANT_SHAPE) -> 
             row["rel_err_vs_default"] = max(rel_err(a.float(), b.float()) for a, b in zip(got, ref[kind]))
             row["ms"] = _time_ms(call)
             row["tflops"] = 2.0 * products[kind] * band / (row["ms"] * 1e-3) / 1e12
+            staged = staged_kv_bytes(entry, meta["spec"], shape)
+            if staged:
+                row["staged_kv_gb"], row["staged_kv_tb_s"] = staged / 1e9, staged / (row["ms"] * 1e-3) / 1e12
         except Exception as e:  # noqa: BLE001 - one failing variant must not hide the others
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(row)
@@ -442,6 +477,9 @@ def bench(results: dict, dev: torch.device, quick: bool) -> None:
         H, Hkv, D, T, W = 4, 2, 64, 1024, 128
     peak = matmul_rate(dev, dtype)
     results["matmul_tflops"] = peak
+    if dev.type == "cuda":
+        results["l2_read_tb_s"] = l2_read_rate(dev)
+        print(f"  L2-resident read (torch sum of 16 MiB): {results['l2_read_tb_s']:.2f} TB/s", flush=True)
     results["bench_dtype"] = str(dtype).replace("torch.", "")
     print(f"  {results['bench_dtype']} matmul: {peak:.1f} TFLOP/s", flush=True)
     try:

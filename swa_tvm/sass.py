@@ -180,7 +180,8 @@ def main(argv=None) -> int:
     p.add_argument("--spec", action="append", required=True, help="an AttentionSpec (as swa-tvm export takes); repeatable")
     p.add_argument("--arch", default="sm_90")
     p.add_argument("--forward-tiles", help="the tensor-core forward's TCConfig fields instead of its default, e.g. 4,32,1,1,2 "
-                   "(4,64,1,0,1,1: wgmma, with --arch sm_90a; 4,64,1,0,1,1,0,none,1: overlapped; none: the field's None)")
+                   "(4,64,1,0,1,1: wgmma, with --arch sm_90a; 4,64,1,0,1,1,0,none,1: overlapped; "
+                   "4,64,1,1,1,0,0,none,0,2: two K/V stages; none: the field's None)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)
     import json

@@ -80,11 +80,12 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
     for kind, got in tiles.items():
         want = {"warps": 4, "chunk": 32, "ldmatrix": True, "wgmma": False}
         if kind in ("local", "global"):
-            want.update(chunk=64, async_copy=False, m_tiles=1, transpose_v=False, min_blocks=None, overlap=False)
+            want.update(chunk=64, async_copy=False, m_tiles=1, transpose_v=False, min_blocks=None, overlap=False,
+                        stages=1)
         assert got == want, (kind, got)
     assert {k["tiles_from"] for k in manifest["kernels"]} == {"default"}  # no tile record for this arch and head dim
     assert ("tiles warps=4, chunk=64, ldmatrix=True, async_copy=False, m_tiles=1, wgmma=False, transpose_v=False, "
-            "min_blocks=None, overlap=False"
+            "min_blocks=None, overlap=False, stages=1"
             in info.stdout), info.stdout
     # What ptxas reported for each kernel of the library (the global rows' gradients are
     # two kernels, their split-K forward too: the pieces, then the combine, which has no
@@ -175,10 +176,10 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
 def test_fused_cuda_kernels_have_the_barriers_they_need():
     """No shared-memory race in the generated source of every fused kernel (forward and
     gradients, tensor cores and CUDA cores, local rows with extra keys and global rows),
-    and of the forward with cp.async loads, by swa_tvm.cuda_races's model. The serial
-    CPU runs cannot see a barrier: TVM places most of them (its planner), the async
-    loads' waits and barriers are ours. Dropping any one of the async stream's waits
-    or barriers is caught."""
+    and of the forward with cp.async loads (one and two K/V stages), by
+    swa_tvm.cuda_races's model. The serial CPU runs cannot see a barrier: TVM places most
+    of them (its planner), the async loads' waits and barriers are ours. Dropping any
+    one of the async streams' waits or barriers is caught."""
     import tvm
 
     from swa_tvm.cuda_races import dynamic, generated_source, kernel_bodies, races
@@ -197,11 +198,17 @@ def test_fused_cuda_kernels_have_the_barriers_they_need():
         funcs[name] = cuda_flash_tc.flash_tc(k, cuda_flash_tc.TCConfig(2, 32, async_copy=True, m_tiles=m_tiles))
         funcs[name] = funcs[name].with_attr("global_symbol", name)
         streamed.append(name)
+    ringed = []
+    for k, m_tiles in ((local, 1), (glob, 1), (local, 2)):
+        name = f"{k.name}__ring{m_tiles}"
+        cfg = cuda_flash_tc.TCConfig(2, 32, async_copy=True, m_tiles=m_tiles, stages=2)
+        funcs[name] = cuda_flash_tc.flash_tc(k, cfg).with_attr("global_symbol", name)
+        ringed.append(name)
     bodies = kernel_bodies(generated_source(funcs))
     # Two kernels each: the global rows' gradients (three on tensor cores: the split-K
     # dq's pieces and sum, dk/dv), and their split-K forward on tensor cores (bf16 and
-    # the fp16 cp.async one).
-    assert len(bodies) == len(funcs) + 5
+    # the fp16 cp.async ones).
+    assert len(bodies) == len(funcs) + 6
     for name, body in bodies.items():
         # Every kernel with tiles has barriers (the split-K sums have no tiles).
         assert ("__syncthreads" in body or "__shared__" not in body) and not dynamic(body), name
@@ -215,11 +222,23 @@ def test_fused_cuda_kernels_have_the_barriers_they_need():
         assert len(steps) == 2 and all(lines[i + 1].strip() == "__syncthreads();" for i in steps), name
         for i in [j + d for j in steps for d in (0, 1)]:
             assert races("\n".join(lines[:i] + lines[i + 1 :])), (name, lines[i])
+    for name in ringed:
+        # The ring's loop, two chunks a turn: a wait and a barrier before each stage's
+        # copies are issued (the other stage's chunk landed, this one's reads are done).
+        body = bodies[f"{name}_kernel"]
+        lines = body.splitlines()
+        loop = next(i for i, line in enumerate(lines) if line.strip().startswith("for (int64_t i "))
+        steps = [i for i, line in enumerate(lines) if i > loop and "swa_cp_async_wait_all();" in line][:2]
+        assert len(steps) == 2 and all(lines[i + 1].strip() == "__syncthreads();" for i in steps), name
+        between = "\n".join(lines[steps[0]:steps[1]])
+        assert between.count("swa_cp_async_16((&(K1_ptr") and between.count("swa_cp_async_16((&(V1_ptr"), name
+        for i in [j + d for j in steps for d in (0, 1)]:
+            assert races("\n".join(lines[:i] + lines[i + 1 :])), (name, lines[i])
 
 
 def test_wgmma_kernels_fence_and_barrier_what_the_tensor_cores_read():
     """The wgmma kernels (forward with synchronous and cp.async loads, V transposed,
-    overlapped, the dq and dk/dv kernels; local rows with extra keys, global rows) by
+    overlapped, two K/V stages, the dq and dk/dv kernels; local rows with extra keys, global rows) by
     swa_tvm.cuda_races: no shared-memory race, and every tile the tensor cores read
     (the async proxy) was fenced by its writers, then barriered, after its last write;
     deleting any one of those fences is caught."""
@@ -231,7 +250,9 @@ def test_wgmma_kernels_fence_and_barrier_what_the_tensor_cores_read():
     for k, cfg in ((local, (4, 32, True, False, 1, True)), (local, (4, 32, True, True, 1, True)),
                    (local, (4, 32, True, False, 1, True, True)), (glob, (4, 32, True, True, 1, True)),
                    (local, (4, 32, True, False, 1, True, False, None, True)),
-                   (glob, (4, 32, True, False, 1, True, True, None, True))):
+                   (glob, (4, 32, True, False, 1, True, True, None, True)),
+                   (local, (4, 32, True, True, 1, True, False, None, False, 2)),
+                   (glob, (4, 32, True, True, 1, True, False, None, False, 2))):
         name = f"{k.name}__{'_'.join(str(int(x)) if x is not None else 'n' for x in cfg)}"
         funcs[name] = cuda_flash_tc.flash_tc(k, cuda_flash_tc.TCConfig(*cfg)).with_attr("global_symbol", name)
     for kind in ("local_dq", "local_dkv"):
@@ -342,6 +363,47 @@ def test_machine_code_of_the_wgmma_forward():
         # Fewer instructions a product on most chunks' pass than the mma.sync default's 3.78.
         assert sass.summarize(insts, labels)["shortest_pass_per_mma"] < 3.78, (kernel, len(loop))
         assert any("FENCE.VIEW.ASYNC.S" in line for _, line in insts), kernel
+
+
+def test_two_stage_forward_copies_a_chunk_ahead():
+    """TCConfig.stages = 2, bf16 D=128, 4 warps x 64 keys, cp.async, on mma.sync and on
+    wgmma (sm_90a): the chunk loop takes two chunks a turn (256 mma per warp), and in
+    its machine code each turn's half is a cp.async wait, then the next stage's copies,
+    then this stage's products (the copies land behind a whole chunk's work); no
+    spill, registers for two blocks per SM, and no more instructions per product than
+    the one-stage kernel's loop (the ring costs shared memory, not instructions)."""
+    from swa_tvm import sass
+    from swa_tvm.cuda_pack import nvcc_compile, ptxas_resources
+    from swa_tvm.cuda_races import generated_source
+    from swa_tvm.schedules import cuda_flash_tc
+
+    spec = next(k for k in AttentionSpec.parse("head_dim=128,window=4095:0,dtype=bfloat16").kernels() if k.kind == "local")
+    funcs = {}
+    for wgmma in (False, True):
+        for stages in (1, 2):
+            name = f"{spec.name}_{'wgmma' if wgmma else 'sync'}_s{stages}"
+            cfg = cuda_flash_tc.TCConfig(4, 64, async_copy=True, wgmma=wgmma, stages=stages)
+            funcs[name] = cuda_flash_tc.flash_tc(spec, cfg).with_attr("global_symbol", name)
+    cubin, report = nvcc_compile(generated_source(funcs, "sm_90a"), "sm_90a", "cubin")
+    resources = ptxas_resources(report)
+    found = sass.kernel_instructions(sass.disassemble(cubin))
+    tags = {"DEPBAR": "wait", "LDGSTS": "copy", "HMMA": "mma", "HGMMA": "mma"}
+    for kind in ("sync", "wgmma"):
+        kernel = f"{spec.name}_{kind}_s2_kernel"
+        insts, labels = found[kernel]
+        start, end = sass.hot_loop(insts, labels)
+        seq = []
+        for op, _ in insts[start:end]:
+            if op in tags and (not seq or seq[-1] != tags[op]):
+                seq.append(tags[op])
+        # (ptxas may leave the first chunk's last mma.sync after the second wait: the
+        # wait is for this thread's copies, the products only read registers.)
+        assert seq in (["wait", "copy", "mma"] * 2, ["wait", "copy", "mma", "wait", "mma", "copy", "mma"]), (kind, seq)
+        summary = sass.summarize(insts, labels)
+        assert summary["loop_mma"] == 256 and resources[kernel]["spill_stores"] == 0, (kind, summary)
+        assert resources[kernel]["registers"] <= 255, resources[kernel]
+        one = sass.summarize(*found[f"{spec.name}_{kind}_s1_kernel"])
+        assert summary["loop_per_mma"] <= one["loop_per_mma"] + 0.05, (kind, summary, one)
 
 
 def test_wgmma_overlap_forward_waits_for_q_k_before_p_v():
@@ -790,6 +852,12 @@ def test_cuda_flash_kernel_computes_the_reference(dtype, window, dilation, extra
         ("bfloat16", (21, 0), [1, 3, 2, 1], True, (4, 16, True, False, 1, True, False, None, True), 0.0),
         ("float16", (8, 9), [2, 2, 2, 2], False, (4, 32, True, False, 1, True, True, None, True), 20.0),
         ("bfloat16", (100, 20), [1, 1, 2, 1], True, (4, 16, True, False, 1, True, False, None, True), 20.0),
+        # Two K/V stages (chunks alternate between two tile pairs, copies a chunk ahead):
+        # extras after the stream (in the ring's freed tiles); two row tiles a warp with a
+        # ramp; wgmma on a long window.
+        ("bfloat16", (21, 0), [1, 3, 2, 1], True, (2, 16, True, True, 1, False, False, None, False, 2), 0.0),
+        ("float16", (8, 9), [2, 2, 2, 2], False, (2, 16, True, True, 2, False, False, None, False, 2), 20.0),
+        ("bfloat16", (100, 20), [1, 1, 2, 1], True, (4, 16, True, True, 1, True, False, None, False, 2), 20.0),
     ],
 )
 def test_cuda_flash_tc_kernel_computes_the_reference(dtype, window, dilation, extras, config, ramp):
@@ -809,7 +877,8 @@ def test_cuda_flash_tc_kernel_computes_the_reference(dtype, window, dilation, ex
 @pytest.mark.parametrize(
     "kernel_kind,dtype,causal",
     [("tc", "bfloat16", True), ("tc", "float16", False), ("tc_wgmma", "bfloat16", True),
-     ("tc_wgmma_overlap", "float16", True), ("cores", "float32", True), ("cores", "float32", False)],
+     ("tc_wgmma_overlap", "float16", True), ("tc_ring", "bfloat16", True), ("tc_ring", "float16", False),
+     ("cores", "float32", True), ("cores", "float32", False)],
 )
 def test_cuda_flash_global_rows_compute_the_reference(kernel_kind, dtype, causal):
     """Global rows on the fused kernels (serial on the CPU; the tensor-core one emulated):
@@ -818,7 +887,8 @@ def test_cuda_flash_global_rows_compute_the_reference(kernel_kind, dtype, causal
     last position. On tensor cores split-K: the keys in 3 or 4 pieces (the caller's
     workspace), a block each (causal: pieces past a block's last position left empty),
     then combined with the sink; and on wgmma (a warpgroup: a block of 64 rows, padded),
-    also overlapped (TCConfig.overlap; the empty pieces take its no-chunk path)."""
+    also overlapped (TCConfig.overlap; the empty pieces take its no-chunk path); with two
+    K/V stages (TCConfig.stages; odd and even chunk counts, empty pieces)."""
     from swa_tvm.reference import sliding_window_attention_ref
     from swa_tvm.schedules import cuda_flash, cuda_flash_tc
 
@@ -829,6 +899,8 @@ def test_cuda_flash_global_rows_compute_the_reference(kernel_kind, dtype, causal
             cfg = cuda_flash_tc.TCConfig(4, 16, async_copy=True, wgmma=True)
         if kernel_kind == "tc_wgmma_overlap":
             cfg = cuda_flash_tc.TCConfig(4, 16, wgmma=True, overlap=True)
+        if kernel_kind == "tc_ring":
+            cfg = cuda_flash_tc.TCConfig(2, 16, async_copy=True, m_tiles=1 if causal else 2, stages=2)
         func = cuda_flash_tc.flash_tc(spec, cfg, emulate=True)
     else:
         func = cuda_flash.flash(spec, cuda_flash.FlashConfig(32, 16, 64))
@@ -951,6 +1023,12 @@ def test_cuda_flash_config_checks():
         cuda_flash_tc.flash_tc(spec, cuda_flash_tc.TCConfig(4, 24))
     with pytest.raises(ValueError, match="float16/bfloat16 forward kernels"):
         cuda_flash_tc.flash_tc(KernelSpec("local", 128, "float32", 7, 0))
+    for stages, async_copy in ((2, False), (3, True), (0, True)):
+        with pytest.raises(ValueError, match=r"stages must be 1 or 2, and 2 takes cp.async"):
+            cuda_flash_tc.flash_tc(spec, cuda_flash_tc.TCConfig(4, 64, async_copy=async_copy, stages=stages))
+    # A second stage's K and V tiles: 34 KiB more at 4 x 64, so dynamic shared memory.
+    one, two = (cuda_flash_tc.TCConfig(4, 64, async_copy=True, stages=n).shared_bytes(128, "bfloat16") for n in (1, 2))
+    assert two - one == 2 * 64 * 136 * 2 + 2 * 64 and one <= cuda_flash.SHARED_BUDGET < two
     # Gradients: every kind on the tensor-core backward for float16/bfloat16 (head_dim %
     # 16 == 0), else on the CUDA-core one where a tile fits, else on TE.
     from swa_tvm.schedules import cuda_flash_bwd, cuda_flash_bwd_tc
@@ -1163,6 +1241,29 @@ def test_gpu_check_training_timing_on_cpu():
     assert row["sdpa_banded_mask_grads_vs_ours_rel_err"] < 1e-4
 
 
+@pytest.mark.parametrize("left,right", [(5, 0), (5, 3), (16, 0), (7, 9), (-1, 0), (3, -1), (-1, -1), (40, 0)])
+@pytest.mark.parametrize("warps,m_tiles,chunk", [(1, 1, 16), (2, 2, 32), (4, 1, 16)])
+def test_staged_kv_bytes_counts_the_chunks_a_dense_mask_touches(left, right, warps, m_tiles, chunk):
+    """The GPU check's K/V traffic model of a tensor-core forward variant: per block of
+    rows, the band chunks (aligned to the block's band index 0: key m0 - left, or key 0
+    with no left bound) holding a key some row of the block sees in the dense mask."""
+    from swa_tvm import gpu_check
+    from swa_tvm.reference import window_mask
+
+    B, H, T, D = 2, 3, 50, 8
+    mask = window_mask(T, left, right, 1)
+    rows, blocks_chunks = 16 * warps * m_tiles, 0
+    for m0 in range(0, T, rows):
+        keys = mask[m0:m0 + rows].any(0).nonzero().flatten().tolist()
+        origin = m0 - left if left >= 0 else 0
+        blocks_chunks += len({(key - origin) // chunk for key in keys})
+    spec = {"head_dim": D, "left": left, "right": right, "dtype": "bfloat16"}
+    entry = {"kind": "local", "warps": warps, "m_tiles": m_tiles, "chunk": chunk}
+    assert gpu_check.staged_kv_bytes(entry, spec, (B, H, 1, T)) == B * H * blocks_chunks * chunk * D * 2 * 2
+    assert gpu_check.staged_kv_bytes({"kind": "local", "config": "cores"}, spec, (B, H, 1, T)) is None
+    assert gpu_check.staged_kv_bytes(dict(entry, kind="local_dq"), spec, (B, H, 1, T)) is None
+
+
 def test_gpu_check_variant_rows_on_cpu(monkeypatch, tmp_path):
     """The GPU check's variant stage (GPU-only there) on CPU kernels: each variant's
     arguments (forward; dq; dk/dv per query head) and its comparison with the default
@@ -1263,12 +1364,13 @@ def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
     """The GPU check's tile-configuration sweep: one module, one function per variant
     (tensor-core configurations and the CUDA-core kernel of the forward, dq and dk/dv
     kernels), listed in variants.json with the kind each computes; for sm_90 built as
-    sm_90a, with the wgmma forward (V transposed, overlapped)."""
+    sm_90a, with the wgmma forward (V transposed, overlapped); two K/V stages."""
     from swa_tvm import gpu_bundle
 
     # 16-bit loads and cp.async; two 16-row tiles per warp.
     monkeypatch.setattr(gpu_bundle, "TC_VARIANTS", ((4, 64), (2, 16, False, True), (1, 16, True, False, 2),
-                                                    (4, 16, True, False, 1, True, True, None, True)))
+                                                    (4, 16, True, False, 1, True, True, None, True),
+                                                    (2, 16, True, True, 1, False, False, None, False, 2)))
     monkeypatch.setattr(gpu_bundle, "TC_BWD_VARIANTS", ((2, 32), (4, 32)))  # 4 x 32: dynamic shared memory
     monkeypatch.setattr(gpu_bundle, "WGMMA_PROBES", (("kn", 64, 128, 1, True),))
     path = gpu_bundle.build_variants(str(tmp_path), "sm_90")
@@ -1281,6 +1383,7 @@ def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
         ("local", "tc_w2_c16_lds16_async", "cuda_flash_tc", False),
         ("local", "tc_w1_c16_m2", "cuda_flash_tc", False),
         ("local", "tc_w4_c16_wgmma_vt_ov", "cuda_flash_tc", False),
+        ("local", "tc_w2_c16_async_s2", "cuda_flash_tc", False),
         ("local", "cores", "cuda_flash", None),
         ("local_dq", "tc_w2_c32", "cuda_flash_bwd_tc", True),
         ("local_dq", "tc_w4_c32", "cuda_flash_bwd_tc", False),
@@ -1299,7 +1402,8 @@ def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
     # output tiles) x row tiles: 128 at the default 4 x 64, 32 at 2 x 16, 64 with two
     # row tiles at 1 x 16, 32 in wgmma's units (a warp's share of each HGMMA) at 4 x 16;
     # the gradients' dq 96 and dk/dv 128 at 32 keys.
-    assert [v["sass"]["loop_mma"] for v in meta["variants"] if v["kernel"] != "cuda_flash_bwd"][:4] == [128, 32, 64, 32]
+    # (two chunks a turn with two K/V stages: 64 at 2 x 16).
+    assert [v["sass"]["loop_mma"] for v in meta["variants"] if v["kernel"] != "cuda_flash_bwd"][:5] == [128, 32, 64, 32, 64]
     assert [v["sass"]["loop_mma"] for v in meta["variants"] if v["kernel"] == "cuda_flash_bwd_tc"] == [96, 96, 128, 128]
     # The 4 x 32 gradient kernels (52 KiB, compiled by nvcc above) take dynamic shared
     # memory; tiles within 48 KiB static.
