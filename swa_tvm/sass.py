@@ -116,31 +116,40 @@ def hot_loop(insts, labels) -> tuple[int, int]:
 
 def shortest_pass(insts, labels, start: int, end: int) -> tuple[int, float]:
     """(instructions, mma units) of the shortest way through the loop [start, end), from
-    its first instruction to its back branch, each forward branch inside taken or not as
-    is shorter: a chunk that skips every step it can (the masked chunks' mask, the
+    its first instruction to its back branch, that issues the most products: each
+    forward branch inside taken or not as is shorter, unless skipping it would skip
+    products. A chunk that skips every step it can (the masked chunks' mask, the
     outputs' rescale; but also, with cp.async, the next chunk's copies, which all but
-    the last chunk issue). A lower bound of one chunk's dynamic count; the static count
-    (``loop_instructions``) counts both ways of every branch."""
-    inf = (float("inf"), 0.0)
-    best = [inf] * (end - start + 1)
+    the last chunk issue), and every chunk of a loop that holds two (TCConfig.stages =
+    2, whose second is conditional for odd counts). A lower bound of the dynamic count;
+    the static count (``loop_instructions``) counts both ways of every branch."""
+
+    def better(a, b):  # more products, then fewer instructions; None: not reached
+        if a is None or b is None:
+            return a or b
+        return a if (-a[1], a[0]) < (-b[1], b[0]) else b
+
+    best: list = [None] * (end - start + 1)
     best[0] = (0, 0.0)
     for i in range(start, end):
-        n, mma = best[i - start]
-        if n == float("inf"):
+        if best[i - start] is None:
             continue
+        n, mma = best[i - start]
         op, line = insts[i]
         here = (n + 1, mma + mma_units(op, line))
         if i == end - 1:  # the back branch: one pass done
-            best[-1] = min(best[-1], here)
+            best[-1] = better(best[-1], here)
             break
         m = BRANCH_TARGET.search(line) if op == "BRA" else None
         target = labels.get(m.group(1)) if m else None
         if target is not None and i < target < end:
-            best[target - start] = min(best[target - start], here)
+            best[target - start] = better(best[target - start], here)
         if target is None or CONDITIONAL.search(line):  # falls through too
-            best[i + 1 - start] = min(best[i + 1 - start], here)
+            best[i + 1 - start] = better(best[i + 1 - start], here)
+    if best[-1] is None:
+        return end - start, 0.0
     n, mma = best[-1]
-    return (int(n), mma) if n != float("inf") else (end - start, 0.0)
+    return int(n), mma
 
 
 def summarize(insts, labels) -> dict:

@@ -618,6 +618,17 @@ def test_sass_shortest_pass_takes_each_branch_the_shorter_way():
     assert sass.shortest_pass(insts, found, start, end) == (7, 2)
     r = sass.summarize(insts, found)
     assert (r["loop_instructions"], r["shortest_pass"], r["shortest_pass_per_mma"]) == (14, 7, 3.5), r
+    # A second chunk under a predicated branch (two K/V stages, odd chunk counts): the
+    # pass skips what it can but not the products: + BRA, HMMA, FMUL.
+    back = lines.pop()
+    emit("BRA", "@!P3 ", ".L_x_4")
+    emit("HMMA")
+    emit("FMUL")
+    label(".L_x_4")
+    lines.append(back)
+    insts, found = sass.kernel_instructions("\n".join(lines))["k_kernel"]
+    start, end = sass.hot_loop(insts, found)
+    assert sass.shortest_pass(insts, found, start, end) == (10, 3)
 
 
 def _serial_on_cpu(func):
