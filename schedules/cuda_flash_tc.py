@@ -452,10 +452,15 @@ def async_loader(threads: int, head_dim: int, rows: int, emulate: bool, cores: b
                         for u in T.vectorized(VEC):
                             A[lay.index(i, cv * VEC + u)] = src[b, hh, j, cv * VEC + u]
                     else:
+                        # The tile marked read, not written: TVM's barrier planner, which
+                        # sees tiles merged into one dynamic buffer as one, otherwise adds
+                        # a barrier after each issue (no use: the copies land later; our
+                        # waits and barriers order them, cuda_races checks), while the
+                        # access keeps the tile live for that merge.
                         T.evaluate(
                             T.cuda.func_call(
                                 "swa_cp_async_16",
-                                A.access_ptr("w", offset=lay.index(i, cv * VEC), extent=VEC),
+                                A.access_ptr("r", offset=lay.index(i, cv * VEC), extent=VEC),
                                 T.address_of(src[b, hh, j, cv * VEC]),
                                 source_code=CP_ASYNC_SOURCE,
                             )

@@ -370,8 +370,9 @@ def test_two_stage_forward_copies_a_chunk_ahead():
     wgmma (sm_90a): the chunk loop takes two chunks a turn (256 mma per warp), and in
     its machine code each turn's half is a cp.async wait, then the next stage's copies,
     then this stage's products (the copies land behind a whole chunk's work); no
-    spill, registers for two blocks per SM, and no more instructions per product than
-    the one-stage kernel's loop (the ring costs shared memory, not instructions)."""
+    spill, registers for two blocks per SM, no more instructions per product than the
+    one-stage kernel's loop (the ring costs shared memory, not instructions), and no
+    block barrier but the waits'."""
     from swa_tvm import sass
     from swa_tvm.cuda_pack import nvcc_compile, ptxas_resources
     from swa_tvm.cuda_races import generated_source
@@ -399,6 +400,10 @@ def test_two_stage_forward_copies_a_chunk_ahead():
         # (ptxas may leave the first chunk's last mma.sync after the second wait: the
         # wait is for this thread's copies, the products only read registers.)
         assert seq in (["wait", "copy", "mma"] * 2, ["wait", "copy", "mma", "wait", "mma", "copy", "mma"]), (kind, seq)
+        # Two block barriers a turn, the waits': none after the copies' issue from TVM's
+        # planner, which sees the tiles (70 KiB, merged into one dynamic buffer) as one.
+        bars = [line for op, line in insts[start:end] if op == "BAR" and "BAR.SYNC" in line]
+        assert len(bars) == 2, (kind, bars)
         summary = sass.summarize(insts, labels)
         assert summary["loop_mma"] == 256 and resources[kernel]["spill_stores"] == 0, (kind, summary)
         assert resources[kernel]["registers"] <= 255, resources[kernel]
