@@ -618,7 +618,8 @@ def tile_scope(spec: KernelSpec, cfg) -> str:
         raise ValueError(f"kernel {spec.name}: {cfg}: min_blocks must be >= 0 (0: ptxas's own choice) or None")
     if getattr(cfg, "overlap", False) and (not cfg.wgmma or cfg.async_copy):
         raise ValueError(f"kernel {spec.name}: {cfg}: overlap takes wgmma and synchronous loads (async_copy False)")
-    if getattr(cfg, "stages", 1) not in (1, 2) or (getattr(cfg, "stages", 1) == 2 and not cfg.async_copy):
+    stages = getattr(cfg, "stages", 1)
+    if stages not in (1, 2) or (stages == 2 and not cfg.async_copy):
         raise ValueError(f"kernel {spec.name}: {cfg}: stages must be 1 or 2, and 2 takes cp.async (async_copy True)")
     if getattr(cfg, "transpose_v", False) and (not cfg.wgmma or cfg.async_copy):
         raise ValueError(f"kernel {spec.name}: {cfg}: transpose_v takes wgmma and synchronous loads (async_copy False)")
@@ -914,8 +915,9 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
         wg_group(KC // 16, lambda ks: wgmma_o(ppk, ks * 4, Vt, ks, ofrag), ofrag, NO * 4)
 
     @T.macro
-    def ring_chunk(c, Kt, Vt, Qs, qfrag, qpk, kfrag, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part, red, rel,
+    def band_chunk(c, Kt, Vt, Qs, qfrag, qpk, kfrag, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part, red, rel,
                    first_r, last_r, inner_lo, inner_hi, scale2):
+        # Band chunk c's products and online softmax, its keys in Kt and values in Vt.
         scores(Kt, Qs, qfrag, qpk, kfrag, sfrag)
         band_mask_max(c, sfrag, m_r, part, red, rel, first_r, last_r, inner_lo, inner_hi, scale2)
         softmax_pv(Vt, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part, red, scale2)
@@ -937,14 +939,14 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
             if c_begin + 2 * i + 1 < c_end:
                 issue_chunk(K1, k, b, kvh, pos_of, c_begin + 2 * i + 1, Tn)
                 issue_chunk(V1, v, b, kvh, pos_of, c_begin + 2 * i + 1, Tn)
-            ring_chunk(c_begin + 2 * i, QK, Vt, Qs, qfrag, qpk, kfrag, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part,
+            band_chunk(c_begin + 2 * i, QK, Vt, Qs, qfrag, qpk, kfrag, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part,
                        red, rel, first_r, last_r, inner_lo, inner_hi, scale2)
             wait_all(True)  # chunk c + 1 in (K1, V1); every warp is done with (QK, Vt)
             if c_begin + 2 * i + 2 < c_end:
                 issue_chunk(QK, k, b, kvh, pos_of, c_begin + 2 * i + 2, Tn)
                 issue_chunk(Vt, v, b, kvh, pos_of, c_begin + 2 * i + 2, Tn)
             if c_begin + 2 * i + 1 < c_end:
-                ring_chunk(c_begin + 2 * i + 1, K1, V1, Qs, qfrag, qpk, kfrag, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r,
+                band_chunk(c_begin + 2 * i + 1, K1, V1, Qs, qfrag, qpk, kfrag, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r,
                            part, red, rel, first_r, last_r, inner_lo, inner_hi, scale2)
         wait_all(False)  # every warp is done with both stages
 
@@ -967,9 +969,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
             for c in T.serial(c_begin, c_end):
                 load_band_rows(lambda clamp: load_rows(QK, Vt, k, v, b, kvh, lambda kk: pos_of(c, kk), Tn, clamp),
                                lambda kk: pos_of(c, kk), KC, Tn, wg_proxy_fence if WG else None)
-                scores(QK, Qs, qfrag, qpk, kfrag, sfrag)
-                band_mask_max(c, sfrag, m_r, part, red, rel, first_r, last_r, inner_lo, inner_hi, scale2)
-                softmax_pv(Vt, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part, red, scale2)
+                band_chunk(c, QK, Vt, Qs, qfrag, qpk, kfrag, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part, red, rel,
+                           first_r, last_r, inner_lo, inner_hi, scale2)
         else:
             # Every warp holds its Q fragments before K overwrites their tile.
             wait_all(False)

@@ -211,8 +211,7 @@ def staged_kv_bytes(entry: dict, spec: dict, shape) -> int | None:
         if hi >= 0:
             last = min(last, rows - 1 + lo + hi if lo >= 0 else m0 + rows - 1 + hi)
         chunks += last // chunk - first // chunk + 1 if last >= first else 0
-    el = {"float16": 2, "bfloat16": 2, "float32": 4}[spec["dtype"]]
-    return B * H * chunks * chunk * D * el * 2
+    return B * H * chunks * chunk * D * getattr(torch, spec["dtype"]).itemsize * 2
 
 
 def time_variants(results: dict, dev: torch.device, libs: str) -> None:
