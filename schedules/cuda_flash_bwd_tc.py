@@ -46,6 +46,7 @@ from swa_tvm.spec import KernelSpec
 from .cuda_flash import (
     ITEM_SCALARS,
     band_positions,
+    clamp_row,
     extra_positions_loader,
     global_fields,
     global_row_last_key,
@@ -63,9 +64,11 @@ from .cuda_flash_bwd import (
     stats_loader,
 )
 from .cuda_flash_tc import (
+    CP_ASYNC_SOURCE,
     PTX_TYPE,
     TileLayout,
     a_loader,
+    async_loader,
     c_pos,
     chunk_mask,
     kn_loader,
@@ -102,17 +105,75 @@ class TCBwdConfig:
     # read by the tensor cores from the item's and the chunk's tiles (core matrices), the
     # accumulations with P or dS from registers; warps a multiple of 4.
     wgmma: bool = False
+    # Chunk stages. 1: the chunk's two tiles by synchronous loads, then its products. 2:
+    # a ring of two tile pairs (and lse/delta tables) filled by cp.async, chunk c + 1's
+    # copies issued before chunk c's products (as the forward's ``TCConfig.stages``), in
+    # the band loops of dq and dk/dv, the global rows' split-K dq and the extra keys'
+    # dk/dv (not the global rows' dk/dv: a few chunks of global rows; nor dq's extra keys,
+    # whose positions are loaded first).
+    stages: int = 1
 
     @property
     def block(self) -> int:
         return 16 * self.warps
 
+    @property
+    def async_copy(self) -> bool:
+        """Chunks by cp.async: with two stages only. With one there is nothing to overlap
+        (both of a chunk's tiles feed its first products)."""
+        return self.stages == 2
+
     def shared_bytes(self, head_dim: int, dtype: str) -> int:
         el = tvm.runtime.DataType(dtype).bits // 8
-        # The item's two tiles, the chunk's two; per chunk column lse, delta and the
-        # extra keys' three int64 tables (or the global rows' last keys); alignment.
+        # The item's two tiles, each stage's two chunk tiles and lse and delta per chunk
+        # column; the extra keys' three int64 tables (or the global rows' last keys);
+        # alignment.
         row = head_dim + (0 if self.wgmma else 8)
-        return 2 * (self.block + self.chunk) * row * el + self.chunk * (2 * 4 + 3 * 8) + 9 * 64
+        return (2 * (self.block + self.stages * self.chunk) * row * el + self.chunk * (self.stages * 2 * 4 + 3 * 8)
+                + (9 + 4 * (self.stages - 1)) * 64)
+
+
+# cp.async of one 4-byte value, zeros where ``bytes`` is 0 (the PTX's src-size).
+CP_ASYNC_4_SOURCE = r"""
+#define swa_cp_async_4(dst, src, bytes) asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" \
+  :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "r"(bytes))
+"""
+
+
+def async_stats_loader(threads: int, count: int, emulate: bool):
+    """A T.macro ``issue(lse_t, delta_t, lse, delta, b, h, pos_of, n)``: ``stats_loader``'s
+    tables by cp.async (4 bytes a value; committed as one group, waited for by
+    ``async_loader``'s ``wait_all``), lse as it is (not in log2 units) and 0 for both at
+    a position outside [0, n) (the copy's zero fill): every such column is masked
+    wherever it is read (past the sequence, no row's band interval holds it), and the
+    masked scores take P = 0 by a select, so no value of these reaches a gradient."""
+    steps = -(-count // threads)
+
+    @T.macro
+    def copy(t, i, src, b, h, j, ok):
+        if emulate:
+            t[i] = T.Select(ok, src[b, h, j], T.Cast(t.dtype, 0))
+        else:
+            # Marked read, not written, for TVM's barrier planner (as async_loader's).
+            T.evaluate(T.cuda.func_call(
+                "swa_cp_async_4", t.access_ptr("r", offset=i, extent=1), T.address_of(src[b, h, j]),
+                T.Select(ok, 4, 0), source_code=CP_ASYNC_4_SOURCE,
+            ))
+
+    @T.macro
+    def issue(lse_t, delta_t, lse, delta, b, h, pos_of, n):
+        for tx in T.thread_binding(threads, thread="threadIdx.x"):
+            for x in T.serial(steps):
+                i = T.meta_var(x * threads + tx)
+                if i < count:
+                    ok = T.meta_var(T.And(pos_of(i) >= 0, pos_of(i) < T.Cast(str(pos_of(i).ty), n)))
+                    j = T.meta_var(clamp_row(pos_of(i), n))
+                    copy(lse_t, i, lse, b, h, j, ok)
+                    copy(delta_t, i, delta, b, h, j, ok)
+            if not emulate:
+                T.evaluate(T.cuda.func_call("swa_cp_async_commit", source_code=CP_ASYNC_SOURCE))
+
+    return issue
 
 
 # Largest first. Chunks stop at 32: a dk/dv warp holds two head-dim accumulators (64 fp32
@@ -144,7 +205,7 @@ def flash_bwd_tc(spec: KernelSpec, config: TCBwdConfig | None = None, emulate: b
 def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa: C901 - four kernels, phase by phase
     D, dt, acc = spec.head_dim, spec.dtype, "float32"
     lo, hi, maxd, extras, causal = spec.left, spec.right, spec.max_dilation, spec.extras, spec.causal
-    NW, KC = cfg.warps, cfg.chunk
+    NW, KC, STAGES = cfg.warps, cfg.chunk, cfg.stages
     BR, NT = 16 * NW, 32 * NW
     NS, NO, KD, KK = KC // 8, D // 8, D // 16, KC // 16  # score tiles, output tiles, k-steps (head dim, chunk)
     # Tiles of rows padded by 8 values, as in cuda_flash_tc, or wgmma's core matrices.
@@ -187,6 +248,65 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
         load_band_rows(lambda clamp: load_chunk_unfenced(A, B, src_a, src_b, b, hh, pos, n, clamp),
                        pos, KC, n, wg_proxy_fence if WG else None)
     load_chunk_stats = stats_loader(NT, KC, acc, lse_scale=LOG2E)
+    # Two chunk stages (TCBwdConfig.stages): the chunk's tiles and stats by cp.async.
+    issue_tile, wait_all = async_loader(NT, D, KC, emulate, WG)
+    issue_stats = async_stats_loader(NT, KC, emulate)
+
+    @T.macro
+    def issue_pair(A, B, src_a, src_b, b, hh, pos, n, clamp):
+        issue_tile(A, src_a, b, hh, pos, n, clamp)
+        issue_tile(B, src_b, b, hh, pos, n, clamp)
+
+    @T.macro
+    def issue_chunk(A, B, src_a, src_b, b, hh, pos, n):
+        # A chunk's two tiles (rows at pos(kk), unclamped where all lie in the sequence);
+        # no fence: wait_all's, once they land.
+        load_band_rows(lambda clamp: issue_pair(A, B, src_a, src_b, b, hh, pos, n, clamp), pos, KC, n)
+
+    @T.macro
+    def issue_query_chunk(tiles, q, dout, lse, delta, b, h, pos, n):
+        # A chunk of queries for the dk/dv kernels: Q's and dO's rows, lse and delta.
+        issue_chunk(tiles[0], tiles[1], q, dout, b, h, pos, n)
+        issue_stats(tiles[2], tiles[3], lse, delta, b, h, pos, n)
+
+    @T.macro
+    def ring(c_begin, c_end, issue, compute):
+        # Chunks c_begin <= c < c_end in two stages (as the forward's ring_stream): chunk
+        # c_begin + 2i in stage 0, the next in stage 1, two a turn; ``issue(s, c)`` starts
+        # chunk c's copies into stage s, ``compute(s, c)`` reads them. A stage's copies are
+        # issued right after the barrier that ends every warp's reads of its previous
+        # chunk, and land while the other stage's chunk is computed. (The item's tiles,
+        # stored before, are read only: no barrier needed ahead of the first copies.)
+        if c_begin < c_end:
+            issue(0, c_begin)
+        for i in T.serial((c_end - c_begin + 1) // 2):
+            wait_all(True)  # chunk c in stage 0; every warp is done with stage 1
+            if c_begin + 2 * i + 1 < c_end:
+                issue(1, c_begin + 2 * i + 1)
+            compute(0, c_begin + 2 * i)
+            wait_all(True)  # chunk c + 1 in stage 1; every warp is done with stage 0
+            if c_begin + 2 * i + 2 < c_end:
+                issue(0, c_begin + 2 * i + 2)
+            if c_begin + 2 * i + 1 < c_end:
+                compute(1, c_begin + 2 * i + 1)
+        wait_all(False)  # nothing in flight past the loop; both stages free again
+
+    @T.macro
+    def second_stage(stats, body):
+        # The second stage's chunk tiles (and lse and delta tables, with ``stats``), in the
+        # kernel's sblock: ``body((A1, B1, lse1, delta1))`` (the tables None without).
+        A1 = T.alloc_buffer((chunk_tile.size,), dt, scope=SH)
+        B1 = T.alloc_buffer((chunk_tile.size,), dt, scope=SH)
+        if stats:
+            lse1 = T.alloc_buffer((KC,), acc, scope=SH)
+            delta1 = T.alloc_buffer((KC,), acc, scope=SH)
+            body((A1, B1, lse1, delta1))
+        else:
+            body((A1, B1, None, None))
+
+    def staged(s, first, second):
+        """Stage s's buffers: ``first`` (the kernel's own) or ``second`` (second_stage's)."""
+        return first if s == 0 else second
     load_extra_positions = extra_positions_loader(NT, KC)
     load_last_keys = last_keys_loader(NT, KC, causal)
 
@@ -296,19 +416,28 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
         dq_scores(fr, lse_r, delta_r, visible, scale2)
         accumulate(fr.ds, Kt, fr.b, dqacc)
 
+    def column_lse(lse_c, tx, l, nt, log2):
+        """lse (log2 units) of the query column of C value l of score tile nt: the table's
+        value as stored (``log2``: ``stats_loader`` scaled it) or scaled here (cp.async
+        copies it as it is)."""
+        value = lse_c[nt * 8 + c_col(tx, l)]
+        return value if log2 else value * LOG2E
+
     @T.macro
-    def dkv_scores(fr, lse_c, delta_c, visible, scale2):
+    def dkv_scores(fr, lse_c, delta_c, visible, scale2, log2=True):
         # Rows are keys, columns the chunk's queries: P^T and dS^T (masked as dq_scores;
-        # lse_c in log2 units).
+        # lse_c by column_lse).
         sfrag, dpfrag, pfrag, dsfrag = T.meta_var((fr.s, fr.dp, fr.p, fr.ds))
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for nt in T.unroll(NS):
                 for l in T.unroll(4):
                     if visible is None:
-                        sfrag[tx, nt * 4 + l] = T.exp2(sfrag[tx, nt * 4 + l] * scale2 - lse_c[nt * 8 + c_col(tx, l)])
+                        sfrag[tx, nt * 4 + l] = T.exp2(sfrag[tx, nt * 4 + l] * scale2 - column_lse(lse_c, tx, l, nt, log2))
                     else:
                         sfrag[tx, nt * 4 + l] = T.Select(
-                            visible(tx, l, nt), T.exp2(sfrag[tx, nt * 4 + l] * scale2 - lse_c[nt * 8 + c_col(tx, l)]), ZERO
+                            visible(tx, l, nt),
+                            T.exp2(sfrag[tx, nt * 4 + l] * scale2 - column_lse(lse_c, tx, l, nt, log2)),
+                            ZERO,
                         )
                     pfrag[tx, a_slot(nt, l)] = T.Cast(dt, sfrag[tx, nt * 4 + l])
                     dsfrag[tx, a_slot(nt, l)] = T.Cast(
@@ -322,9 +451,34 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
         accumulate(fr.ds, Qt, fr.b, kacc)
 
     @T.macro
-    def dkv_step(Ks, Vs, Qt, dOt, fr, lse_c, delta_c, kacc, vacc, visible, scale2):
+    def dkv_step(Ks, Vs, Qt, dOt, fr, lse_c, delta_c, kacc, vacc, visible, scale2, log2=True):
         products(Ks, Vs, Qt, dOt, fr)
-        dkv_scores(fr, lse_c, delta_c, visible, scale2)
+        dkv_scores(fr, lse_c, delta_c, visible, scale2, log2)
+        dkv_accumulate(dOt, Qt, fr, kacc, vacc)
+
+    @T.macro
+    def dq_band_step(c, Qs, dOs, Kt, Vt, fr, lse_r, delta_r, dqacc, rel, first_r, last_r, inner_lo, inner_hi, scale2):
+        # Band chunk c of a dq item, its keys in Kt and values in Vt: a chunk every row
+        # sees whole (most of a long window's) takes no mask.
+        products(Qs, dOs, Kt, Vt, fr)
+        if chunk_inside(c, inner_lo, inner_hi):
+            dq_scores(fr, lse_r, delta_r, None, scale2)
+        else:
+            chunk_bounds(rel, first_r, last_r, c)
+            dq_scores(fr, lse_r, delta_r, lambda tx, l, nt: chunk_visible(rel, tx, l, nt, l // 2), scale2)
+        accumulate(fr.ds, Kt, fr.b, dqacc)
+
+    @T.macro
+    def dkv_band_step(c, Ks, Vs, Qt, dOt, fr, lse_c, delta_c, kacc, vacc, rel, first_r, last_r, inner_lo, inner_hi,
+                      scale2, log2):
+        # Band chunk c of a dk/dv item, its queries in Qt, their output gradients in dOt
+        # (masked as dq_band_step's).
+        products(Ks, Vs, Qt, dOt, fr)
+        if chunk_inside(c, inner_lo, inner_hi):
+            dkv_scores(fr, lse_c, delta_c, None, scale2, log2)
+        else:
+            chunk_bounds(rel, first_r, last_r, c)
+            dkv_scores(fr, lse_c, delta_c, lambda tx, l, nt: chunk_visible(rel, tx, l, nt, l // 2), scale2, log2)
         dkv_accumulate(dOt, Qt, fr, kacc, vacc)
 
     def chunk_col(c, tx, l, nt):
@@ -375,15 +529,19 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                         last_r[tx, rr] = row_key_range(lo, hi, Tn, d, m0, r, c_row(tx, 2 * rr))[1]
                 zero(dqacc)
                 # 2. The band chunks that meet the item's span, then the extra keys.
-                for c in T.serial(c_begin, c_end):
-                    load_band_chunk(Kt, Vt, k, v, b, kvh, band_positions(key0, d, c, KC), Tn)
-                    products(Qs, dOs, Kt, Vt, fr)
-                    if chunk_inside(c, inner_lo, inner_hi):
-                        dq_scores(fr, lse_r, delta_r, None, scale2)
-                    else:
-                        chunk_bounds(rel, first_r, last_r, c)
-                        dq_scores(fr, lse_r, delta_r, lambda tx, l, nt: chunk_visible(rel, tx, l, nt, l // 2), scale2)
-                    accumulate(dsfrag, Kt, bfrag, dqacc)
+                if STAGES == 2:
+                    second_stage(False, lambda st: ring(
+                        c_begin, c_end,
+                        lambda s, c: issue_chunk(staged(s, Kt, st[0]), staged(s, Vt, st[1]), k, v, b, kvh,
+                                                 band_positions(key0, d, c, KC), Tn),
+                        lambda s, c: dq_band_step(c, Qs, dOs, staged(s, Kt, st[0]), staged(s, Vt, st[1]), fr, lse_r,
+                                                  delta_r, dqacc, rel, first_r, last_r, inner_lo, inner_hi, scale2),
+                    ))
+                else:
+                    for c in T.serial(c_begin, c_end):
+                        load_band_chunk(Kt, Vt, k, v, b, kvh, band_positions(key0, d, c, KC), Tn)
+                        dq_band_step(c, Qs, dOs, Kt, Vt, fr, lse_r, delta_r, dqacc, rel, first_r, last_r, inner_lo,
+                                     inner_hi, scale2)
                 if extras:
                     for xc in T.serial((E + (KC - 1)) // KC):
                         load_extra_positions(xpos_s, xres_s, xt_s, xidx, b, xc, d, E)
@@ -447,16 +605,21 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 zero(kacc)
                 zero(vacc)
                 # 2. The queries that see the item, chunk by chunk.
-                for c in T.serial(c_begin, c_end):
-                    load_band_chunk(Qt, dOt, q, dout, b, h, band_positions(key0, d, c, KC), Tn)
-                    load_chunk_stats(lse_c, delta_c, lse, delta, b, h, band_positions(key0, d, c, KC), Tn)
-                    products(Ks, Vs, Qt, dOt, fr)
-                    if chunk_inside(c, inner_lo, inner_hi):
-                        dkv_scores(fr, lse_c, delta_c, None, scale2)
-                    else:
-                        chunk_bounds(rel, first_r, last_r, c)
-                        dkv_scores(fr, lse_c, delta_c, lambda tx, l, nt: chunk_visible(rel, tx, l, nt, l // 2), scale2)
-                    dkv_accumulate(dOt, Qt, fr, kacc, vacc)
+                if STAGES == 2:
+                    second_stage(True, lambda st: ring(
+                        c_begin, c_end,
+                        lambda s, c: issue_query_chunk(staged(s, (Qt, dOt, lse_c, delta_c), st), q, dout, lse, delta,
+                                                       b, h, band_positions(key0, d, c, KC), Tn),
+                        lambda s, c: dkv_band_step(c, Ks, Vs, staged(s, Qt, st[0]), staged(s, dOt, st[1]), fr,
+                                                   staged(s, lse_c, st[2]), staged(s, delta_c, st[3]), kacc, vacc, rel,
+                                                   first_r, last_r, inner_lo, inner_hi, scale2, False),
+                    ))
+                else:
+                    for c in T.serial(c_begin, c_end):
+                        load_band_chunk(Qt, dOt, q, dout, b, h, band_positions(key0, d, c, KC), Tn)
+                        load_chunk_stats(lse_c, delta_c, lse, delta, b, h, band_positions(key0, d, c, KC), Tn)
+                        dkv_band_step(c, Ks, Vs, Qt, dOt, fr, lse_c, delta_c, kacc, vacc, rel, first_r, last_r,
+                                      inner_lo, inner_hi, scale2, True)
                 # 3. dk = scale * dS^T Q and dv = P^T dO (per query head).
                 write_rows(dk, kacc, b, h, lambda i: row0 + d * i, Tn, scale)
                 write_rows(dv, vacc, b, h, lambda i: row0 + d * i, Tn, ONE)
@@ -502,13 +665,24 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                         last_r[tx, rr] = global_row_last_key(gidx, b, g0 + c_row(tx, 2 * rr), G, Tn, causal)
                 zero(dqacc)
                 # 2. This piece's key chunks.
-                for c in T.serial(fld[5], fld[6]):
-                    load_chunk(Kt, Vt, k, v, b, kvh, lambda kk: c * KC + kk, Tn)
-                    dq_step(
-                        Qs, dOs, Kt, Vt, fr, lse_r, delta_r, dqacc,
-                        lambda tx, l, nt: chunk_col(c, tx, l, nt) <= last_r[tx, l // 2],
-                        scale * LOG2E,
-                    )
+                if STAGES == 2:
+                    second_stage(False, lambda st: ring(
+                        fld[5], fld[6],
+                        lambda s, c: issue_chunk(staged(s, Kt, st[0]), staged(s, Vt, st[1]), k, v, b, kvh,
+                                                 lambda kk: c * KC + kk, Tn),
+                        lambda s, c: dq_step(
+                            Qs, dOs, staged(s, Kt, st[0]), staged(s, Vt, st[1]), fr, lse_r, delta_r, dqacc,
+                            lambda tx, l, nt: chunk_col(c, tx, l, nt) <= last_r[tx, l // 2], scale * LOG2E,
+                        ),
+                    ))
+                else:
+                    for c in T.serial(fld[5], fld[6]):
+                        load_chunk(Kt, Vt, k, v, b, kvh, lambda kk: c * KC + kk, Tn)
+                        dq_step(
+                            Qs, dOs, Kt, Vt, fr, lse_r, delta_r, dqacc,
+                            lambda tx, l, nt: chunk_col(c, tx, l, nt) <= last_r[tx, l // 2],
+                            scale * LOG2E,
+                        )
                 # 3. The piece's share, scale * dS K, in fp32 (every piece writes: an empty
                 # one zeros).
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
@@ -574,6 +748,15 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
 
     load_key_positions = extra_positions_loader(NT, BR)
 
+    def extra_seen(xkeys, d, Tn, c, tx, l, nt):
+        """Whether row i = chunk_col sees extra key c_row (xkeys: its position, residue and
+        residue-space index tables) as an extra (as in cuda_flash_bwd)."""
+        xpos_s, xres_s, xt_s = xkeys
+        return extra_visible(
+            lo, hi, Tn, xpos_s[c_row(tx, l)], xres_s[c_row(tx, l)], xt_s[c_row(tx, l)],
+            chunk_col(c, tx, l, nt), T.floordiv(chunk_col(c, tx, l, nt), d), T.floormod(chunk_col(c, tx, l, nt), d),
+        )
+
     @T.macro
     def dx_body(q, k, v, dil, xidx, dout, lse, delta, scale, dkx, dvx, B, H, Hkv, Tn, E):
         nblk = T.meta_var((E + (BR - 1)) // BR)
@@ -607,21 +790,28 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 d = T.meta_var(T.Cast("int64", dil[h]))
                 load_key_positions(xpos_s, xres_s, xt_s, xidx, b, T.truncdiv(e0, BR), d, E)
                 load_item(Ks, Vs, k, v, b, kvh, lambda i: xpos_s[i], Tn)
+                xkeys = T.meta_var((xpos_s, xres_s, xt_s))
                 zero(kacc)
                 zero(vacc)
-                for c in T.serial((Tn + (KC - 1)) // KC):
-                    load_chunk(Qt, dOt, q, dout, b, h, lambda kk: c * KC + kk, Tn)
-                    load_chunk_stats(lse_c, delta_c, lse, delta, b, h, lambda kk: c * KC + kk, Tn)
-                    dkv_step(
-                        Ks, Vs, Qt, dOt, fr, lse_c, delta_c, kacc, vacc,
-                        # Row i = chunk_col sees extra key c_row as an extra (as in cuda_flash_bwd).
-                        lambda tx, l, nt: extra_visible(
-                            lo, hi, Tn, xpos_s[c_row(tx, l)], xres_s[c_row(tx, l)], xt_s[c_row(tx, l)],
-                            chunk_col(c, tx, l, nt), T.floordiv(chunk_col(c, tx, l, nt), d),
-                            T.floormod(chunk_col(c, tx, l, nt), d),
+                if STAGES == 2:
+                    second_stage(True, lambda st: ring(
+                        0, (Tn + (KC - 1)) // KC,
+                        lambda s, c: issue_query_chunk(staged(s, (Qt, dOt, lse_c, delta_c), st), q, dout, lse, delta,
+                                                       b, h, lambda kk: c * KC + kk, Tn),
+                        lambda s, c: dkv_step(
+                            Ks, Vs, staged(s, Qt, st[0]), staged(s, dOt, st[1]), fr, staged(s, lse_c, st[2]),
+                            staged(s, delta_c, st[3]), kacc, vacc, lambda tx, l, nt: extra_seen(xkeys, d, Tn, c, tx, l, nt),
+                            scale * LOG2E, False,
                         ),
-                        scale * LOG2E,
-                    )
+                    ))
+                else:
+                    for c in T.serial((Tn + (KC - 1)) // KC):
+                        load_chunk(Qt, dOt, q, dout, b, h, lambda kk: c * KC + kk, Tn)
+                        load_chunk_stats(lse_c, delta_c, lse, delta, b, h, lambda kk: c * KC + kk, Tn)
+                        dkv_step(
+                            Ks, Vs, Qt, dOt, fr, lse_c, delta_c, kacc, vacc,
+                            lambda tx, l, nt: extra_seen(xkeys, d, Tn, c, tx, l, nt), scale * LOG2E,
+                        )
                 write_rows(dkx, kacc, b, h, lambda i: e0 + i, E, scale)
                 write_rows(dvx, vacc, b, h, lambda i: e0 + i, E, ONE)
 

@@ -55,7 +55,8 @@ WGMMA = re.compile(r"\bswa_wgmma_(?!fence|commit|wait)\w+\(")
 # wgmma's groups: commit closes the thread's open group; wait N leaves N pending.
 WGMMA_COMMIT = re.compile(r"\bswa_wgmma_commit(?:_wait0)?\(\)")
 WGMMA_WAIT = re.compile(r"\bswa_wgmma_(?:commit_)?wait(\d)\(\)")
-ASYNC = re.compile(r"\bswa_cp_async_16\(\(&\((\w+)\[")
+# cp.async of 16 bytes (tiles) or of 4 (the gradient kernels' lse and delta tables).
+ASYNC = re.compile(r"\bswa_cp_async_(?:16|4)\(\(&\((\w+)\[")
 ASSIGN = re.compile(r"^(?P<lhs>[^=]+?)\s=\s(?P<rhs>.*);$")
 
 

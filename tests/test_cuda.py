@@ -176,14 +176,15 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
 def test_fused_cuda_kernels_have_the_barriers_they_need():
     """No shared-memory race in the generated source of every fused kernel (forward and
     gradients, tensor cores and CUDA cores, local rows with extra keys and global rows),
-    and of the forward with cp.async loads (one and two K/V stages), by
-    swa_tvm.cuda_races's model. The serial CPU runs cannot see a barrier: TVM places most
-    of them (its planner), the async loads' waits and barriers are ours. Dropping any
-    one of the async streams' waits or barriers is caught."""
+    of the forward with cp.async loads (one and two K/V stages) and of the gradient
+    kernels with two chunk stages, by swa_tvm.cuda_races's model. The serial CPU runs
+    cannot see a barrier: TVM places most of them (its planner), the async loads' waits
+    and barriers are ours. Dropping any one of the async loops' waits or barriers is
+    caught."""
     import tvm
 
     from swa_tvm.cuda_races import dynamic, generated_source, kernel_bodies, races
-    from swa_tvm.schedules import cuda_flash_tc
+    from swa_tvm.schedules import cuda_flash_bwd_tc, cuda_flash_tc
 
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
     funcs = {}
@@ -204,11 +205,21 @@ def test_fused_cuda_kernels_have_the_barriers_they_need():
         cfg = cuda_flash_tc.TCConfig(2, 32, async_copy=True, m_tiles=m_tiles, stages=2)
         funcs[name] = cuda_flash_tc.flash_tc(k, cfg).with_attr("global_symbol", name)
         ringed.append(name)
+    # The gradient kernels' rings: the second stage's tiles (A1, B1) and, for dk/dv and
+    # the extra keys', lse and delta tables (lse1) by cp.async.
+    second = {}
+    for kind in ("local_dq", "local_dkv", "local_dx", "global_bwd"):
+        k = KernelSpec(kind, 32, "bfloat16", 63, 0, extras=kind in ("local_dq", "local_dx"))
+        name = f"{k.name}__ring"
+        cfg = cuda_flash_bwd_tc.TCBwdConfig(2, 32, stages=2)
+        funcs[name] = cuda_flash_bwd_tc.flash_bwd_tc(k, cfg).with_attr("global_symbol", name)
+        ringed.append(name)
+        second[name] = ("A1_ptr", "B1_ptr") + (("lse1_ptr", "delta1_ptr") if kind in ("local_dkv", "local_dx") else ())
     bodies = kernel_bodies(generated_source(funcs))
     # Two kernels each: the global rows' gradients (three on tensor cores: the split-K
-    # dq's pieces and sum, dk/dv), and their split-K forward on tensor cores (bf16 and
-    # the fp16 cp.async ones).
-    assert len(bodies) == len(funcs) + 6
+    # dq's pieces and sum, dk/dv; with and without the ring), and their split-K forward
+    # on tensor cores (bf16 and the fp16 cp.async ones).
+    assert len(bodies) == len(funcs) + 8
     for name, body in bodies.items():
         # Every kernel with tiles has barriers (the split-K sums have no tiles).
         assert ("__syncthreads" in body or "__shared__" not in body) and not dynamic(body), name
@@ -224,14 +235,16 @@ def test_fused_cuda_kernels_have_the_barriers_they_need():
         assert len(steps) == 2 and all(lines[i + 1].strip() == "__syncthreads();" for i in steps), name
         if name in ringed:
             between = "\n".join(lines[steps[0]:steps[1]])
-            assert between.count("swa_cp_async_16((&(K1_ptr") and between.count("swa_cp_async_16((&(V1_ptr"), name
+            for tile in second.get(name, ("K1_ptr", "V1_ptr")):
+                assert re.search(r"swa_cp_async_(16|4)\(\(&\(" + tile, between), (name, tile)
         for i in [j + d for j in steps for d in (0, 1)]:
             assert races("\n".join(lines[:i] + lines[i + 1 :])), (name, lines[i])
 
 
 def test_wgmma_kernels_fence_and_barrier_what_the_tensor_cores_read():
     """The wgmma kernels (forward with synchronous and cp.async loads, V transposed,
-    overlapped, two K/V stages, the dq and dk/dv kernels; local rows with extra keys, global rows) by
+    overlapped, two K/V stages; the gradient kernels with one and two chunk stages;
+    local rows with extra keys, global rows) by
     swa_tvm.cuda_races: no shared-memory race, and every tile the tensor cores read
     (the async proxy) was fenced by its writers, then barriered, after its last write;
     deleting any one of those fences is caught."""
@@ -248,11 +261,15 @@ def test_wgmma_kernels_fence_and_barrier_what_the_tensor_cores_read():
                    (glob, (4, 32, True, True, 1, True, False, None, False, 2))):
         name = f"{k.name}__{'_'.join(str(int(x)) if x is not None else 'n' for x in cfg)}"
         funcs[name] = cuda_flash_tc.flash_tc(k, cuda_flash_tc.TCConfig(*cfg)).with_attr("global_symbol", name)
-    for kind in ("local_dq", "local_dkv"):
-        k = KernelSpec(kind, 32, "bfloat16", 63, 0)
-        funcs[k.name] = cuda_flash_bwd_tc.flash_bwd_tc(k, cuda_flash_bwd_tc.TCBwdConfig(4, 32, wgmma=True))
+    for kind in ("local_dq", "local_dkv", "local_dx", "global_bwd"):
+        k = KernelSpec(kind, 32, "bfloat16", 63, 0, extras=kind == "local_dx")
+        for stages in (1, 2) if kind in ("local_dq", "local_dkv") else (2,):
+            cfg = cuda_flash_bwd_tc.TCBwdConfig(4, 32, wgmma=True, stages=stages)
+            name = f"{k.name}__s{stages}"
+            funcs[name] = cuda_flash_bwd_tc.flash_bwd_tc(k, cfg).with_attr("global_symbol", name)
     bodies = {n: b for n, b in kernel_bodies(generated_source(funcs, "sm_90a")).items() if "swa_wgmma" in b}
-    assert len(bodies) == len(funcs)  # the split-K combine has no wgmma
+    # The split-K combines have no wgmma; the global rows' gradients have two kernels that do.
+    assert len(bodies) == len(funcs) + 1
     for name, body in bodies.items():
         assert not dynamic(body) and races(body) == [], (name, races(body))
         fences, missed = deletions(body)["proxy fences"]
@@ -1122,16 +1139,25 @@ TC_WGMMA_BACKWARD_CONFIGS = {
     "fp16_unbounded_left": ((4, 32, True, True), 16),
     "bf16_unbounded_right": ((8, 16, True, True), 32),
 }
+# And with two chunk stages by cp.async (TCBwdConfig.stages; copies emulated as plain
+# stores): every ring loop (band dq and dk/dv, extra keys' dk/dv, split-K global dq) on
+# wgmma with extra keys and globals, one warp on mma.sync over a long band, 16-bit loads.
+TC_RING_BACKWARD_CONFIGS = {
+    "bf16_causal_everything": ((4, 16, True, True, 2), 32),
+    "fp16_unbounded_left": ((1, 16, True, False, 2), 16),
+    "bf16_unbounded_right": ((2, 32, False, False, 2), 32),
+}
 
 
-@pytest.mark.parametrize("fused", ["cores", "tc", "tc_wgmma", "te"])
+@pytest.mark.parametrize("fused", ["cores", "tc", "tc_wgmma", "tc_ring", "te"])
 @pytest.mark.parametrize("case", list(BACKWARD_CASES))
 def test_cuda_backward_kernels_compute_the_reference_gradients(case, fused, monkeypatch):
     """The whole backward (``functional.attention_backward``: delta, sink gradient, the
     global rows' split, GQA sums) with every gradient kernel as the CUDA build makes it
     ("cores": all on the fused kernels of schedules/cuda_flash_bwd.py; "tc": on the
     tensor-core ones of schedules/cuda_flash_bwd_tc.py, mma emulated lane by lane;
-    "tc_wgmma": the same on wgmma, emulated; "te": on the TE kernels' CUDA schedule),
+    "tc_wgmma": the same on wgmma, emulated; "tc_ring": with two chunk stages; "te": on
+    the TE kernels' CUDA schedule),
     run serially on the CPU, against autograd through the float64 dense reference. On
     tensor cores the global rows' dq is split-K: 3 pieces of the keys (empty ones among
     them), summed."""
@@ -1146,9 +1172,10 @@ def test_cuda_backward_kernels_compute_the_reference_gradients(case, fused, monk
     from swa_tvm.schedules import cuda, cuda_flash_bwd, cuda_flash_bwd_tc
     from swa_tvm.spec import BACKWARD_KINDS
 
-    tc_configs = TC_WGMMA_BACKWARD_CONFIGS if fused == "tc_wgmma" else TC_BACKWARD_CONFIGS
+    tc_configs = {"tc_wgmma": TC_WGMMA_BACKWARD_CONFIGS, "tc_ring": TC_RING_BACKWARD_CONFIGS}.get(
+        fused, TC_BACKWARD_CONFIGS)
     if fused.startswith("tc") and case not in tc_configs:
-        pytest.skip("the tensor-core backward takes float16/bfloat16 (wgmma: three cases)")
+        pytest.skip("the tensor-core backward takes float16/bfloat16 (three cases)")
     config = BACKWARD_CASES[case][5]
     built = []
 
