@@ -68,7 +68,7 @@ def build_libraries(out: str, arch: str) -> list[str]:
 # False loads the B operands read along a tile's rows with 16-bit loads instead[,
 # async_copy: the forward's K and V chunks by cp.async[, m_tiles: the forward's 16-row
 # tiles per warp[, wgmma[, transpose_v[, min_blocks[, overlap[, stages]]]]]]]]; the gradients' (warps, chunk[, ldmatrix[,
-# wgmma]])), and the CUDA-core kernel; for the forward and for the two band gradient
+# wgmma[, stages]]])), and the CUDA-core kernel; for the forward and for the two band gradient
 # kernels. At the issue's bf16 D=128 causal W=4096 shape.
 # Those past 48 KiB of shared memory (forward 8 x 64 and every m_tiles=2, backward 4 x 32
 # and 4 x 64) take dynamic shared memory. The wgmma ones (sm_90 only: the module is then
@@ -98,7 +98,9 @@ TC_VARIANTS = (
     (4, 64, True, True, 1, True, False, None, False, 2), (8, 64, True, True, 1, True, False, None, False, 2),
 )
 TC_BWD_VARIANTS = ((2, 32), (2, 32, False), (4, 32), (4, 64), (4, 16), (2, 16), (1, 32),
-                   (4, 32, True, True), (4, 64, True, True), (8, 32, True, True))
+                   (4, 32, True, True), (4, 64, True, True), (8, 32, True, True),
+                   # Two chunk stages by cp.async (TCBwdConfig.stages): mma.sync and wgmma.
+                   (2, 32, True, False, 2), (4, 32, True, False, 2), (4, 32, True, True, 2), (8, 32, True, True, 2))
 # One wgmma alone against a matrix product (``cuda_wgmma.probe``: operand, tile rows,
 # tile columns, k-step, LBO and SBO exchanged), at the forward's geometry: K's tile (64
 # keys x 128), V's as it is and with the other reading of its MN-major descriptor, V's

@@ -421,6 +421,51 @@ def test_two_stage_forward_copies_a_chunk_ahead():
         assert summary["loop_per_mma"] <= one["loop_per_mma"] + 0.05, (kind, summary, one)
 
 
+def test_two_stage_gradients_copy_a_chunk_ahead():
+    """TCBwdConfig.stages = 2, bf16 D=128, 4 warps x 32 keys, on mma.sync and on wgmma
+    (sm_90a), the dq and dk/dv kernels: as the forward's ring, two chunks a turn (192
+    and 256 mma per warp), each half a cp.async wait, the next stage's copies, then this
+    stage's products; two block barriers a turn; no spill; no more instructions per
+    product than the one-stage loop, and fewer on its shortest pass (the synchronous
+    loads are out of the loop)."""
+    from swa_tvm import sass
+    from swa_tvm.cuda_pack import nvcc_compile, ptxas_resources
+    from swa_tvm.cuda_races import generated_source
+    from swa_tvm.schedules import cuda_flash_bwd_tc
+
+    kernels = {k.kind: k for k in AttentionSpec.parse("head_dim=128,window=4095:0,dtype=bfloat16,backward").kernels()}
+    funcs = {}
+    for kind in ("local_dq", "local_dkv"):
+        for wgmma in (False, True):
+            for stages in (1, 2):
+                name = f"{kind}_{'wgmma' if wgmma else 'sync'}_s{stages}"
+                cfg = cuda_flash_bwd_tc.TCBwdConfig(4, 32, wgmma=wgmma, stages=stages)
+                funcs[name] = cuda_flash_bwd_tc.flash_bwd_tc(kernels[kind], cfg).with_attr("global_symbol", name)
+    cubin, report = nvcc_compile(generated_source(funcs, "sm_90a"), "sm_90a", "cubin")
+    resources = ptxas_resources(report)
+    found = sass.kernel_instructions(sass.disassemble(cubin))
+    tags = {"DEPBAR": "wait", "LDGSTS": "copy", "HMMA": "mma", "HGMMA": "mma"}
+    for kind, mma in (("local_dq", 192), ("local_dkv", 256)):
+        for loads in ("sync", "wgmma"):
+            kernel = f"{kind}_{loads}_s2_kernel"
+            insts, labels = found[kernel]
+            start, end = sass.hot_loop(insts, labels)
+            seq = []
+            for op, _ in insts[start:end]:
+                if op in tags and (not seq or seq[-1] != tags[op]):
+                    seq.append(tags[op])
+            # (ptxas may leave the first chunk's last mma.sync after the second wait.)
+            assert seq in (["wait", "copy", "mma"] * 2, ["wait", "copy", "mma", "wait", "mma", "copy", "mma"]), (kernel, seq)
+            bars = [line for op, line in insts[start:end] if op == "BAR" and "BAR.SYNC" in line]
+            assert len(bars) == 2, (kernel, bars)
+            summary = sass.summarize(insts, labels)
+            assert summary["loop_mma"] == mma and resources[kernel]["spill_stores"] == 0, (kernel, summary)
+            assert resources[kernel]["registers"] <= 255, resources[kernel]
+            one = sass.summarize(*found[f"{kind}_{loads}_s1_kernel"])
+            assert summary["loop_per_mma"] <= one["loop_per_mma"] + 0.05, (kernel, summary, one)
+            assert summary["shortest_pass_per_mma"] < one["shortest_pass_per_mma"] - 0.3, (kernel, summary, one)
+
+
 def test_wgmma_overlap_forward_waits_for_q_k_before_p_v():
     """TCConfig.overlap (FlashAttention-3's intra-warpgroup pipelining), bf16 D=128, 4
     warps x 64 keys, sm_90a: in the chunk loop one warpgroup.arrive, Q K^T's 8
@@ -1055,9 +1100,20 @@ def test_cuda_flash_config_checks():
     # A second stage's K and V tiles: 34 KiB more at 4 x 64, so dynamic shared memory.
     one, two = (cuda_flash_tc.TCConfig(4, 64, async_copy=True, stages=n).shared_bytes(128, "bfloat16") for n in (1, 2))
     assert two - one == 2 * 64 * 136 * 2 + 2 * 64 and one <= cuda_flash.SHARED_BUDGET < two
+    # The gradients' second stage: the chunk's two tiles, lse and delta; cp.async is
+    # what two stages mean there (a single stage has nothing to overlap).
+    from swa_tvm.schedules import cuda_flash_bwd_tc
+
+    grad = KernelSpec("local_dkv", 128, "bfloat16", 4095, 0)
+    one, two = (cuda_flash_bwd_tc.TCBwdConfig(2, 32, stages=n) for n in (1, 2))
+    assert (one.async_copy, two.async_copy) == (False, True)
+    assert two.shared_bytes(128, "bfloat16") - one.shared_bytes(128, "bfloat16") == 2 * 32 * 136 * 2 + 2 * 32 * 4 + 4 * 64
+    for stages in (0, 3):
+        with pytest.raises(ValueError, match=r"stages must be 1 or 2"):
+            cuda_flash_bwd_tc.flash_bwd_tc(grad, cuda_flash_bwd_tc.TCBwdConfig(2, 32, stages=stages))
     # Gradients: every kind on the tensor-core backward for float16/bfloat16 (head_dim %
     # 16 == 0), else on the CUDA-core one where a tile fits, else on TE.
-    from swa_tvm.schedules import cuda_flash_bwd, cuda_flash_bwd_tc
+    from swa_tvm.schedules import cuda_flash_bwd
 
     for kind in ("local_dq", "local_dkv"):
         grad = KernelSpec(kind, 128, "bfloat16", 4095, 0, extras=True)
@@ -1407,7 +1463,8 @@ def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_bundle, "TC_VARIANTS", ((4, 64), (2, 16, False, True), (1, 16, True, False, 2),
                                                     (4, 16, True, False, 1, True, True, None, True),
                                                     (2, 16, True, True, 1, False, False, None, False, 2)))
-    monkeypatch.setattr(gpu_bundle, "TC_BWD_VARIANTS", ((2, 32), (4, 32)))  # 4 x 32: dynamic shared memory
+    # 4 x 32: dynamic shared memory; 2 x 16 with two chunk stages.
+    monkeypatch.setattr(gpu_bundle, "TC_BWD_VARIANTS", ((2, 32), (4, 32), (2, 16, True, False, 2)))
     monkeypatch.setattr(gpu_bundle, "WGMMA_PROBES", (("kn", 64, 128, 1, True),))
     path = gpu_bundle.build_variants(str(tmp_path), "sm_90")
     meta = json.load(open(tmp_path / "lib" / "variants" / "variants.json"))
@@ -1423,24 +1480,29 @@ def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
         ("local", "cores", "cuda_flash", None),
         ("local_dq", "tc_w2_c32", "cuda_flash_bwd_tc", True),
         ("local_dq", "tc_w4_c32", "cuda_flash_bwd_tc", False),
+        ("local_dq", "tc_w2_c16_async_s2", "cuda_flash_bwd_tc", False),
         ("local_dq", "cores", "cuda_flash_bwd", None),
         ("local_dkv", "tc_w2_c32", "cuda_flash_bwd_tc", True),
         ("local_dkv", "tc_w4_c32", "cuda_flash_bwd_tc", False),
+        ("local_dkv", "tc_w2_c16_async_s2", "cuda_flash_bwd_tc", False),
         ("local_dkv", "cores", "cuda_flash_bwd", None),
         ("wgmma_probe", "wgmma_probe_kn_r64_c128_k1_swapped", "cuda_wgmma", None),
     ]
-    assert [v.get("shared_bytes", 0) > 48 * 1024 for v in meta["variants"] if v["kind"] == "local_dq"] == [False, True, False]
+    dq_rows = [v for v in meta["variants"] if v["kind"] == "local_dq"]
+    assert [v.get("shared_bytes", 0) > 48 * 1024 for v in dq_rows] == [False, True, False, False]
+    assert [v.get("stages") for v in dq_rows] == [1, 1, 2, None]
     # ptxas's report per variant; the dynamic tiles count no static shared memory.
     assert all(v["ptxas"]["registers"] <= 255 for v in meta["variants"]), meta["variants"]
-    assert [v["ptxas"]["smem"] > 1024 for v in meta["variants"] if v["kind"] == "local_dq"] == [True, False, True]
+    assert [v["ptxas"]["smem"] > 1024 for v in dq_rows] == [True, False, True, True]
     # And each one's hot loop from its machine code (swa_tvm.sass): the tensor-core
     # forward's mma per warp and chunk: (8 k-steps x chunk/8 score tiles + chunk/16 x 16
     # output tiles) x row tiles: 128 at the default 4 x 64, 32 at 2 x 16, 64 with two
     # row tiles at 1 x 16, 32 in wgmma's units (a warp's share of each HGMMA) at 4 x 16;
-    # the gradients' dq 96 and dk/dv 128 at 32 keys.
-    # (two chunks a turn with two K/V stages: 64 at 2 x 16).
+    # the gradients' dq 96 and dk/dv 128 at 32 keys (two chunks a turn with two
+    # stages: 64 at 2 x 16 in the forward, 2 x 48 and 2 x 64 at 16 keys in dq and dk/dv).
     assert [v["sass"]["loop_mma"] for v in meta["variants"] if v["kernel"] != "cuda_flash_bwd"][:5] == [128, 32, 64, 32, 64]
-    assert [v["sass"]["loop_mma"] for v in meta["variants"] if v["kernel"] == "cuda_flash_bwd_tc"] == [96, 96, 128, 128]
+    assert [v["sass"]["loop_mma"] for v in meta["variants"] if v["kernel"] == "cuda_flash_bwd_tc"] == [96, 96, 96, 128,
+                                                                                                       128, 128]
     # The 4 x 32 gradient kernels (52 KiB, compiled by nvcc above) take dynamic shared
     # memory; tiles within 48 KiB static.
     from swa_tvm.schedules import cuda_flash_bwd_tc, cuda_flash_tc
