@@ -186,23 +186,27 @@ def matmul_rate(dev: torch.device, dtype) -> float:
 def l2_read_rate(dev: torch.device, mib: int = 16) -> float:
     """TB/s of torch's sum over a ``mib`` MiB bf16 tensor read again and again, so that
     it stays in L2 (H100/H200: 50 MiB): what L2 feeds the SMs at least (a reduction
-    need not reach L2's peak), beside which ``staged_kv_bytes`` per second says how near
-    a forward variant runs to it."""
+    need not reach L2's peak), beside which ``staged_bytes`` per second says how near
+    a variant runs to it."""
     x = torch.randn(mib << 19, device=dev, dtype=torch.bfloat16)
     return x.numel() * 2 / (_time_ms(lambda: x.sum(dtype=torch.float32), warmup=5, reps=20) * 1e-3) / 1e12
 
 
-def staged_kv_bytes(entry: dict, spec: dict, shape) -> int | None:
-    """Bytes of K and V a tensor-core forward variant (``entry``: warps, chunk, m_tiles)
-    copies into shared memory at ``shape`` = B, H, H_kv, T under ``spec``'s window with
-    dilation 1: per block of 16 * warps * m_tiles rows, every chunk of the band (aligned
-    to its index 0, as ``cuda_flash.band_positions``) that holds a key of the rows' union
-    (``compute.item_key_span``). Every block loads its own, from L2 in the main: blocks
-    of one head's consecutive rows share most of their keys but seldom an SM at once.
-    None for a kernel other than the tensor-core forward."""
-    if entry.get("kind", "local") != "local" or "warps" not in entry:
+def staged_bytes(entry: dict, spec: dict, shape) -> int | None:
+    """Bytes a tensor-core variant (``entry``: kind, warps, chunk, m_tiles) copies into
+    shared memory chunk by chunk at ``shape`` = B, H, H_kv, T under ``spec``'s window
+    with dilation 1: per block of 16 * warps * m_tiles rows, every chunk of the band
+    (aligned to its index 0, as ``cuda_flash.band_positions``) that holds a partner of
+    the rows' union (``compute.item_key_span``), a chunk being K's and V's rows for the
+    forward and dq (rows: queries), Q's and dO's with their lse and delta for dk/dv
+    (rows: keys, partners the queries that see them: the transposed band). Every block
+    loads its own, from L2 in the main: blocks of one head's consecutive rows share
+    most of their partners but seldom an SM at once. None for a CUDA-core kernel."""
+    kind = entry.get("kind", "local")
+    if kind not in ("local", "local_dq", "local_dkv") or "warps" not in entry:
         return None
-    (B, H, _, T), D, lo, hi = shape, spec["head_dim"], spec["left"], spec["right"]
+    (B, H, _, T), D = shape, spec["head_dim"]
+    lo, hi = (spec["right"], spec["left"]) if kind == "local_dkv" else (spec["left"], spec["right"])
     rows, chunk = 16 * entry["warps"] * entry.get("m_tiles", 1), entry["chunk"]
     chunks = 0
     for m0 in range(0, T, rows):
@@ -211,7 +215,8 @@ def staged_kv_bytes(entry: dict, spec: dict, shape) -> int | None:
         if hi >= 0:
             last = min(last, rows - 1 + lo + hi if lo >= 0 else m0 + rows - 1 + hi)
         chunks += last // chunk - first // chunk + 1 if last >= first else 0
-    return B * H * chunks * chunk * D * getattr(torch, spec["dtype"]).itemsize * 2
+    column = 2 * D * getattr(torch, spec["dtype"]).itemsize + (2 * 4 if kind == "local_dkv" else 0)
+    return B * H * chunks * chunk * column
 
 
 def time_variants(results: dict, dev: torch.device, libs: str) -> None:
@@ -407,9 +412,9 @@ def variant_rows(module, meta: dict, dev: torch.device, shape=VARIANT_SHAPE) -> 
             row["rel_err_vs_default"] = max(rel_err(a.float(), b.float()) for a, b in zip(got, ref[kind]))
             row["ms"] = _time_ms(call)
             row["tflops"] = 2.0 * products[kind] * band / (row["ms"] * 1e-3) / 1e12
-            staged = staged_kv_bytes(entry, meta["spec"], shape)
+            staged = staged_bytes(entry, meta["spec"], shape)
             if staged:
-                row["staged_kv_gb"], row["staged_kv_tb_s"] = staged / 1e9, staged / (row["ms"] * 1e-3) / 1e12
+                row["staged_gb"], row["staged_tb_s"] = staged / 1e9, staged / (row["ms"] * 1e-3) / 1e12
         except Exception as e:  # noqa: BLE001 - one failing variant must not hide the others
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(row)

@@ -1335,25 +1335,29 @@ def test_gpu_check_training_timing_on_cpu():
 
 @pytest.mark.parametrize("left,right", [(5, 0), (5, 3), (16, 0), (7, 9), (-1, 0), (3, -1), (-1, -1), (40, 0)])
 @pytest.mark.parametrize("warps,m_tiles,chunk", [(1, 1, 16), (2, 2, 32), (4, 1, 16)])
-def test_staged_kv_bytes_counts_the_chunks_a_dense_mask_touches(left, right, warps, m_tiles, chunk):
-    """The GPU check's K/V traffic model of a tensor-core forward variant: per block of
-    rows, the band chunks (aligned to the block's band index 0: key m0 - left, or key 0
-    with no left bound) holding a key some row of the block sees in the dense mask."""
+def test_staged_bytes_counts_the_chunks_a_dense_mask_touches(left, right, warps, m_tiles, chunk):
+    """The GPU check's traffic model of a tensor-core variant: per block of rows, the
+    band chunks (aligned to the block's band index 0: partner m0 - left, or 0 with no
+    left bound) holding a partner some row of the block sees in the dense mask; for the
+    forward and dq the rows are queries and a chunk K's and V's rows, for dk/dv the rows
+    are keys, the mask transposed, and a chunk Q's and dO's rows with lse and delta."""
     from swa_tvm import gpu_check
     from swa_tvm.reference import window_mask
 
     B, H, T, D = 2, 3, 50, 8
-    mask = window_mask(T, left, right, 1)
-    rows, blocks_chunks = 16 * warps * m_tiles, 0
-    for m0 in range(0, T, rows):
-        keys = mask[m0:m0 + rows].any(0).nonzero().flatten().tolist()
-        origin = m0 - left if left >= 0 else 0
-        blocks_chunks += len({(key - origin) // chunk for key in keys})
     spec = {"head_dim": D, "left": left, "right": right, "dtype": "bfloat16"}
-    entry = {"kind": "local", "warps": warps, "m_tiles": m_tiles, "chunk": chunk}
-    assert gpu_check.staged_kv_bytes(entry, spec, (B, H, 1, T)) == B * H * blocks_chunks * chunk * D * 2 * 2
-    assert gpu_check.staged_kv_bytes({"kind": "local", "config": "cores"}, spec, (B, H, 1, T)) is None
-    assert gpu_check.staged_kv_bytes(dict(entry, kind="local_dq"), spec, (B, H, 1, T)) is None
+    for kind, m in (("local", m_tiles), ("local_dq", 1), ("local_dkv", 1)):
+        mask, origin_of = window_mask(T, left, right, 1), lambda m0: m0 - left if left >= 0 else 0
+        if kind == "local_dkv":
+            mask, origin_of = mask.T, lambda m0: m0 - right if right >= 0 else 0
+        rows, blocks_chunks = 16 * warps * m, 0
+        for m0 in range(0, T, rows):
+            partners = mask[m0:m0 + rows].any(0).nonzero().flatten().tolist()
+            blocks_chunks += len({(p - origin_of(m0)) // chunk for p in partners})
+        column = D * 2 * 2 + (8 if kind == "local_dkv" else 0)
+        entry = {"kind": kind, "warps": warps, "m_tiles": m, "chunk": chunk}
+        assert gpu_check.staged_bytes(entry, spec, (B, H, 1, T)) == B * H * blocks_chunks * chunk * column, kind
+        assert gpu_check.staged_bytes({"kind": kind, "config": "cores"}, spec, (B, H, 1, T)) is None
 
 
 def test_gpu_check_variant_rows_on_cpu(monkeypatch, tmp_path):
