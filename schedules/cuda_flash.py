@@ -52,16 +52,18 @@ from swa_tvm.spec import KernelSpec, accum_dtype
 # tensor-core kernels have no such loops: their larger tiles take dynamic shared memory
 # (a barrier more per chunk, the planner seeing one buffer) up to SHARED_LIMIT, the
 # per-block opt-in limit of every sm_80+ GPU (sm_86/sm_89 99 KiB; sm_80 163, sm_90 227),
-# which TVM's runtime sets at launch.
+# which TVM's runtime sets at launch. Kernels that run on sm_90a alone (wgmma) may take
+# sm_90's (SHARED_LIMIT_SM90).
 SHARED_BUDGET = 48 * 1024
 SHARED_LIMIT = 99 * 1024
+SHARED_LIMIT_SM90 = 227 * 1024
 
 
-def shared_scope(nbytes: int) -> str:
+def shared_scope(nbytes: int, limit: int = SHARED_LIMIT) -> str:
     """The scope of a tensor-core kernel's shared tiles: static within SHARED_BUDGET,
-    else dynamic (ValueError past SHARED_LIMIT)."""
-    if nbytes > SHARED_LIMIT:
-        raise ValueError(f"{nbytes} bytes of shared memory exceed the {SHARED_LIMIT // 1024} KiB of a block")
+    else dynamic (ValueError past ``limit``)."""
+    if nbytes > limit:
+        raise ValueError(f"{nbytes} bytes of shared memory exceed the {limit // 1024} KiB of a block")
     return "shared" if nbytes <= SHARED_BUDGET else "shared.dyn"
 
 

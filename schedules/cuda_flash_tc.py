@@ -36,6 +36,8 @@ from swa_tvm.spec import KernelSpec
 from .cuda_flash import (
     ITEM_SCALARS,
     SHARED_BUDGET,
+    SHARED_LIMIT,
+    SHARED_LIMIT_SM90,
     largest_fitting,
     shared_scope,
     block_inner_last_key,
@@ -598,10 +600,16 @@ def flash_tc(spec: KernelSpec, config: TCConfig | None = None, emulate: bool = F
     return _build(spec, cfg, tile_scope(spec, cfg), emulate).with_attr("global_symbol", spec.name)
 
 
+def shared_limit(cfg) -> int:
+    """The most shared memory a block of ``cfg``'s kernel may take: sm_90's for wgmma
+    (sm_90a code runs on sm_90 GPUs only), else that of every sm_80+ GPU."""
+    return SHARED_LIMIT_SM90 if getattr(cfg, "wgmma", False) else SHARED_LIMIT
+
+
 def tile_scope(spec: KernelSpec, cfg) -> str:
     """The shared-memory scope of a tensor-core kernel's tiles under ``cfg`` (a TCConfig
     or cuda_flash_bwd_tc.TCBwdConfig; None: no default fits), after checking it: at
-    least one warp, chunks a positive multiple of 16, shared memory within SHARED_LIMIT."""
+    least one warp, chunks a positive multiple of 16, shared memory within ``shared_limit(cfg)``."""
     if cfg is None:
         raise ValueError(f"kernel {spec.name}: no tensor-core tile fits {SHARED_BUDGET // 1024} KiB of shared memory")
     if cfg.warps < 1 or cfg.chunk < 16 or cfg.chunk % 16 or getattr(cfg, "m_tiles", 1) < 1:
@@ -624,7 +632,7 @@ def tile_scope(spec: KernelSpec, cfg) -> str:
     if getattr(cfg, "transpose_v", False) and (not cfg.wgmma or cfg.async_copy):
         raise ValueError(f"kernel {spec.name}: {cfg}: transpose_v takes wgmma and synchronous loads (async_copy False)")
     try:
-        return shared_scope(cfg.shared_bytes(spec.head_dim, spec.dtype))
+        return shared_scope(cfg.shared_bytes(spec.head_dim, spec.dtype), shared_limit(cfg))
     except ValueError as e:
         raise ValueError(f"kernel {spec.name}: {cfg}: {e}") from None
 

@@ -99,8 +99,10 @@ TC_VARIANTS = (
 )
 TC_BWD_VARIANTS = ((2, 32), (2, 32, False), (4, 32), (4, 64), (4, 16), (2, 16), (1, 32),
                    (4, 32, True, True), (4, 64, True, True), (8, 32, True, True),
-                   # Two chunk stages by cp.async (TCBwdConfig.stages): mma.sync and wgmma.
-                   (2, 32, True, False, 2), (4, 32, True, False, 2), (4, 32, True, True, 2), (8, 32, True, True, 2))
+                   # Two chunk stages by cp.async (TCBwdConfig.stages): mma.sync and wgmma
+                   # (4 x 64: 99.3 KiB, past every GPU's limit but sm_90's).
+                   (2, 32, True, False, 2), (4, 32, True, False, 2), (4, 32, True, True, 2), (8, 32, True, True, 2),
+                   (4, 64, True, True, 2))
 # One wgmma alone against a matrix product (``cuda_wgmma.probe``: operand, tile rows,
 # tile columns, k-step, LBO and SBO exchanged), at the forward's geometry: K's tile (64
 # keys x 128), V's as it is and with the other reading of its MN-major descriptor, V's
@@ -143,7 +145,7 @@ def build_variants(out: str, arch: str) -> str:
         spec = kernels[kind]
         for variant in tc_configs:
             cfg = tc.TCConfig(*variant) if kind == "local" else tc.TCBwdConfig(*variant)
-            if cfg.shared_bytes(spec.head_dim, spec.dtype) > cuda_flash.SHARED_LIMIT:
+            if cfg.shared_bytes(spec.head_dim, spec.dtype) > cuda_flash_tc.shared_limit(cfg):
                 continue
             # The forward's options.
             async_copy, m_tiles = getattr(cfg, "async_copy", False), getattr(cfg, "m_tiles", 1)

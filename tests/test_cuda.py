@@ -1517,3 +1517,11 @@ def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
     assert "shared.dyn" not in small and "T.alloc_shared(" in small
     with pytest.raises(ValueError, match=r"exceed the 99 KiB of a block"):
         cuda_flash_tc.flash_tc(dataclasses.replace(grad, kind="local", head_dim=256), cuda_flash_tc.TCConfig(8, 128))
+    # wgmma kernels run on sm_90 alone, whose blocks may take 227 KiB: 4 x 64 gradients
+    # with two chunk stages (99.3 KiB) are one, on mma.sync they are refused.
+    two_stage = cuda_flash_bwd_tc.TCBwdConfig(4, 64, True, True, 2)
+    assert 99 * 1024 < two_stage.shared_bytes(128, "bfloat16") and cuda_flash_tc.tile_scope(grad, two_stage) == "shared.dyn"
+    with pytest.raises(ValueError, match=r"exceed the 99 KiB of a block"):
+        cuda_flash_tc.tile_scope(grad, dataclasses.replace(two_stage, wgmma=False))
+    with pytest.raises(ValueError, match=r"exceed the 227 KiB of a block"):
+        cuda_flash_tc.tile_scope(dataclasses.replace(grad, head_dim=256), cuda_flash_bwd_tc.TCBwdConfig(8, 128, True, True, 2))
