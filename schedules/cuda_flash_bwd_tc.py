@@ -26,6 +26,10 @@ keys into the caller's workspace, then summed), as the forward's global rows.
 (``cuda_wgmma``): S and dP with both operands from shared memory, the accumulations with
 P or dS from registers.
 
+``TCBwdConfig(stages=2)`` streams the chunks through two tile pairs filled by cp.async
+(``ring``, the forward's two-stage order): chunk c + 1's copies land while chunk c is
+computed, where one stage loads each chunk and then waits for it.
+
 With ``emulate=True`` the mma runs lane by lane, so the tests run these kernels serially
 on the CPU (see ``cuda_flash_tc``).
 """

@@ -5,6 +5,7 @@ disassembled by nvdisasm (pip: nvidia-cuda-nvdisasm).
 
     python -m swa_tvm.sass --spec head_dim=128,window=4095:0,dtype=bfloat16,backward
     python -m swa_tvm.sass --spec head_dim=128,window=4095:0,dtype=bfloat16 --forward-tiles 4,32,1,1,2
+    python -m swa_tvm.sass --spec head_dim=128,window=4095:0,dtype=bfloat16,backward --backward-tiles 4,32,1,0,2
 
 Why: the H200 profile (bench/gpu/ncu_details_*.txt) found the forward issue-bound, one
 mma per eleven other instructions, most of them integer index work. What a kernel asks
@@ -191,6 +192,8 @@ def main(argv=None) -> int:
     p.add_argument("--forward-tiles", help="the tensor-core forward's TCConfig fields instead of its default, e.g. 4,32,1,1,2 "
                    "(4,64,1,0,1,1: wgmma, with --arch sm_90a; 4,64,1,0,1,1,0,none,1: overlapped; "
                    "4,64,1,1,1,0,0,none,0,2: two K/V stages; none: the field's None)")
+    p.add_argument("--backward-tiles", help="the tensor-core gradient kernels' TCBwdConfig fields, e.g. 4,32 "
+                   "(4,32,1,1: wgmma, with --arch sm_90a; 4,32,1,0,2: two chunk stages)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)
     import json
@@ -198,16 +201,20 @@ def main(argv=None) -> int:
     import tvm
 
     from .build import schedule_spec
-    from .schedules import cuda_flash_tc
+    from .schedules import cuda_flash_bwd_tc, cuda_flash_tc
     from .spec import AttentionSpec
+
+    def fields(text):
+        return (None if x == "none" else int(x) for x in text.split(","))
 
     target = tvm.target.Target({"kind": "cuda", "arch": args.arch})
     funcs = {}
     for text in args.spec:
         for k in AttentionSpec.parse(text).kernels():
             if args.forward_tiles and cuda_flash_tc.supports(k):
-                cfg = cuda_flash_tc.TCConfig(*(None if x == "none" else int(x) for x in args.forward_tiles.split(",")))
-                funcs[k.name] = cuda_flash_tc.flash_tc(k, cfg)
+                funcs[k.name] = cuda_flash_tc.flash_tc(k, cuda_flash_tc.TCConfig(*fields(args.forward_tiles)))
+            elif args.backward_tiles and cuda_flash_bwd_tc.supports(k):
+                funcs[k.name] = cuda_flash_bwd_tc.flash_bwd_tc(k, cuda_flash_bwd_tc.TCBwdConfig(*fields(args.backward_tiles)))
             else:
                 funcs[k.name] = schedule_spec(k, target)
     result = analyze(funcs, args.arch)
