@@ -90,25 +90,41 @@ def default_config(spec: KernelSpec) -> BwdConfig | None:
 
 
 
-def stats_loader(threads: int, count: int, acc: str, lse_scale=None):
-    """A T.macro ``load(lse_t, delta_t, lse, delta, b, h, pos_of, n)``: lse (times
-    ``lse_scale``, if given) and delta of rows i < ``count`` from positions pos_of(i)
-    into shared tables; a position outside [0, n) gets lse = +inf and delta = 0, so all
-    its probabilities are 0."""
+def stat_rows(threads: int, count: int):
+    """A T.macro ``each(pos_of, n, store)``: for each row i < ``count``, one of
+    ``threads`` threads calls ``store(i, j, ok)``, j its position pos_of(i) clamped to
+    [0, n) and ok whether pos_of(i) lies in [0, n)."""
     steps = -(-count // threads)
-    INF, ZERO = tirx.const(float("inf"), acc), tirx.const(0.0, acc)
-    factor = tirx.const(1.0, acc) if lse_scale is None else lse_scale
 
     @T.macro
-    def load(lse_t, delta_t, lse, delta, b, h, pos_of, n):
+    def each(pos_of, n, store):
         for tx in T.thread_binding(threads, thread="threadIdx.x"):
             for x in T.serial(steps):
                 i = T.meta_var(x * threads + tx)
                 if i < count:
                     ok = T.meta_var(T.And(pos_of(i) >= 0, pos_of(i) < T.Cast(str(pos_of(i).ty), n)))
-                    j = T.meta_var(clamp_row(pos_of(i), n))
-                    lse_t[i] = T.Select(ok, lse[b, h, j] * factor, INF)
-                    delta_t[i] = T.Select(ok, delta[b, h, j], ZERO)
+                    store(i, clamp_row(pos_of(i), n), ok)
+
+    return each
+
+
+def stats_loader(threads: int, count: int, acc: str, lse_scale=None):
+    """A T.macro ``load(lse_t, delta_t, lse, delta, b, h, pos_of, n)``: lse (times
+    ``lse_scale``, if given) and delta of rows i < ``count`` from positions pos_of(i)
+    into shared tables; a position outside [0, n) gets lse = +inf and delta = 0, so all
+    its probabilities are 0."""
+    each = stat_rows(threads, count)
+    INF, ZERO = tirx.const(float("inf"), acc), tirx.const(0.0, acc)
+    factor = tirx.const(1.0, acc) if lse_scale is None else lse_scale
+
+    @T.macro
+    def store(lse_t, delta_t, lse, delta, b, h, i, j, ok):
+        lse_t[i] = T.Select(ok, lse[b, h, j] * factor, INF)
+        delta_t[i] = T.Select(ok, delta[b, h, j], ZERO)
+
+    @T.macro
+    def load(lse_t, delta_t, lse, delta, b, h, pos_of, n):
+        each(pos_of, n, lambda i, j, ok: store(lse_t, delta_t, lse, delta, b, h, i, j, ok))
 
     return load
 

@@ -50,7 +50,6 @@ from swa_tvm.spec import KernelSpec
 from .cuda_flash import (
     ITEM_SCALARS,
     band_positions,
-    clamp_row,
     extra_positions_loader,
     global_fields,
     global_row_last_key,
@@ -65,6 +64,7 @@ from .cuda_flash_bwd import (
     _dx_kernel,
     _global_split_kernel,
     last_keys_loader,
+    stat_rows,
     stats_loader,
 )
 from .cuda_flash_tc import (
@@ -151,7 +151,7 @@ def async_stats_loader(threads: int, count: int, emulate: bool):
     a position outside [0, n) (the copy's zero fill): every such column is masked
     wherever it is read (past the sequence, no row's band interval holds it), and the
     masked scores take P = 0 by a select, so no value of these reaches a gradient."""
-    steps = -(-count // threads)
+    each = stat_rows(threads, count)
 
     @T.macro
     def copy(t, i, src, b, h, j, ok):
@@ -165,16 +165,15 @@ def async_stats_loader(threads: int, count: int, emulate: bool):
             ))
 
     @T.macro
+    def copy_both(lse_t, delta_t, lse, delta, b, h, i, j, ok):
+        copy(lse_t, i, lse, b, h, j, ok)
+        copy(delta_t, i, delta, b, h, j, ok)
+
+    @T.macro
     def issue(lse_t, delta_t, lse, delta, b, h, pos_of, n):
-        for tx in T.thread_binding(threads, thread="threadIdx.x"):
-            for x in T.serial(steps):
-                i = T.meta_var(x * threads + tx)
-                if i < count:
-                    ok = T.meta_var(T.And(pos_of(i) >= 0, pos_of(i) < T.Cast(str(pos_of(i).ty), n)))
-                    j = T.meta_var(clamp_row(pos_of(i), n))
-                    copy(lse_t, i, lse, b, h, j, ok)
-                    copy(delta_t, i, delta, b, h, j, ok)
-            if not emulate:
+        each(pos_of, n, lambda i, j, ok: copy_both(lse_t, delta_t, lse, delta, b, h, i, j, ok))
+        if not emulate:
+            for tx in T.thread_binding(threads, thread="threadIdx.x"):
                 T.evaluate(T.cuda.func_call("swa_cp_async_commit", source_code=CP_ASYNC_SOURCE))
 
     return issue
