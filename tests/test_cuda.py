@@ -398,27 +398,38 @@ def test_two_stage_forward_copies_a_chunk_ahead():
     cubin, report = nvcc_compile(generated_source(funcs, "sm_90a"), "sm_90a", "cubin")
     resources = ptxas_resources(report)
     found = sass.kernel_instructions(sass.disassemble(cubin))
-    tags = {"DEPBAR": "wait", "LDGSTS": "copy", "HMMA": "mma", "HGMMA": "mma"}
     for kind in ("sync", "wgmma"):
-        kernel = f"{spec.name}_{kind}_s2_kernel"
-        insts, labels = found[kernel]
-        start, end = sass.hot_loop(insts, labels)
-        seq = []
-        for op, _ in insts[start:end]:
-            if op in tags and (not seq or seq[-1] != tags[op]):
-                seq.append(tags[op])
-        # (ptxas may leave the first chunk's last mma.sync after the second wait: the
-        # wait is for this thread's copies, the products only read registers.)
-        assert seq in (["wait", "copy", "mma"] * 2, ["wait", "copy", "mma", "wait", "mma", "copy", "mma"]), (kind, seq)
-        # Two block barriers a turn, the waits': none after the copies' issue from TVM's
-        # planner, which sees the tiles (70 KiB, merged into one dynamic buffer) as one.
-        bars = [line for op, line in insts[start:end] if op == "BAR" and "BAR.SYNC" in line]
-        assert len(bars) == 2, (kind, bars)
-        summary = sass.summarize(insts, labels)
-        assert summary["loop_mma"] == 256 and resources[kernel]["spill_stores"] == 0, (kind, summary)
-        assert resources[kernel]["registers"] <= 255, resources[kernel]
-        one = sass.summarize(*found[f"{spec.name}_{kind}_s1_kernel"])
-        assert summary["loop_per_mma"] <= one["loop_per_mma"] + 0.05, (kind, summary, one)
+        _assert_two_stage_loop(found, resources, f"{spec.name}_{kind}_s2_kernel", f"{spec.name}_{kind}_s1_kernel", 256)
+
+
+def _assert_two_stage_loop(found, resources, kernel, one_stage, mma):
+    """The machine code of a two-stage loop (``found``: sass.kernel_instructions; its
+    ptxas ``resources``): each half-turn a cp.async wait, the other stage's copies, this
+    stage's products; two block barriers a turn, the waits'; ``mma`` products a turn;
+    no spill; no more instructions per product than ``one_stage``'s loop. Returns the
+    two loops' summaries."""
+    from swa_tvm import sass
+
+    tags = {"DEPBAR": "wait", "LDGSTS": "copy", "HMMA": "mma", "HGMMA": "mma"}
+    insts, labels = found[kernel]
+    start, end = sass.hot_loop(insts, labels)
+    seq = []
+    for op, _ in insts[start:end]:
+        if op in tags and (not seq or seq[-1] != tags[op]):
+            seq.append(tags[op])
+    # (ptxas may leave the first chunk's last mma.sync after the second wait: the wait
+    # is for this thread's copies, the products only read registers.)
+    assert seq in (["wait", "copy", "mma"] * 2, ["wait", "copy", "mma", "wait", "mma", "copy", "mma"]), (kernel, seq)
+    # None after the copies' issue from TVM's planner, which sees tiles merged into one
+    # dynamic buffer as one.
+    bars = [line for op, line in insts[start:end] if op == "BAR" and "BAR.SYNC" in line]
+    assert len(bars) == 2, (kernel, bars)
+    summary = sass.summarize(insts, labels)
+    assert summary["loop_mma"] == mma and resources[kernel]["spill_stores"] == 0, (kernel, summary)
+    assert resources[kernel]["registers"] <= 255, resources[kernel]
+    one = sass.summarize(*found[one_stage])
+    assert summary["loop_per_mma"] <= one["loop_per_mma"] + 0.05, (kernel, summary, one)
+    return summary, one
 
 
 def test_two_stage_gradients_copy_a_chunk_ahead():
@@ -444,26 +455,11 @@ def test_two_stage_gradients_copy_a_chunk_ahead():
     cubin, report = nvcc_compile(generated_source(funcs, "sm_90a"), "sm_90a", "cubin")
     resources = ptxas_resources(report)
     found = sass.kernel_instructions(sass.disassemble(cubin))
-    tags = {"DEPBAR": "wait", "LDGSTS": "copy", "HMMA": "mma", "HGMMA": "mma"}
     for kind, mma in (("local_dq", 192), ("local_dkv", 256)):
         for loads in ("sync", "wgmma"):
-            kernel = f"{kind}_{loads}_s2_kernel"
-            insts, labels = found[kernel]
-            start, end = sass.hot_loop(insts, labels)
-            seq = []
-            for op, _ in insts[start:end]:
-                if op in tags and (not seq or seq[-1] != tags[op]):
-                    seq.append(tags[op])
-            # (ptxas may leave the first chunk's last mma.sync after the second wait.)
-            assert seq in (["wait", "copy", "mma"] * 2, ["wait", "copy", "mma", "wait", "mma", "copy", "mma"]), (kernel, seq)
-            bars = [line for op, line in insts[start:end] if op == "BAR" and "BAR.SYNC" in line]
-            assert len(bars) == 2, (kernel, bars)
-            summary = sass.summarize(insts, labels)
-            assert summary["loop_mma"] == mma and resources[kernel]["spill_stores"] == 0, (kernel, summary)
-            assert resources[kernel]["registers"] <= 255, resources[kernel]
-            one = sass.summarize(*found[f"{kind}_{loads}_s1_kernel"])
-            assert summary["loop_per_mma"] <= one["loop_per_mma"] + 0.05, (kernel, summary, one)
-            assert summary["shortest_pass_per_mma"] < one["shortest_pass_per_mma"] - 0.3, (kernel, summary, one)
+            summary, one = _assert_two_stage_loop(found, resources, f"{kind}_{loads}_s2_kernel",
+                                                  f"{kind}_{loads}_s1_kernel", mma)
+            assert summary["shortest_pass_per_mma"] < one["shortest_pass_per_mma"] - 0.3, (kind, loads, summary, one)
 
 
 def test_wgmma_overlap_forward_waits_for_q_k_before_p_v():
