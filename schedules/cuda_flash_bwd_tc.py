@@ -266,6 +266,20 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
         # no fence: wait_all's, once they land.
         load_band_rows(lambda clamp: issue_pair(A, B, src_a, src_b, b, hh, pos, n, clamp), pos, KC, n)
 
+    # The synchronous stats loader stores lse in log2 units, cp.async copies it as it is.
+    LSE_LOG2 = STAGES == 1
+
+    @T.macro
+    def load_query_chunk(Qt, dOt, lse_c, delta_c, q, dout, lse, delta, b, h, pos, n, clamp=False):
+        # A chunk of queries for the dk/dv kernels, synchronously: Q's and dO's rows
+        # (``clamp``: every row clamped, else unclamped where all lie in the sequence),
+        # lse and delta.
+        if clamp:
+            load_chunk(Qt, dOt, q, dout, b, h, pos, n)
+        else:
+            load_band_chunk(Qt, dOt, q, dout, b, h, pos, n)
+        load_chunk_stats(lse_c, delta_c, lse, delta, b, h, pos, n)
+
     @T.macro
     def issue_query_chunk(tiles, q, dout, lse, delta, b, h, pos, n):
         # A chunk of queries for the dk/dv kernels: Q's and dO's rows, lse and delta.
@@ -310,6 +324,22 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
     def staged(s, first, second):
         """Stage s's buffers: ``first`` (the kernel's own) or ``second`` (second_stage's)."""
         return first if s == 0 else second
+
+    @T.macro
+    def chunk_stream(c_begin, c_end, first, load, issue, compute):
+        # Chunks c_begin <= c < c_end through ``first`` (the kernel's chunk tiles and its
+        # lse/delta tables, or None, None): one stage, ``load(c)`` then ``compute(first,
+        # c)``; two, ``ring`` over ``first`` and second_stage's (``issue(tiles, c)``
+        # copies chunk c into a stage's tiles, compute reads them).
+        if STAGES == 2:
+            second_stage(first[2] is not None, lambda st: ring(
+                c_begin, c_end, lambda s, c: issue(staged(s, first, st), c), lambda s, c: compute(staged(s, first, st), c)
+            ))
+        else:
+            for c in T.serial(c_begin, c_end):
+                load(c)
+                compute(first, c)
+
     load_extra_positions = extra_positions_loader(NT, KC)
     load_last_keys = last_keys_loader(NT, KC, causal)
 
@@ -532,19 +562,13 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                         last_r[tx, rr] = row_key_range(lo, hi, Tn, d, m0, r, c_row(tx, 2 * rr))[1]
                 zero(dqacc)
                 # 2. The band chunks that meet the item's span, then the extra keys.
-                if STAGES == 2:
-                    second_stage(False, lambda st: ring(
-                        c_begin, c_end,
-                        lambda s, c: issue_chunk(staged(s, Kt, st[0]), staged(s, Vt, st[1]), k, v, b, kvh,
-                                                 band_positions(key0, d, c, KC), Tn),
-                        lambda s, c: dq_band_step(c, Qs, dOs, staged(s, Kt, st[0]), staged(s, Vt, st[1]), fr, lse_r,
-                                                  delta_r, dqacc, rel, first_r, last_r, inner_lo, inner_hi, scale2),
-                    ))
-                else:
-                    for c in T.serial(c_begin, c_end):
-                        load_band_chunk(Kt, Vt, k, v, b, kvh, band_positions(key0, d, c, KC), Tn)
-                        dq_band_step(c, Qs, dOs, Kt, Vt, fr, lse_r, delta_r, dqacc, rel, first_r, last_r, inner_lo,
-                                     inner_hi, scale2)
+                chunk_stream(
+                    c_begin, c_end, (Kt, Vt, None, None),
+                    lambda c: load_band_chunk(Kt, Vt, k, v, b, kvh, band_positions(key0, d, c, KC), Tn),
+                    lambda t, c: issue_chunk(t[0], t[1], k, v, b, kvh, band_positions(key0, d, c, KC), Tn),
+                    lambda t, c: dq_band_step(c, Qs, dOs, t[0], t[1], fr, lse_r, delta_r, dqacc, rel, first_r, last_r,
+                                              inner_lo, inner_hi, scale2),
+                )
                 if extras:
                     for xc in T.serial((E + (KC - 1)) // KC):
                         load_extra_positions(xpos_s, xres_s, xt_s, xidx, b, xc, d, E)
@@ -608,21 +632,14 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 zero(kacc)
                 zero(vacc)
                 # 2. The queries that see the item, chunk by chunk.
-                if STAGES == 2:
-                    second_stage(True, lambda st: ring(
-                        c_begin, c_end,
-                        lambda s, c: issue_query_chunk(staged(s, (Qt, dOt, lse_c, delta_c), st), q, dout, lse, delta,
-                                                       b, h, band_positions(key0, d, c, KC), Tn),
-                        lambda s, c: dkv_band_step(c, Ks, Vs, staged(s, Qt, st[0]), staged(s, dOt, st[1]), fr,
-                                                   staged(s, lse_c, st[2]), staged(s, delta_c, st[3]), kacc, vacc, rel,
-                                                   first_r, last_r, inner_lo, inner_hi, scale2, False),
-                    ))
-                else:
-                    for c in T.serial(c_begin, c_end):
-                        load_band_chunk(Qt, dOt, q, dout, b, h, band_positions(key0, d, c, KC), Tn)
-                        load_chunk_stats(lse_c, delta_c, lse, delta, b, h, band_positions(key0, d, c, KC), Tn)
-                        dkv_band_step(c, Ks, Vs, Qt, dOt, fr, lse_c, delta_c, kacc, vacc, rel, first_r, last_r,
-                                      inner_lo, inner_hi, scale2, True)
+                chunk_stream(
+                    c_begin, c_end, (Qt, dOt, lse_c, delta_c),
+                    lambda c: load_query_chunk(Qt, dOt, lse_c, delta_c, q, dout, lse, delta, b, h,
+                                               band_positions(key0, d, c, KC), Tn),
+                    lambda t, c: issue_query_chunk(t, q, dout, lse, delta, b, h, band_positions(key0, d, c, KC), Tn),
+                    lambda t, c: dkv_band_step(c, Ks, Vs, t[0], t[1], fr, t[2], t[3], kacc, vacc, rel, first_r, last_r,
+                                               inner_lo, inner_hi, scale2, LSE_LOG2),
+                )
                 # 3. dk = scale * dS^T Q and dv = P^T dO (per query head).
                 write_rows(dk, kacc, b, h, lambda i: row0 + d * i, Tn, scale)
                 write_rows(dv, vacc, b, h, lambda i: row0 + d * i, Tn, ONE)
@@ -668,24 +685,15 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                         last_r[tx, rr] = global_row_last_key(gidx, b, g0 + c_row(tx, 2 * rr), G, Tn, causal)
                 zero(dqacc)
                 # 2. This piece's key chunks.
-                if STAGES == 2:
-                    second_stage(False, lambda st: ring(
-                        fld[5], fld[6],
-                        lambda s, c: issue_chunk(staged(s, Kt, st[0]), staged(s, Vt, st[1]), k, v, b, kvh,
-                                                 lambda kk: c * KC + kk, Tn),
-                        lambda s, c: dq_step(
-                            Qs, dOs, staged(s, Kt, st[0]), staged(s, Vt, st[1]), fr, lse_r, delta_r, dqacc,
-                            lambda tx, l, nt: chunk_col(c, tx, l, nt) <= last_r[tx, l // 2], scale * LOG2E,
-                        ),
-                    ))
-                else:
-                    for c in T.serial(fld[5], fld[6]):
-                        load_chunk(Kt, Vt, k, v, b, kvh, lambda kk: c * KC + kk, Tn)
-                        dq_step(
-                            Qs, dOs, Kt, Vt, fr, lse_r, delta_r, dqacc,
-                            lambda tx, l, nt: chunk_col(c, tx, l, nt) <= last_r[tx, l // 2],
-                            scale * LOG2E,
-                        )
+                chunk_stream(
+                    fld[5], fld[6], (Kt, Vt, None, None),
+                    lambda c: load_chunk(Kt, Vt, k, v, b, kvh, lambda kk: c * KC + kk, Tn),
+                    lambda t, c: issue_chunk(t[0], t[1], k, v, b, kvh, lambda kk: c * KC + kk, Tn),
+                    lambda t, c: dq_step(
+                        Qs, dOs, t[0], t[1], fr, lse_r, delta_r, dqacc,
+                        lambda tx, l, nt: chunk_col(c, tx, l, nt) <= last_r[tx, l // 2], scale * LOG2E,
+                    ),
+                )
                 # 3. The piece's share, scale * dS K, in fp32 (every piece writes: an empty
                 # one zeros).
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
@@ -796,25 +804,16 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 xkeys = T.meta_var((xpos_s, xres_s, xt_s))
                 zero(kacc)
                 zero(vacc)
-                if STAGES == 2:
-                    second_stage(True, lambda st: ring(
-                        0, (Tn + (KC - 1)) // KC,
-                        lambda s, c: issue_query_chunk(staged(s, (Qt, dOt, lse_c, delta_c), st), q, dout, lse, delta,
-                                                       b, h, lambda kk: c * KC + kk, Tn),
-                        lambda s, c: dkv_step(
-                            Ks, Vs, staged(s, Qt, st[0]), staged(s, dOt, st[1]), fr, staged(s, lse_c, st[2]),
-                            staged(s, delta_c, st[3]), kacc, vacc, lambda tx, l, nt: extra_seen(xkeys, d, Tn, c, tx, l, nt),
-                            scale * LOG2E, False,
-                        ),
-                    ))
-                else:
-                    for c in T.serial((Tn + (KC - 1)) // KC):
-                        load_chunk(Qt, dOt, q, dout, b, h, lambda kk: c * KC + kk, Tn)
-                        load_chunk_stats(lse_c, delta_c, lse, delta, b, h, lambda kk: c * KC + kk, Tn)
-                        dkv_step(
-                            Ks, Vs, Qt, dOt, fr, lse_c, delta_c, kacc, vacc,
-                            lambda tx, l, nt: extra_seen(xkeys, d, Tn, c, tx, l, nt), scale * LOG2E,
-                        )
+                chunk_stream(
+                    0, (Tn + (KC - 1)) // KC, (Qt, dOt, lse_c, delta_c),
+                    lambda c: load_query_chunk(Qt, dOt, lse_c, delta_c, q, dout, lse, delta, b, h,
+                                               lambda kk: c * KC + kk, Tn, clamp=True),
+                    lambda t, c: issue_query_chunk(t, q, dout, lse, delta, b, h, lambda kk: c * KC + kk, Tn),
+                    lambda t, c: dkv_step(
+                        Ks, Vs, t[0], t[1], fr, t[2], t[3], kacc, vacc,
+                        lambda tx, l, nt: extra_seen(xkeys, d, Tn, c, tx, l, nt), scale * LOG2E, LSE_LOG2,
+                    ),
+                )
                 write_rows(dkx, kacc, b, h, lambda i: e0 + i, E, scale)
                 write_rows(dvx, vacc, b, h, lambda i: e0 + i, E, ONE)
 
