@@ -100,7 +100,7 @@ TC_VARIANTS = (
 TC_BWD_VARIANTS = ((2, 32), (2, 32, False), (4, 32), (4, 64), (4, 16), (2, 16), (1, 32),
                    (4, 32, True, True), (4, 64, True, True), (8, 32, True, True),
                    # Two chunk stages by cp.async (TCBwdConfig.stages): mma.sync and wgmma
-                   # (4 x 64: 99.3 KiB, past every GPU's limit but sm_90's).
+                   # (4 x 64: 99.3 KiB, past the 99 KiB of every sm_80+ GPU, within sm_90's 227).
                    (2, 32, True, False, 2), (4, 32, True, False, 2), (4, 32, True, True, 2), (8, 32, True, True, 2),
                    (4, 64, True, True, 2))
 # One wgmma alone against a matrix product (``cuda_wgmma.probe``: operand, tile rows,
