@@ -81,6 +81,7 @@ from .cuda_flash_tc import (
     nk_loader,
     pair_loader,
     tile_scope,
+    two_stage_ring,
 )
 from .cuda_wgmma import a_packer, packed_a, sync_macros, wgmma_macro, wgmma_ss_macro
 
@@ -286,27 +287,9 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
         issue_chunk(tiles[0], tiles[1], q, dout, b, h, pos, n)
         issue_stats(tiles[2], tiles[3], lse, delta, b, h, pos, n)
 
-    @T.macro
-    def ring(c_begin, c_end, issue, compute):
-        # Chunks c_begin <= c < c_end in two stages (as the forward's ring_stream): chunk
-        # c_begin + 2i in stage 0, the next in stage 1, two a turn; ``issue(s, c)`` starts
-        # chunk c's copies into stage s, ``compute(s, c)`` reads them. A stage's copies are
-        # issued right after the barrier that ends every warp's reads of its previous
-        # chunk, and land while the other stage's chunk is computed. (The item's tiles,
-        # stored before, are read only: no barrier needed ahead of the first copies.)
-        if c_begin < c_end:
-            issue(0, c_begin)
-        for i in T.serial((c_end - c_begin + 1) // 2):
-            wait_all(True)  # chunk c in stage 0; every warp is done with stage 1
-            if c_begin + 2 * i + 1 < c_end:
-                issue(1, c_begin + 2 * i + 1)
-            compute(0, c_begin + 2 * i)
-            wait_all(True)  # chunk c + 1 in stage 1; every warp is done with stage 0
-            if c_begin + 2 * i + 2 < c_end:
-                issue(0, c_begin + 2 * i + 2)
-            if c_begin + 2 * i + 1 < c_end:
-                compute(1, c_begin + 2 * i + 1)
-        wait_all(False)  # nothing in flight past the loop; both stages free again
+    # (The item's tiles, stored before the stream, are only read: nothing to wait for
+    # ahead of the first copies.)
+    ring = two_stage_ring(wait_all)
 
     @T.macro
     def second_stage(stats, body):

@@ -482,6 +482,35 @@ def async_loader(threads: int, head_dim: int, rows: int, emulate: bool, cores: b
     return issue, wait_all
 
 
+def two_stage_ring(wait_all):
+    """A T.macro ``ring(c_begin, c_end, issue, compute)``: chunks c_begin <= c < c_end
+    through two stages filled by cp.async (``async_loader``'s ``wait_all``), two chunks a
+    turn, chunk c_begin + 2i in stage 0 and the next in stage 1 (one buffer per stage and
+    tile, so that cuda_races' one-buffer model still applies); ``issue(s, c)`` starts
+    chunk c's copies into stage s, ``compute(s, c)`` reads them. A stage's copies are
+    issued right after the barrier that ends every warp's reads of its previous chunk,
+    and land while the other stage's chunk is computed (CUTLASS's multistage main loop).
+    The caller makes the first stage's tiles free before (a barrier if they were read)."""
+
+    @T.macro
+    def ring(c_begin, c_end, issue, compute):
+        if c_begin < c_end:
+            issue(0, c_begin)
+        for i in T.serial((c_end - c_begin + 1) // 2):
+            wait_all(True)  # chunk c in stage 0; every warp is done with stage 1
+            if c_begin + 2 * i + 1 < c_end:
+                issue(1, c_begin + 2 * i + 1)
+            compute(0, c_begin + 2 * i)
+            wait_all(True)  # chunk c + 1 in stage 1; every warp is done with stage 0
+            if c_begin + 2 * i + 2 < c_end:
+                issue(0, c_begin + 2 * i + 2)
+            if c_begin + 2 * i + 1 < c_end:
+                compute(1, c_begin + 2 * i + 1)
+        wait_all(False)  # nothing in flight past the loop; both stages free again
+
+    return ring
+
+
 def chunk_mask(threads: int, slots: int, chunk: int):
     """The band mask of one chunk, for kernels whose threads hold C values of ``slots``
     rows each (row slot s, with band interval first_r[tx, s]..last_r[tx, s]) and whose
@@ -626,7 +655,7 @@ def tile_scope(spec: KernelSpec, cfg) -> str:
         raise ValueError(f"kernel {spec.name}: {cfg}: min_blocks must be >= 0 (0: ptxas's own choice) or None")
     if getattr(cfg, "overlap", False) and (not cfg.wgmma or cfg.async_copy):
         raise ValueError(f"kernel {spec.name}: {cfg}: overlap takes wgmma and synchronous loads (async_copy False)")
-    stages = getattr(cfg, "stages", 1)
+    stages = cfg.stages
     if stages not in (1, 2) or (stages == 2 and not cfg.async_copy):
         raise ValueError(f"kernel {spec.name}: {cfg}: stages must be 1 or 2, and 2 takes cp.async (async_copy True)")
     if getattr(cfg, "transpose_v", False) and (not cfg.wgmma or cfg.async_copy):
@@ -862,6 +891,13 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                        lambda kk: pos_of(c, kk), KC, n)
 
     @T.macro
+    def issue_kv(Kt, Vt, k, v, b, kvh, pos_of, c, Tn):
+        issue_chunk(Kt, k, b, kvh, pos_of, c, Tn)
+        issue_chunk(Vt, v, b, kvh, pos_of, c, Tn)
+
+    ring = two_stage_ring(wait_all)
+
+    @T.macro
     def zero_tile(A, size):
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for x in T.serial(-(-size // VEC // NT)):
@@ -933,30 +969,16 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
     @T.macro
     def ring_stream(QK, Qs, Vt, K1, V1, qfrag, qpk, kfrag, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part, red, rel,
                     k, v, b, kvh, Tn, c_begin, c_end, pos_of, first_r, last_r, inner_lo, inner_hi, scale2):
-        # Two K/V stages by cp.async: chunks c_begin + 2i in (QK, Vt), the others in
-        # (K1, V1), two chunks a turn (one buffer per stage and tile, so that cuda_races'
-        # one-buffer model still applies). A stage's copies are issued right after the
-        # barrier that ends every warp's reads of its previous chunk, and land while the
-        # other stage's chunk is computed.
+        # Two K/V stages by cp.async (``two_stage_ring``): chunks c_begin + 2i in (QK,
+        # Vt), the others in (K1, V1).
         wait_all(False)  # every warp holds its Q fragments before K overwrites their tile
-        if c_begin < c_end:
-            issue_chunk(QK, k, b, kvh, pos_of, c_begin, Tn)
-            issue_chunk(Vt, v, b, kvh, pos_of, c_begin, Tn)
-        for i in T.serial((c_end - c_begin + 1) // 2):
-            wait_all(True)  # chunk c in (QK, Vt); every warp is done with (K1, V1)
-            if c_begin + 2 * i + 1 < c_end:
-                issue_chunk(K1, k, b, kvh, pos_of, c_begin + 2 * i + 1, Tn)
-                issue_chunk(V1, v, b, kvh, pos_of, c_begin + 2 * i + 1, Tn)
-            band_chunk(c_begin + 2 * i, QK, Vt, Qs, qfrag, qpk, kfrag, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part,
-                       red, rel, first_r, last_r, inner_lo, inner_hi, scale2)
-            wait_all(True)  # chunk c + 1 in (K1, V1); every warp is done with (QK, Vt)
-            if c_begin + 2 * i + 2 < c_end:
-                issue_chunk(QK, k, b, kvh, pos_of, c_begin + 2 * i + 2, Tn)
-                issue_chunk(Vt, v, b, kvh, pos_of, c_begin + 2 * i + 2, Tn)
-            if c_begin + 2 * i + 1 < c_end:
-                band_chunk(c_begin + 2 * i + 1, K1, V1, Qs, qfrag, qpk, kfrag, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r,
-                           part, red, rel, first_r, last_r, inner_lo, inner_hi, scale2)
-        wait_all(False)  # every warp is done with both stages
+        ring(
+            c_begin, c_end,
+            lambda s, c: issue_kv(QK if s == 0 else K1, Vt if s == 0 else V1, k, v, b, kvh, pos_of, c, Tn),
+            lambda s, c: band_chunk(c, QK if s == 0 else K1, Vt if s == 0 else V1, Qs, qfrag, qpk, kfrag, sfrag, pfrag,
+                                    ppk, vfrag, ofrag, m_r, l_r, part, red, rel, first_r, last_r, inner_lo, inner_hi,
+                                    scale2),
+        )
 
     @T.macro
     def stream(QK, Qs, Vt, K1, V1, qfrag, qpk, kfrag, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part, red, rel, k, v,
