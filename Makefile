@@ -17,8 +17,11 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -e '.[test,bench,sass]'
 	touch $(STAMP)
 
+# One pytest worker per core (at most 8), tests sharing a module fixture on one worker
+# (tests/conftest.py); WORKERS=0 runs them in this process.
+WORKERS ?= auto
 test: $(STAMP)
-	SWA_TVM_CACHE=$${SWA_TVM_CACHE:-$(CURDIR)/.venv/swa_cache} $(VPY) -m pytest -q tests
+	SWA_TVM_CACHE=$${SWA_TVM_CACHE:-$(CURDIR)/.venv/swa_cache} $(VPY) -m pytest -q tests -n $(WORKERS) --maxprocesses 8 --dist loadgroup
 
 demo: $(STAMP)
 	$(VPY) examples/demo.py

@@ -16,6 +16,8 @@ import threading
 import warnings
 from typing import Iterable
 
+import filelock
+
 from . import cuda_pack, library
 from .compute import prim_func
 from .library import MANIFEST_FORMAT, X86_FEATURES, Kernel, sha256_file
@@ -386,17 +388,24 @@ def cache_dir() -> str:
 _JIT_LOCK = threading.Lock()
 
 
+def kernel_code_files() -> list[str]:
+    """The sources that decide what a kernel computes and how it is built: the TE, every
+    schedule, the spec's parameters, this build and nvcc's packing."""
+    from swa_tvm import compute, compute_backward, cuda_pack, schedules, spec
+
+    folder = os.path.dirname(schedules.__file__)
+    files = [m.__file__ for m in (compute, compute_backward, cuda_pack, spec)] + [__file__]
+    return files + sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".py"))
+
+
 def _kernel_code_digest() -> str:
-    """Hash of the sources that decide what a kernel computes and how (the TE and the
-    schedules), so an edited checkout never reuses a cached build of older code."""
+    """Hash of ``kernel_code_files``, so an edited checkout never reuses a cached build
+    of older code."""
     import hashlib
 
-    from swa_tvm import compute, compute_backward
-    from swa_tvm.schedules import cpu, cuda, cuda_flash, cuda_flash_bwd, cuda_flash_bwd_tc, cuda_flash_tc
-
     h = hashlib.sha256()
-    for mod in (compute, compute_backward, cpu, cuda, cuda_flash, cuda_flash_tc, cuda_flash_bwd, cuda_flash_bwd_tc):
-        with open(mod.__file__, "rb") as f:
+    for name in kernel_code_files():
+        with open(name, "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]
 
@@ -433,16 +442,20 @@ def get_or_build_kernel(spec: KernelSpec, target: str | dict | None = None) -> K
         folder = os.path.join(cache_dir(), target_key(target))
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"{spec.name}-{key}.so")
-        if os.path.exists(path):
-            try:
-                library.load_library(path, _jit_cache=True)
-                return library.REGISTRY.find(spec, device)
-            except library.LibraryError:
-                pass  # corrupt or foreign entry: rebuild below
-        with tempfile.TemporaryDirectory(dir=folder) as tmpd:
-            tmp = os.path.join(tmpd, os.path.basename(path))
-            export_library([spec], tmp, target, warn_untuned=False)
-            os.replace(library.manifest_path(tmp), library.manifest_path(path))
-            os.replace(tmp, path)
-        library.load_library(path, _jit_cache=True)
+        # Across processes (torchrun's ranks, pytest's workers) one builds, the others
+        # wait and load its entry: two writers' renames could pair one build's manifest
+        # with the other's library, whose sha256 it would then refuse.
+        with filelock.FileLock(path + ".lock"):
+            if os.path.exists(path):
+                try:
+                    library.load_library(path, _jit_cache=True)
+                    return library.REGISTRY.find(spec, device)
+                except library.LibraryError:
+                    pass  # corrupt or foreign entry: rebuild below
+            with tempfile.TemporaryDirectory(dir=folder) as tmpd:
+                tmp = os.path.join(tmpd, os.path.basename(path))
+                export_library([spec], tmp, target, warn_untuned=False)
+                os.replace(library.manifest_path(tmp), library.manifest_path(path))
+                os.replace(tmp, path)
+            library.load_library(path, _jit_cache=True)
         return library.REGISTRY.find(spec, device)

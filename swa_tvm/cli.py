@@ -89,8 +89,9 @@ def _cmd_tune(args) -> int:
     import time
 
     from .build import normalize_target, target_key
-    from .tuning import log_dir, tune
+    from .tuning import check_tune_arguments, log_dir, tune
 
+    check_tune_arguments(args.trials, args.rpc_tracker, args.rpc_key)
     target = normalize_target(args.target)
     specs = _kernel_specs(args)
     if args.kernels != "all":

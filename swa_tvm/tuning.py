@@ -115,10 +115,13 @@ def preload_tensor_intrin() -> None:
     of TVMScript functions, and the parser calls ``inspect.stack()``, which resolves a
     source file for every frame of the (deep, import-machinery) stack by scanning
     ``sys.modules``: 80 s per process on this 2-core machine. The parser only reads the
-    source line of the third frame (``is_defined_in_class``), so while importing, frames
-    past the third get their file name from the code object and no source context.
+    source line of the third frame (``is_defined_in_class``), so while importing, every
+    frame gets its file name from the code object, and the first three their source
+    line from ``linecache`` (``inspect.getframeinfo`` would scan ``sys.modules`` for
+    each: 10 s of the import's 13).
     """
     import inspect
+    import linecache
     import sys
 
     if "tvm.s_tir.tensor_intrin" in sys.modules:
@@ -129,14 +132,12 @@ def preload_tensor_intrin() -> None:
         frames = []
         frame = sys._getframe(1)
         while frame is not None:
+            code, lines, index = frame.f_code, None, None
             if len(frames) < 3:
-                info = inspect.getframeinfo(frame, context)
-                frames.append(inspect.FrameInfo(frame, *info[:5], positions=info.positions))
-            else:
-                code = frame.f_code
-                frames.append(
-                    inspect.FrameInfo(frame, code.co_filename, frame.f_lineno, code.co_name, None, None, positions=None)
-                )
+                lines, index = [linecache.getline(code.co_filename, frame.f_lineno, frame.f_globals)], 0
+            frames.append(
+                inspect.FrameInfo(frame, code.co_filename, frame.f_lineno, code.co_name, lines, index, positions=None)
+            )
             frame = frame.f_back
         return frames
 
@@ -476,6 +477,25 @@ def _evaluator():
     return EvaluatorConfig(number=1, repeat=3, min_repeat_ms=0, enable_cpu_cache_flush=False)
 
 
+def parse_rpc_tracker(rpc_tracker: str, rpc_key: str | None) -> tuple[str, int]:
+    """HOST:PORT of an RPC tracker, which needs a device key."""
+    host, _, port = rpc_tracker.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"rpc_tracker {rpc_tracker!r}: expected HOST:PORT")
+    if not rpc_key:
+        raise ValueError("rpc_key is required with rpc_tracker")
+    return host, int(port)
+
+
+def check_tune_arguments(trials: int, rpc_tracker: str | None, rpc_key: str | None) -> None:
+    """The checks of ``tune``'s own arguments, before anything costs time (importing the
+    tensor intrinsics, the logs, the search): a mistyped command fails at once."""
+    if trials < 1:
+        raise ValueError(f"trials must be >= 1, got {trials}")
+    if rpc_tracker:
+        parse_rpc_tracker(rpc_tracker, rpc_key)
+
+
 def make_runner(
     rpc_tracker: str | None = None, rpc_key: str | None = None, timeout_s: float = 120.0, threads: int | None = None
 ):
@@ -487,12 +507,8 @@ def make_runner(
         threads = threads or len(os.sched_getaffinity(0))
         alloc = functools.partial(alloc_args_local_threads, threads)
         return LocalRunner(timeout_sec=timeout_s, evaluator_config=_evaluator(), f_alloc_argument=alloc)
-    host, _, port = rpc_tracker.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"rpc_tracker {rpc_tracker!r}: expected HOST:PORT")
-    if not rpc_key:
-        raise ValueError("rpc_key is required with rpc_tracker")
-    config = RPCConfig(tracker_host=host, tracker_port=int(port), tracker_key=rpc_key, session_timeout_sec=int(timeout_s))
+    host, port = parse_rpc_tracker(rpc_tracker, rpc_key)
+    config = RPCConfig(tracker_host=host, tracker_port=port, tracker_key=rpc_key, session_timeout_sec=int(timeout_s))
     servers = config.count_num_servers(allow_missing=False)
     return RPCRunner(
         rpc_config=config,
@@ -706,10 +722,9 @@ def tune(
 
     from .build import _vector_lanes
 
+    check_tune_arguments(trials, rpc_tracker, rpc_key)
     preload_tensor_intrin()
     specs = list(dict.fromkeys(specs))
-    if trials < 1:
-        raise ValueError(f"trials must be >= 1, got {trials}")
     kind = target.get("kind")
     if kind not in ("llvm", "cuda"):
         raise NotImplementedError(f"tuning for target kind {kind!r} is not supported")

@@ -37,6 +37,23 @@ def check_against_reference(q, k, v, tol=1e-5, **kw):
     return out, lse
 
 
+@pytest.fixture(autouse=True)
+def _libraries_unloaded_after_each_test():
+    """A library a test loads leaves with the test: loaded libraries serve every later
+    call in the process (pytest-xdist runs other modules' tests after it on the same
+    worker), and one with other head dims would refuse them."""
+    from swa_tvm import library
+
+    reg = library.REGISTRY
+    saved = (dict(reg._kernels), list(reg._libraries), list(reg._modules))
+    yield
+    if reg._libraries != saved[1]:
+        reg.clear()
+        reg._kernels.update(saved[0])
+        reg._libraries.extend(saved[1])
+        reg._modules.extend(saved[2])
+
+
 @pytest.fixture
 def fresh_registry():
     """Isolate tests that load libraries: the registry is process-global."""
@@ -49,3 +66,20 @@ def fresh_registry():
     library.REGISTRY._kernels.update(saved[0])
     library.REGISTRY._libraries.extend(saved[1])
     library.REGISTRY._modules.extend(saved[2])
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``make test`` runs two workers), the tests sharing a
+    module-scoped fixture (a tuning run, an exported library, a built batch) go to one
+    worker, one after another, so each such fixture is built once rather than once per
+    worker or once per run of the module's tests on a worker."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        shared = sorted(
+            name for name in item.fixturenames
+            if info is not None and name in info.name2fixturedefs and info.name2fixturedefs[name][-1].scope == "module"
+        )
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}::{shared[0]}"))
+

@@ -214,6 +214,48 @@ def test_jit_disk_cache_is_reused(tmp_path):
     assert sorted(p.name for p in tmp_path.rglob("*.so")) == files
 
 
+def test_jit_cache_builds_once_for_concurrent_processes(tmp_path):
+    """Two processes asking for the same uncached kernel at once: one compiles, the
+    other waits for it and loads its entry. Both meet after their imports, and each
+    build logs a line and takes a second longer, so without the lock both would build."""
+    env = dict(os.environ, SWA_TVM_CACHE=str(tmp_path / "cache"))
+    code = (
+        "import os, sys, time, torch, swa_tvm, swa_tvm.build as b\n"
+        "from swa_tvm.reference import sliding_window_attention_ref\n"
+        "folder, me = sys.argv[1], sys.argv[2]\n"
+        "export = b.export_library\n"
+        "def logged(*a, **k):\n"
+        "    open(os.path.join(folder, 'builds.txt'), 'a').write(me + '\\n')\n"
+        "    time.sleep(1)\n"
+        "    return export(*a, **k)\n"
+        "b.export_library = logged\n"
+        "open(os.path.join(folder, 'ready' + me), 'w').close()\n"
+        "while not all(os.path.exists(os.path.join(folder, 'ready' + i)) for i in '01'):\n"
+        "    time.sleep(0.01)\n"
+        "q = torch.randn(1, 2, 24, 16)\n"
+        "out = swa_tvm.sliding_window_attention(q, q, q, window_size=(2, 0))\n"
+        "ref = sliding_window_attention_ref(q, q, q, window_size=(2, 0))[0]\n"
+        "assert (out.double() - ref).abs().max() < 1e-5\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(i)], env=env, stderr=subprocess.PIPE,
+                              text=True) for i in range(2)]
+    for p in procs:
+        assert p.wait(timeout=600) == 0, p.stderr.read()
+    assert len((tmp_path / "builds.txt").read_text().splitlines()) == 1
+    assert len(list((tmp_path / "cache").rglob("*.so"))) == 1
+
+
+def test_jit_cache_key_covers_every_schedule():
+    """Every file of the schedules package (cuda_wgmma.py was missed once) and the TE
+    are in the sources whose hash keys the JIT cache."""
+    from swa_tvm import build, compute, schedules
+
+    files = {os.path.realpath(f) for f in build.kernel_code_files()}
+    folder = os.path.dirname(schedules.__file__)
+    wanted = {os.path.realpath(os.path.join(folder, n)) for n in os.listdir(folder) if n.endswith(".py")}
+    assert len(wanted) >= 8 and wanted <= files and os.path.realpath(compute.__file__) in files
+
+
 @pytest.mark.parametrize("kind", ["local", "local_dq", "local_dkv"])
 def test_kernels_never_floor_divide_by_the_runtime_dilation(kind):
     # Floor division/modulo by a runtime value lowers to sign fix-ups (nested Let/Select);

@@ -106,7 +106,9 @@ def tuned_logs(tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     work = tmp_path_factory.mktemp("work")
     folder = tuning.log_dir(str(logs), host_target())
-    p = subprocess.Popen(_tune_cmd(logs, work, 6, 2), start_new_session=True,
+    # 40 trials: far more than are measured before the kill (a short run could end first
+    # on a busy machine: pytest's other worker shares the cores).
+    p = subprocess.Popen(_tune_cmd(logs, work, 40, 2), start_new_session=True,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
     deadline = time.time() + 400
     while _record_lines(folder) < 2 and time.time() < deadline and p.poll() is None:
@@ -149,7 +151,7 @@ def test_sampled_schedule_of_a_bfloat16_kernel_is_correct():
 
 def test_interrupt_keeps_records_and_exits_130(tmp_path):
     folder = tuning.log_dir(str(tmp_path / "logs"), host_target())
-    p = subprocess.Popen(_tune_cmd(tmp_path / "logs", tmp_path / "work", 6, 2),
+    p = subprocess.Popen(_tune_cmd(tmp_path / "logs", tmp_path / "work", 40, 2),  # interrupted long before its end
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     deadline = time.time() + 400
     while _record_lines(folder) < 2 and time.time() < deadline and p.poll() is None:
@@ -271,6 +273,9 @@ def test_bad_tune_arguments():
     r = subprocess.run(CLI + ["tune", "--spec", SPEC_STR, "--trials", "2", "--rpc-tracker", "nohost"],
                        capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 1 and "HOST:PORT" in r.stderr
+    r = subprocess.run(CLI + ["tune", "--spec", SPEC_STR, "--trials", "2", "--rpc-tracker", "127.0.0.1:9190"],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 1 and "rpc_key is required" in r.stderr
     r = subprocess.run(CLI + ["tune", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "--rpc-tracker" in r.stdout and "--work-dir" in r.stdout
 
