@@ -228,7 +228,7 @@ def test_rpc_tracker_with_two_servers(tmp_path):
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1",
                                "--port", str(port), "--port-end", str(port + 1)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]  # fmt: skip
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)]  # fmt: skip
     try:
         deadline = time.time() + 60  # the tracker imports TVM first: seconds on this machine
         while time.time() < deadline:
@@ -243,7 +243,7 @@ def test_rpc_tracker_with_two_servers(tmp_path):
             procs.append(
                 subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_server", "--tracker", f"127.0.0.1:{port}",
                                   "--key", "swa-test", "--host", "127.0.0.1", "--port", str(sport), "--port-end", str(sport + 1)],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
             )
         from tvm.s_tir.meta_schedule.runner import RPCConfig
 
@@ -262,8 +262,8 @@ def test_rpc_tracker_with_two_servers(tmp_path):
         secs = [float(s) for rec in db.get_all_tuning_records() for s in rec.run_secs]
         assert secs and all(0 < s < 1e9 for s in secs), secs  # measured, not failure markers
     finally:
-        for p in procs:
-            p.kill()
+        for p in procs:  # with their popen workers, which would outlive them
+            os.killpg(p.pid, signal.SIGKILL)
             p.wait()
 
 
