@@ -117,8 +117,8 @@ def preload_tensor_intrin() -> None:
     ``sys.modules``: 80 s per process on this 2-core machine. The parser only reads the
     source line of the third frame (``is_defined_in_class``), so while importing, every
     frame gets its file name from the code object, and the first three their source
-    line from ``linecache`` (``inspect.getframeinfo`` would scan ``sys.modules`` for
-    each: 10 s of the import's 13).
+    line from ``linecache`` (``inspect.getframeinfo`` scanned ``sys.modules`` for each:
+    the import took about 10 s with it, 7 s without, 2026-12-05).
     """
     import inspect
     import linecache

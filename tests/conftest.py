@@ -37,21 +37,32 @@ def check_against_reference(q, k, v, tol=1e-5, **kw):
     return out, lse
 
 
+def _registry_state():
+    from swa_tvm import library
+
+    reg = library.REGISTRY
+    return dict(reg._kernels), list(reg._libraries), list(reg._modules)
+
+
+def _restore_registry(state):
+    from swa_tvm import library
+
+    reg = library.REGISTRY
+    reg.clear()
+    reg._kernels.update(state[0])
+    reg._libraries.extend(state[1])
+    reg._modules.extend(state[2])
+
+
 @pytest.fixture(autouse=True)
 def _libraries_unloaded_after_each_test():
     """A library a test loads leaves with the test: loaded libraries serve every later
     call in the process (pytest-xdist runs other modules' tests after it on the same
     worker), and one with other head dims would refuse them."""
-    from swa_tvm import library
-
-    reg = library.REGISTRY
-    saved = (dict(reg._kernels), list(reg._libraries), list(reg._modules))
+    saved = _registry_state()
     yield
-    if reg._libraries != saved[1]:
-        reg.clear()
-        reg._kernels.update(saved[0])
-        reg._libraries.extend(saved[1])
-        reg._modules.extend(saved[2])
+    if _registry_state()[1] != saved[1]:
+        _restore_registry(saved)
 
 
 @pytest.fixture
@@ -59,13 +70,10 @@ def fresh_registry():
     """Isolate tests that load libraries: the registry is process-global."""
     from swa_tvm import library
 
-    saved = (dict(library.REGISTRY._kernels), list(library.REGISTRY._libraries), list(library.REGISTRY._modules))
+    saved = _registry_state()
     library.REGISTRY.clear()
     yield library.REGISTRY
-    library.REGISTRY.clear()
-    library.REGISTRY._kernels.update(saved[0])
-    library.REGISTRY._libraries.extend(saved[1])
-    library.REGISTRY._modules.extend(saved[2])
+    _restore_registry(saved)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
