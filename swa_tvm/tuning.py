@@ -654,22 +654,18 @@ def export_shared_library(mod, target: dict | None = None) -> str:
     return path
 
 
-def init_builder_worker() -> None:
-    """Builder worker setup: the fast tensor_intrin import."""
-    preload_tensor_intrin()
-
-
 def make_builder(target: dict, cores: int, shared_library: bool = False):
-    """MetaSchedule's LocalBuilder for ``target``; ``shared_library``: export .so files
-    (for measuring with the runtime alone) instead of MetaSchedule's tar."""
-    from tvm.s_tir import meta_schedule as ms
+    """A MetaSchedule builder for ``target`` whose workers persist across batches
+    (``tuning_builder.PooledBuilder``; ``close()`` it when done). ``shared_library``:
+    export .so files (for measuring with the runtime alone) instead of MetaSchedule's
+    tar; CUDA candidates always are."""
+    from .tuning_builder import PooledBuilder
 
-    return ms.builder.LocalBuilder(
+    export = shared_library or target.get("kind") == "cuda"
+    return PooledBuilder(
         max_workers=cores,
         timeout_sec=300,
-        initializer=init_builder_worker,
-        f_export=(functools.partial(export_shared_library, target=dict(target))
-                  if shared_library or target.get("kind") == "cuda" else None),
+        f_export=functools.partial(export_shared_library, target=dict(target)) if export else None,
     )
 
 
@@ -723,81 +719,85 @@ def tune(
     from .build import _vector_lanes
 
     check_tune_arguments(trials, rpc_tracker, rpc_key)
-    preload_tensor_intrin()
     specs = list(dict.fromkeys(specs))
     kind = target.get("kind")
     if kind not in ("llvm", "cuda"):
         raise NotImplementedError(f"tuning for target kind {kind!r} is not supported")
     if kind == "cuda":
         check_cuda_tuning(specs, rpc_tracker)
-    tvm_target = tvm_target_of(target)
     cores = int(target.get("num-cores", len(os.sched_getaffinity(0)) or 1))
-    folder = log_dir(logs_root, target)
-    db = open_log(folder)
-    os.makedirs(work_dir, exist_ok=True)
-
-    names = [s.name for s in specs]
-    loggers = get_loggers_from_work_dir(work_dir, names)
-    # MetaSchedule's console handler would print its tables through the progress bar;
-    # its full log still goes to <work_dir>/logs/.
-    ms_logger = logging.getLogger("tvm.s_tir.meta_schedule")
-    for h in list(ms_logger.handlers):
-        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
-            ms_logger.removeHandler(h)
-
-    before = {s.name: len(db.records_for(tuning_workload(s, target_kind=kind))) for s in specs}
+    # The builder's workers start now, beside this process's tensor_intrin import.
     builder = make_builder(target, cores)
-    # Candidates are measured on as many threads as the target's cores, as the op runs
-    # them (library.configure_cpu_threads): TVM's own default is half the logical CPUs.
-    runner = make_runner(rpc_tracker, rpc_key, threads=cores)
-    if kind == "llvm":
-        _measure_default_points(specs, db, builder, runner, tvm_target, _vector_lanes(tvm_target))
-    else:
-        from .tuning_batch import measure_baselines
-
-        measure_baselines(specs, target, folder, builder, runner)
-
-    per_iter = max(1, min(num_trials_per_iter, trials))
-    strategy = ms.search_strategy.EvolutionarySearch(
-        population_size=max(64, 2 * per_iter), init_min_unmeasured=per_iter, genetic_num_iters=2
-    )
-    tasks = [
-        ms.TuneContext(
-            mod=tuning_workload(spec, target_kind=kind),
-            target=tvm_target,
-            space_generator=space_generator(spec, tvm_target),
-            search_strategy=strategy,
-            task_name=spec.name,
-            rand_state=-1 if seed is None else seed + i,
-            num_threads=cores,
-            logger=logger,
-        ).clone()
-        for i, (spec, logger) in enumerate(zip(specs, loggers))
-    ]
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=trials * len(specs), unit="trial", desc="tune", dynamic_ncols=True)
-    callbacks = ms.measure_callback.MeasureCallback.create("default") + [_progress_callback(specs, bar)]
     try:
-        ms.tune.tune_tasks(
-            tasks=tasks,
-            task_weights=[1.0] * len(tasks),
-            work_dir=work_dir,
-            max_trials_global=trials * len(tasks),
-            max_trials_per_task=trials,
-            num_trials_per_iter=per_iter,
-            builder=builder,
-            runner=runner,
-            database=db,
-            cost_model=ms.cost_model.XGBModel(num_tuning_cores=cores),
-            measure_callbacks=callbacks,
-            task_scheduler="round-robin",
+        preload_tensor_intrin()
+        tvm_target = tvm_target_of(target)
+        folder = log_dir(logs_root, target)
+        db = open_log(folder)
+        os.makedirs(work_dir, exist_ok=True)
+
+        names = [s.name for s in specs]
+        loggers = get_loggers_from_work_dir(work_dir, names)
+        # MetaSchedule's console handler would print its tables through the progress bar;
+        # its full log still goes to <work_dir>/logs/.
+        ms_logger = logging.getLogger("tvm.s_tir.meta_schedule")
+        for h in list(ms_logger.handlers):
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+                ms_logger.removeHandler(h)
+
+        before = {s.name: len(db.records_for(tuning_workload(s, target_kind=kind))) for s in specs}
+        # Candidates are measured on as many threads as the target's cores, as the op runs
+        # them (library.configure_cpu_threads): TVM's own default is half the logical CPUs.
+        runner = make_runner(rpc_tracker, rpc_key, threads=cores)
+        if kind == "llvm":
+            _measure_default_points(specs, db, builder, runner, tvm_target, _vector_lanes(tvm_target))
+        else:
+            from .tuning_batch import measure_baselines
+
+            measure_baselines(specs, target, folder, builder, runner)
+
+        per_iter = max(1, min(num_trials_per_iter, trials))
+        strategy = ms.search_strategy.EvolutionarySearch(
+            population_size=max(64, 2 * per_iter), init_min_unmeasured=per_iter, genetic_num_iters=2
         )
+        tasks = [
+            ms.TuneContext(
+                mod=tuning_workload(spec, target_kind=kind),
+                target=tvm_target,
+                space_generator=space_generator(spec, tvm_target),
+                search_strategy=strategy,
+                task_name=spec.name,
+                rand_state=-1 if seed is None else seed + i,
+                num_threads=cores,
+                logger=logger,
+            ).clone()
+            for i, (spec, logger) in enumerate(zip(specs, loggers))
+        ]
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=trials * len(specs), unit="trial", desc="tune", dynamic_ncols=True)
+        callbacks = ms.measure_callback.MeasureCallback.create("default") + [_progress_callback(specs, bar)]
+        try:
+            ms.tune.tune_tasks(
+                tasks=tasks,
+                task_weights=[1.0] * len(tasks),
+                work_dir=work_dir,
+                max_trials_global=trials * len(tasks),
+                max_trials_per_task=trials,
+                num_trials_per_iter=per_iter,
+                builder=builder,
+                runner=runner,
+                database=db,
+                cost_model=ms.cost_model.XGBModel(num_tuning_cores=cores),
+                measure_callbacks=callbacks,
+                task_scheduler="round-robin",
+            )
+        finally:
+            if bar is not None:
+                bar.close()
     finally:
-        if bar is not None:
-            bar.close()
+        builder.close()
     results = []
     baselines = read_baselines(folder)
     for spec in specs:

@@ -166,41 +166,44 @@ def build_batch(
     builder = make_builder(target, cores, shared_library=True)
     batch_id = uuid.uuid4().hex
     tasks, records = [], {}
-    for n, (spec, mod) in enumerate(zip(specs, mods)):
-        ctx = ms.TuneContext(mod=mod, target=tvm_target, space_generator=space_generator(spec, tvm_target),
-                             search_strategy=ms.search_strategy.EvolutionarySearch(
-                                 population_size=max(64, 2 * trials), init_min_unmeasured=trials, genetic_num_iters=2),
-                             task_name=spec.name, rand_state=-1 if seed is None else seed + n,
-                             num_threads=cores).clone()
-        cands = [] if baselines_only else _candidates(ctx, db, _trained_cost_model(ctx, db, mod, cores), trials)
-        inputs = [ms.builder.BuilderInput(c.sch.mod, tvm_target) for c in cands]
-        inputs.append(ms.builder.BuilderInput(baseline_module(spec, target), tvm_target))
-        built = builder.build(inputs)
-        args = _fills(spec, kind, [a.as_json() for a in ArgInfo.from_prim_func(mod["main"])])
-        task = {"name": spec.name, "spec": spec.to_dict(), "dtype": spec.dtype, "args": args, "candidates": []}
-        for i, b in enumerate(built):
-            is_base = i == len(cands)
-            cid = f"{n:02d}-base" if is_base else f"{n:02d}-{i:03d}"
-            if b.error_msg:
+    try:
+        for n, (spec, mod) in enumerate(zip(specs, mods)):
+            ctx = ms.TuneContext(mod=mod, target=tvm_target, space_generator=space_generator(spec, tvm_target),
+                                 search_strategy=ms.search_strategy.EvolutionarySearch(
+                                     population_size=max(64, 2 * trials), init_min_unmeasured=trials, genetic_num_iters=2),
+                                 task_name=spec.name, rand_state=-1 if seed is None else seed + n,
+                                 num_threads=cores).clone()
+            cands = [] if baselines_only else _candidates(ctx, db, _trained_cost_model(ctx, db, mod, cores), trials)
+            inputs = [ms.builder.BuilderInput(c.sch.mod, tvm_target) for c in cands]
+            inputs.append(ms.builder.BuilderInput(baseline_module(spec, target), tvm_target))
+            built = builder.build(inputs)
+            args = _fills(spec, kind, [a.as_json() for a in ArgInfo.from_prim_func(mod["main"])])
+            task = {"name": spec.name, "spec": spec.to_dict(), "dtype": spec.dtype, "args": args, "candidates": []}
+            for i, b in enumerate(built):
+                is_base = i == len(cands)
+                cid = f"{n:02d}-base" if is_base else f"{n:02d}-{i:03d}"
+                if b.error_msg:
+                    if is_base:
+                        raise RuntimeError(f"the baseline of {spec.name} failed to build: {b.error_msg[:500]}")
+                    progress(f"  {spec.name} candidate {i}: build failed ({b.error_msg.splitlines()[0][:120]})")
+                    continue
+                artifact = f"{cid}.so"
+                shutil.copyfile(b.artifact_path, os.path.join(out_dir, artifact))
+                shutil.rmtree(os.path.dirname(b.artifact_path), ignore_errors=True)
+                entry = {"id": cid, "artifact": artifact, "sha256": sha256_file(os.path.join(out_dir, artifact)),
+                         "function": "main"}
                 if is_base:
-                    raise RuntimeError(f"the baseline of {spec.name} failed to build: {b.error_msg[:500]}")
-                progress(f"  {spec.name} candidate {i}: build failed ({b.error_msg.splitlines()[0][:120]})")
-                continue
-            artifact = f"{cid}.so"
-            shutil.copyfile(b.artifact_path, os.path.join(out_dir, artifact))
-            shutil.rmtree(os.path.dirname(b.artifact_path), ignore_errors=True)
-            entry = {"id": cid, "artifact": artifact, "sha256": sha256_file(os.path.join(out_dir, artifact)),
-                     "function": "main"}
-            if is_base:
-                task["baseline"] = dict(entry, schedule=default_schedule(spec, kind))
-            else:
-                if [a.as_json() for a in cands[i].args_info] != [a[:3] for a in args]:
-                    raise RuntimeError(f"{spec.name}: candidate arguments differ from the kernel's")
-                task["candidates"].append(entry)
-                rec = TuningRecord(cands[i].sch.trace, ms.database.Workload(mod), None, tvm_target, cands[i].args_info)
-                records[cid] = rec.as_json()
-        tasks.append(task)
-        progress(f"{spec.name}: {len(task['candidates'])} candidates + baseline built")
+                    task["baseline"] = dict(entry, schedule=default_schedule(spec, kind))
+                else:
+                    if [a.as_json() for a in cands[i].args_info] != [a[:3] for a in args]:
+                        raise RuntimeError(f"{spec.name}: candidate arguments differ from the kernel's")
+                    task["candidates"].append(entry)
+                    rec = TuningRecord(cands[i].sch.trace, ms.database.Workload(mod), None, tvm_target, cands[i].args_info)
+                    records[cid] = rec.as_json()
+            tasks.append(task)
+            progress(f"{spec.name}: {len(task['candidates'])} candidates + baseline built")
+    finally:
+        builder.close()
     workloads = {t["name"]: ms.database.Workload(m).as_json() for t, m in zip(tasks, mods)}
     batch = {
         "format": BATCH_FORMAT,

@@ -267,17 +267,21 @@ def test_rpc_tracker_with_two_servers(tmp_path):
             p.wait()
 
 
-def test_bad_tune_arguments():
-    r = subprocess.run(CLI + ["tune", "--spec", SPEC_STR, "--trials", "0"], capture_output=True, text=True)
-    assert r.returncode == 1 and "trials must be >= 1" in r.stderr
-    r = subprocess.run(CLI + ["tune", "--spec", SPEC_STR, "--trials", "2", "--rpc-tracker", "nohost"],
-                       capture_output=True, text=True)  # fmt: skip
-    assert r.returncode == 1 and "HOST:PORT" in r.stderr
-    r = subprocess.run(CLI + ["tune", "--spec", SPEC_STR, "--trials", "2", "--rpc-tracker", "127.0.0.1:9190"],
-                       capture_output=True, text=True)  # fmt: skip
-    assert r.returncode == 1 and "rpc_key is required" in r.stderr
-    r = subprocess.run(CLI + ["tune", "--help"], capture_output=True, text=True)
-    assert r.returncode == 0 and "--rpc-tracker" in r.stdout and "--work-dir" in r.stdout
+def test_bad_tune_arguments(capsys):
+    """Refused with rc 1 and a message naming the argument (in this process: cli.main is
+    what the console script runs; a subprocess per case cost ~7 s of imports)."""
+    from swa_tvm import cli
+
+    cases = [(["--trials", "0"], "trials must be >= 1"),
+             (["--trials", "2", "--rpc-tracker", "nohost"], "HOST:PORT"),
+             (["--trials", "2", "--rpc-tracker", "127.0.0.1:9190"], "rpc_key is required")]  # fmt: skip
+    for extra, message in cases:
+        assert cli.main(["tune", "--spec", SPEC_STR, *extra]) == 1
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["tune", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "--rpc-tracker" in out and "--work-dir" in out
 
 
 def test_backward_kernels_tune_and_export_with_their_own_records(tmp_path, fresh_registry):
