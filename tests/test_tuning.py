@@ -127,6 +127,36 @@ def tuned_logs(tmp_path_factory):
     return logs
 
 
+def test_builder_keeps_its_workers_across_batches_and_reports_failures():
+    """tuning_builder.PooledBuilder: the second batch is built by the first batch's
+    worker processes (MetaSchedule's LocalBuilder started new ones per batch), a
+    candidate that does not compile comes back as that candidate's error, and the
+    others of its batch still build."""
+    import tvm
+    from tvm import te
+    from tvm.s_tir import meta_schedule as ms
+
+    from swa_tvm.tuning_builder import PooledBuilder
+
+    good = tuning.default_point(KSPEC, 8).mod
+    n, a = te.var("n"), te.placeholder((64,), name="a")  # n: used, not an argument
+    broken = tvm.IRModule({"main": te.create_prim_func([a, te.compute((64,), lambda i: a[i] * n.astype("float32"))])})
+    cpu = tvm.target.Target(host_target())
+    # The "artifact" is the worker's pid (a lambda: cloudpickle sends it by value).
+    builder = PooledBuilder(max_workers=2, timeout_sec=120, f_export=lambda mod: str(__import__("os").getpid()))
+    try:
+        first = builder.build([ms.builder.BuilderInput(good, cpu), ms.builder.BuilderInput(good, cpu)])
+        second = builder.build([ms.builder.BuilderInput(broken, cpu), ms.builder.BuilderInput(good, cpu)])
+    finally:
+        builder.close()
+    assert all(r.error_msg is None for r in first)
+    pids = {int(r.artifact_path) for r in first}
+    assert os.getpid() not in pids
+    assert second[0].artifact_path is None and "builder: an exception occurred" in second[0].error_msg
+    assert "variables (n,) are used, but are not passed" in second[0].error_msg  # TVM's reason, passed on
+    assert second[1].error_msg is None and int(second[1].artifact_path) in pids
+
+
 def test_sampled_schedule_of_a_bfloat16_kernel_is_correct():
     """The CPU search space of a bfloat16 kernel (float32 inside): a sampled point,
     replayed on the symbolic kernel, against the float64 reference."""
