@@ -260,14 +260,8 @@ def test_rpc_tracker_with_two_servers(tmp_path):
                                "--port", str(port), "--port-end", str(port + 1)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)]  # fmt: skip
     try:
-        deadline = time.time() + 60  # the tracker imports TVM first: seconds on this machine
-        while time.time() < deadline:
-            assert procs[0].poll() is None, "the RPC tracker exited"
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.5)
+        # The servers start beside the tracker (each process imports TVM first, ~9 s
+        # here): a server retries the tracker's port every 5 s until it answers.
         for _ in range(2):
             sport = _free_port()
             procs.append(
@@ -275,10 +269,17 @@ def test_rpc_tracker_with_two_servers(tmp_path):
                                   "--key", "swa-test", "--host", "127.0.0.1", "--port", str(sport), "--port-end", str(sport + 1)],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
             )
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            assert all(p.poll() is None for p in procs), "the RPC tracker or a server exited"
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.5)
         from tvm.s_tir.meta_schedule.runner import RPCConfig
 
         cfg = RPCConfig("127.0.0.1", port, "swa-test", session_timeout_sec=10)
-        deadline = time.time() + 60
         while cfg.count_num_servers() < 2 and time.time() < deadline:
             time.sleep(1)
         assert cfg.count_num_servers() == 2
