@@ -75,6 +75,16 @@ def test_sampled_schedules_replay_on_symbolic_kernel_and_are_correct(seed):
     assert rel_err(out, ref_out) < 1e-5
 
 
+def _cli(capsys, *argv):
+    """``swa-tvm ARGV`` in this process (cli.main is what the console script runs; a
+    subprocess costs ~9 s of imports here): rc, stdout, stderr."""
+    from swa_tvm import cli
+
+    rc = cli.main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
 def _tune_cmd(logs, work, trials, per_iter, *extra):
     return CLI + ["tune", "--spec", SPEC_STR, "--trials", str(trials), "--trials-per-iter", str(per_iter),
                   "--logs", str(logs), "--work-dir", str(work), "--seed", "0", "--quiet", *extra]  # fmt: skip
@@ -193,17 +203,16 @@ def test_interrupt_keeps_records_and_exits_130(tmp_path):
     assert _check_logs_readable(folder) >= 2
 
 
-def test_export_applies_records_and_result_is_correct(tuned_logs, tmp_path, fresh_registry):
+def test_export_applies_records_and_result_is_correct(tuned_logs, tmp_path, fresh_registry, capsys):
     lib = tmp_path / "tuned.so"
-    r = subprocess.run(CLI + ["export", "--spec", SPEC_STR, "--logs", str(tuned_logs), "-o", str(lib)],
-                       capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    assert "warning" not in r.stderr  # the only kernel is tuned
+    rc, _, err = _cli(capsys, "export", "--spec", SPEC_STR, "--logs", tuned_logs, "-o", lib)
+    assert rc == 0, err
+    assert "warning" not in err  # the only kernel is tuned
     m = swa_tvm.library.read_manifest(lib)
     (k,) = m["kernels"]
     assert k["tuned"] is True and k["tuning"]["records"] >= 4 and k["tuning"]["gflops"] > 0
-    info = subprocess.run(CLI + ["info", str(lib)], capture_output=True, text=True)
-    assert "tuned:" in info.stdout
+    rc, out, _ = _cli(capsys, "info", lib)
+    assert rc == 0 and "tuned:" in out
     swa_tvm.load_library(lib)
     q, kk, v = (torch.randn(2, 2, 333, 16) for _ in range(3))
     out = swa_tvm.sliding_window_attention(q, kk, v, window_size=(7, 0))
@@ -224,12 +233,11 @@ def test_records_never_cross_cpu_classes(tuned_logs, tmp_path):
     assert tuning.best_record(KSPEC, other, str(tmp_path)) is None  # folder, foreign records
 
 
-def test_untuned_export_warns_naming_the_kernel(tmp_path):
-    r = subprocess.run(CLI + ["export", "--spec", "head_dim=16,window=2:2", "--logs", str(tmp_path), "-o",
-                              str(tmp_path / "x.so")], capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    assert "warning: kernel swa_local_d16_f32_l2_r2_md1_x0_bq32: no tuning record" in r.stderr
-    assert "default schedule" in r.stdout
+def test_untuned_export_warns_naming_the_kernel(tmp_path, capsys):
+    rc, out, err = _cli(capsys, "export", "--spec", "head_dim=16,window=2:2", "--logs", tmp_path, "-o", tmp_path / "x.so")
+    assert rc == 0, err
+    assert "warning: kernel swa_local_d16_f32_l2_r2_md1_x0_bq32: no tuning record" in err
+    assert "default schedule" in out
 
 
 def test_torn_last_line_is_skipped_other_damage_is_an_error(tuned_logs, tmp_path):
@@ -299,29 +307,27 @@ def test_rpc_tracker_with_two_servers(tmp_path):
 
 
 def test_bad_tune_arguments(capsys):
-    """Refused with rc 1 and a message naming the argument (in this process: cli.main is
-    what the console script runs; a subprocess per case cost ~7 s of imports)."""
     from swa_tvm import cli
 
     cases = [(["--trials", "0"], "trials must be >= 1"),
              (["--trials", "2", "--rpc-tracker", "nohost"], "HOST:PORT"),
              (["--trials", "2", "--rpc-tracker", "127.0.0.1:9190"], "rpc_key is required")]  # fmt: skip
     for extra, message in cases:
-        assert cli.main(["tune", "--spec", SPEC_STR, *extra]) == 1
-        assert message in capsys.readouterr().err
+        rc, _, err = _cli(capsys, "tune", "--spec", SPEC_STR, *extra)
+        assert rc == 1 and message in err
     with pytest.raises(SystemExit) as e:
         cli.main(["tune", "--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0 and "--rpc-tracker" in out and "--work-dir" in out
 
 
-def test_backward_kernels_tune_and_export_with_their_own_records(tmp_path, fresh_registry):
+def test_backward_kernels_tune_and_export_with_their_own_records(tmp_path, fresh_registry, capsys):
     """`tune --kernels backward` tunes only the gradient kernels of a spec, each under its
     own workload; export applies those records and the gradients stay exact."""
     spec = "head_dim=16,window=7:0,backward"
-    r = subprocess.run(CLI + ["tune", "--spec", "head_dim=16,window=7:0", "--kernels", "backward", "--trials", "1",
-                              "--logs", str(tmp_path / "logs")], capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert r.returncode == 1 and "add ',backward'" in r.stderr
+    rc, _, err = _cli(capsys, "tune", "--spec", "head_dim=16,window=7:0", "--kernels", "backward", "--trials", "1",
+                      "--logs", tmp_path / "logs")  # fmt: skip
+    assert rc == 1 and "add ',backward'" in err
     r = subprocess.run(CLI + ["tune", "--spec", spec, "--kernels", "backward", "--trials", "2", "--trials-per-iter", "2",
                               "--logs", str(tmp_path / "logs"), "--work-dir", str(tmp_path / "work"), "--seed", "0",
                               "--quiet"], capture_output=True, text=True, timeout=900)  # fmt: skip
@@ -342,9 +348,8 @@ def test_backward_kernels_tune_and_export_with_their_own_records(tmp_path, fresh
         recs = db.records_for(tuning.tuning_workload(k))
         assert any(str(r.trace) == default for r in recs), k.name
     lib = tmp_path / "train.so"
-    r = subprocess.run(CLI + ["export", "--spec", spec, "--logs", str(tmp_path / "logs"), "-o", str(lib)],
-                       capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert r.returncode == 0, r.stderr
+    rc, _, err = _cli(capsys, "export", "--spec", spec, "--logs", tmp_path / "logs", "-o", lib)
+    assert rc == 0, err
     tuned = {k["spec"]["kind"]: k["tuned"] for k in swa_tvm.library.read_manifest(lib)["kernels"]}
     assert tuned == {"local": False, "local_dq": True, "local_dkv": True}
     swa_tvm.load_library(lib)
