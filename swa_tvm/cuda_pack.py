@@ -157,6 +157,24 @@ def fatbin_blob(blob: bytes, arch: str) -> tuple[bytes, dict]:
     return struct.pack("<Q", len(body) - 8) + body[8:], resources
 
 
+def fatbin_cubin(fatbin: bytes) -> bytes | None:
+    """The machine code (ELF cubin) in an nvcc fatbin of one arch, which
+    ``nvcc_compile(..., "cubin")`` would write; None if there is none uncompressed. A
+    fatbin: u32 magic, u16 version, u16 header size, u64 size of the entries; each entry
+    u16 kind (1 PTX, 2 ELF), u16, u32 header size, u64 payload size, then the payload."""
+    if not fatbin.startswith(FATBIN_MAGIC):
+        return None
+    _, _, header, total = struct.unpack_from("<IHHQ", fatbin)
+    at, end = header, header + total
+    while at + 16 <= end:
+        kind, _, entry_header, size = struct.unpack_from("<HHIQ", fatbin, at)
+        payload = fatbin[at + entry_header : at + entry_header + size]
+        if kind == 2 and payload.startswith(b"\x7fELF"):
+            return payload
+        at += entry_header + size
+    return None
+
+
 def read_cuda_modules(blob: bytes) -> list[tuple[str, bytes]]:
     """(format, data) of each CUDA module in an import blob."""
     found = []

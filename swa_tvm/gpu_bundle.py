@@ -121,8 +121,8 @@ def build_variants(out: str, arch: str) -> str:
 
     import tvm
 
-    from .build import normalize_target
-    from .cuda_pack import export_module
+    from .build import cuda_source, normalize_target
+    from .cuda_pack import export_module, fatbin_cubin, library_blob, read_cuda_modules
     from .schedules import cuda_flash, cuda_flash_bwd, cuda_flash_bwd_tc, cuda_flash_tc
     from .spec import AttentionSpec
 
@@ -189,7 +189,12 @@ def build_variants(out: str, arch: str) -> str:
     from . import sass
 
     if sass.nvdisasm() is not None:
-        machine = sass.analyze(funcs, arch)
+        # The library's own machine code (nvcc's second run for a cubin took as long as
+        # its first, ~28 s for these kernels).
+        fatbins = [data for fmt, data in read_cuda_modules(library_blob(path)) if fmt == "fatbin"]
+        cubin = fatbin_cubin(fatbins[0]) if len(fatbins) == 1 else None
+        machine = (sass.analyze_cubin(cubin, resources) if cubin is not None
+                   else sass.analyze_source(cuda_source(module), arch))
         for entry in entries:
             found = machine.get(f"{entry['function']}_kernel", {})
             entry["sass"] = {key: found.get(key) for key in ("loop_instructions", "loop_mma", "loop_per_mma",

@@ -174,11 +174,23 @@ def summarize(insts, labels) -> dict:
 def analyze(funcs: dict, arch: str = "sm_90") -> dict[str, dict]:
     """{kernel: ptxas's registers/spills + ``summarize``} for PrimFuncs ``funcs`` ({name:
     func}) built for ``arch``."""
-    from .cuda_pack import nvcc_compile, ptxas_resources
     from .cuda_races import generated_source
 
-    cubin, report = nvcc_compile(generated_source(funcs, arch), arch, "cubin")
-    resources = ptxas_resources(report)
+    return analyze_source(generated_source(funcs, arch), arch)
+
+
+def analyze_source(code: str, arch: str = "sm_90") -> dict[str, dict]:
+    """``analyze`` of CUDA source TVM generated (``build.cuda_source`` of a compiled
+    module: lowering it again would cost what its first lowering did)."""
+    from .cuda_pack import nvcc_compile, ptxas_resources
+
+    cubin, report = nvcc_compile(code, arch, "cubin")
+    return analyze_cubin(cubin, ptxas_resources(report))
+
+
+def analyze_cubin(cubin: bytes, resources: dict) -> dict[str, dict]:
+    """``analyze`` of machine code already compiled (``cuda_pack.fatbin_cubin`` of an
+    exported library's fatbin) with ptxas's report of it (``export_module``'s)."""
     return {
         name: {**resources.get(name, {}), **summarize(*parts)}
         for name, parts in kernel_instructions(disassemble(cubin)).items()

@@ -172,6 +172,23 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
             registered[0].func()
 
 
+@needs_nvcc
+def test_fatbin_cubin_is_the_machine_code_nvcc_writes():
+    """cuda_pack.fatbin_cubin (how the GPU bundle reads its library's machine code for
+    swa_tvm.sass instead of compiling the source again): the ELF in a fatbin is byte for
+    byte the cubin nvcc writes for the arch; a PTX-only or foreign blob has none."""
+    from swa_tvm.cuda_pack import FATBIN_MAGIC, fatbin_cubin, nvcc_compile
+
+    code = 'extern "C" __global__ void twice(float* a) { a[threadIdx.x] *= 2.0f; }'
+    fatbin, _ = nvcc_compile(code, "sm_80", "fatbin")
+    cubin, _ = nvcc_compile(code, "sm_80", "cubin")
+    assert cubin.startswith(b"\x7fELF") and fatbin_cubin(fatbin) == cubin
+    ptx_only = bytearray(fatbin)
+    ptx_only[16:18] = (1).to_bytes(2, "little")  # the entry's kind: PTX
+    assert fatbin_cubin(bytes(ptx_only)) is None
+    assert fatbin_cubin(cubin) is None and fatbin_cubin(FATBIN_MAGIC + bytes(12)) is None
+
+
 def test_fused_cuda_kernels_have_the_barriers_they_need():
     """No shared-memory race in the generated source of every fused kernel (forward and
     gradients, tensor cores and CUDA cores, local rows with extra keys and global rows),
@@ -1202,8 +1219,13 @@ TC_RING_BACKWARD_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("fused", ["cores", "tc", "tc_wgmma", "tc_ring", "te"])
-@pytest.mark.parametrize("case", list(BACKWARD_CASES))
+# Each case on each build of the gradient kernels; the tensor-core ones take
+# float16/bfloat16, the cases their tables list.
+BACKWARD_BUILDS = {"cores": BACKWARD_CASES, "tc": TC_BACKWARD_CONFIGS, "tc_wgmma": TC_WGMMA_BACKWARD_CONFIGS,
+                   "tc_ring": TC_RING_BACKWARD_CONFIGS, "te": BACKWARD_CASES}
+
+
+@pytest.mark.parametrize("case,fused", [(c, f) for c in BACKWARD_CASES for f, cases in BACKWARD_BUILDS.items() if c in cases])
 def test_cuda_backward_kernels_compute_the_reference_gradients(case, fused, monkeypatch):
     """The whole backward (``functional.attention_backward``: delta, sink gradient, the
     global rows' split, GQA sums) with every gradient kernel as the CUDA build makes it
@@ -1225,10 +1247,7 @@ def test_cuda_backward_kernels_compute_the_reference_gradients(case, fused, monk
     from swa_tvm.schedules import cuda, cuda_flash_bwd, cuda_flash_bwd_tc
     from swa_tvm.spec import BACKWARD_KINDS
 
-    tc_configs = {"tc_wgmma": TC_WGMMA_BACKWARD_CONFIGS, "tc_ring": TC_RING_BACKWARD_CONFIGS}.get(
-        fused, TC_BACKWARD_CONFIGS)
-    if fused.startswith("tc") and case not in tc_configs:
-        pytest.skip("the tensor-core backward takes float16/bfloat16 (three cases)")
+    tc_configs = BACKWARD_BUILDS[fused]
     config = BACKWARD_CASES[case][5]
     built = []
 

@@ -95,6 +95,10 @@ def test_cpu_kernels_use_torchs_thread_count(lib, threads):
                        timeout=600, env=env)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     assert int(r.stdout.split()[-1]) == min(threads, cpus)
+
+
+def test_tvm_num_threads_wins_over_torchs(lib):
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env["TVM_NUM_THREADS"] = "1"
     r = subprocess.run([sys.executable, "-c", THREADS, str(lib), "3"], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0 and int(r.stdout.split()[-1]) == 1, r.stdout + r.stderr

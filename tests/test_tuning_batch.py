@@ -54,8 +54,10 @@ def cpu_batch(tmp_path_factory):
     return batch, out / "measured.json"
 
 
-def test_cpu_batch_round_trip(cpu_batch, tmp_path):
+def test_cpu_batch_round_trip(cpu_batch, tmp_path, capsys):
     from tvm.s_tir.meta_schedule.database import JSONDatabase
+
+    from swa_tvm import cli
 
     batch, measured_path = cpu_batch
     meta = json.loads((batch / "batch.json").read_text())
@@ -72,8 +74,8 @@ def test_cpu_batch_round_trip(cpu_batch, tmp_path):
         assert row["max_rel_err"] < 1e-4  # every candidate computes what the baseline does
 
     logs = tmp_path / "logs"
-    r = _run(CLI + ["import-measurements", str(measured_path), "--batch", str(batch), "--logs", str(logs)])
-    assert "imported 2 records and 1 baselines" in r.stdout
+    assert cli.main(["import-measurements", str(measured_path), "--batch", str(batch), "--logs", str(logs)]) == 0
+    assert "imported 2 records and 1 baselines" in capsys.readouterr().out
     folder = logs / target_key(host_target())
     # MetaSchedule's own database reads the records, with the times measured there.
     db = JSONDatabase(str(folder / tuning.WORKLOAD_FILE), str(folder / tuning.RECORD_FILE))
