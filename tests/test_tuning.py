@@ -190,9 +190,11 @@ def test_sampled_schedule_of_a_bfloat16_kernel_is_correct():
 
 
 def test_interrupt_keeps_records_and_exits_130(tmp_path):
+    """Ctrl-C: exit 130, every record kept, and no builder or runner worker left running
+    (the tune has its own process group; the workers leave it only by exiting)."""
     folder = tuning.log_dir(str(tmp_path / "logs"), host_target())
     p = subprocess.Popen(_tune_cmd(tmp_path / "logs", tmp_path / "work", 40, 2),  # interrupted long before its end
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
     deadline = time.time() + 400
     while _record_lines(folder) < 2 and time.time() < deadline and p.poll() is None:
         time.sleep(0.5)
@@ -201,6 +203,16 @@ def test_interrupt_keeps_records_and_exits_130(tmp_path):
     assert p.returncode == 130, out + err
     assert "interrupted" in err and "run the same command again" in err
     assert _check_logs_readable(folder) >= 2
+    deadline = time.time() + 30  # a worker sees its pipe close and exits
+    while time.time() < deadline:
+        try:
+            os.killpg(p.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.5)
+    else:
+        os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail("worker processes outlived the interrupted tune")
 
 
 def test_export_applies_records_and_result_is_correct(tuned_logs, tmp_path, fresh_registry, capsys):
