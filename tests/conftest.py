@@ -37,6 +37,16 @@ def check_against_reference(q, k, v, tol=1e-5, **kw):
     return out, lse
 
 
+def run_cli(capsys, *argv):
+    """``swa-tvm ARGV`` in this process (cli.main is what the console script runs; a
+    subprocess costs ~9 s of imports here): rc, stdout, stderr."""
+    from swa_tvm import cli
+
+    rc = cli.main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
 def _registry_state():
     from swa_tvm import library
 

@@ -22,7 +22,7 @@ from swa_tvm.build import host_target, target_key
 from swa_tvm.reference import sliding_window_attention_ref
 from swa_tvm.spec import AttentionSpec, KernelSpec
 
-from conftest import rel_err
+from conftest import rel_err, run_cli
 
 SPEC_STR = "head_dim=16,window=7:0"
 SPEC = AttentionSpec.parse(SPEC_STR)
@@ -73,16 +73,6 @@ def test_sampled_schedules_replay_on_symbolic_kernel_and_are_correct(seed):
             s = (q[b, h].double() @ k[b, h].double().T) * D**-0.5
             ref_out[b, h] = torch.softmax(s.masked_fill(~m, float("-inf")), -1) @ v[b, h].double()
     assert rel_err(out, ref_out) < 1e-5
-
-
-def _cli(capsys, *argv):
-    """``swa-tvm ARGV`` in this process (cli.main is what the console script runs; a
-    subprocess costs ~9 s of imports here): rc, stdout, stderr."""
-    from swa_tvm import cli
-
-    rc = cli.main([str(a) for a in argv])
-    captured = capsys.readouterr()
-    return rc, captured.out, captured.err
 
 
 def _tune_cmd(logs, work, trials, per_iter, *extra):
@@ -217,13 +207,13 @@ def test_interrupt_keeps_records_and_exits_130(tmp_path):
 
 def test_export_applies_records_and_result_is_correct(tuned_logs, tmp_path, fresh_registry, capsys):
     lib = tmp_path / "tuned.so"
-    rc, _, err = _cli(capsys, "export", "--spec", SPEC_STR, "--logs", tuned_logs, "-o", lib)
+    rc, _, err = run_cli(capsys, "export", "--spec", SPEC_STR, "--logs", tuned_logs, "-o", lib)
     assert rc == 0, err
     assert "warning" not in err  # the only kernel is tuned
     m = swa_tvm.library.read_manifest(lib)
     (k,) = m["kernels"]
     assert k["tuned"] is True and k["tuning"]["records"] >= 4 and k["tuning"]["gflops"] > 0
-    rc, out, _ = _cli(capsys, "info", lib)
+    rc, out, _ = run_cli(capsys, "info", lib)
     assert rc == 0 and "tuned:" in out
     swa_tvm.load_library(lib)
     q, kk, v = (torch.randn(2, 2, 333, 16) for _ in range(3))
@@ -246,7 +236,7 @@ def test_records_never_cross_cpu_classes(tuned_logs, tmp_path):
 
 
 def test_untuned_export_warns_naming_the_kernel(tmp_path, capsys):
-    rc, out, err = _cli(capsys, "export", "--spec", "head_dim=16,window=2:2", "--logs", tmp_path, "-o", tmp_path / "x.so")
+    rc, out, err = run_cli(capsys, "export", "--spec", "head_dim=16,window=2:2", "--logs", tmp_path, "-o", tmp_path / "x.so")
     assert rc == 0, err
     assert "warning: kernel swa_local_d16_f32_l2_r2_md1_x0_bq32: no tuning record" in err
     assert "default schedule" in out
@@ -325,7 +315,7 @@ def test_bad_tune_arguments(capsys):
              (["--trials", "2", "--rpc-tracker", "nohost"], "HOST:PORT"),
              (["--trials", "2", "--rpc-tracker", "127.0.0.1:9190"], "rpc_key is required")]  # fmt: skip
     for extra, message in cases:
-        rc, _, err = _cli(capsys, "tune", "--spec", SPEC_STR, *extra)
+        rc, _, err = run_cli(capsys, "tune", "--spec", SPEC_STR, *extra)
         assert rc == 1 and message in err
     with pytest.raises(SystemExit) as e:
         cli.main(["tune", "--help"])
@@ -337,7 +327,7 @@ def test_backward_kernels_tune_and_export_with_their_own_records(tmp_path, fresh
     """`tune --kernels backward` tunes only the gradient kernels of a spec, each under its
     own workload; export applies those records and the gradients stay exact."""
     spec = "head_dim=16,window=7:0,backward"
-    rc, _, err = _cli(capsys, "tune", "--spec", "head_dim=16,window=7:0", "--kernels", "backward", "--trials", "1",
+    rc, _, err = run_cli(capsys, "tune", "--spec", "head_dim=16,window=7:0", "--kernels", "backward", "--trials", "1",
                       "--logs", tmp_path / "logs")  # fmt: skip
     assert rc == 1 and "add ',backward'" in err
     r = subprocess.run(CLI + ["tune", "--spec", spec, "--kernels", "backward", "--trials", "2", "--trials-per-iter", "2",
@@ -360,7 +350,7 @@ def test_backward_kernels_tune_and_export_with_their_own_records(tmp_path, fresh
         recs = db.records_for(tuning.tuning_workload(k))
         assert any(str(r.trace) == default for r in recs), k.name
     lib = tmp_path / "train.so"
-    rc, _, err = _cli(capsys, "export", "--spec", spec, "--logs", tmp_path / "logs", "-o", lib)
+    rc, _, err = run_cli(capsys, "export", "--spec", spec, "--logs", tmp_path / "logs", "-o", lib)
     assert rc == 0, err
     tuned = {k["spec"]["kind"]: k["tuned"] for k in swa_tvm.library.read_manifest(lib)["kernels"]}
     assert tuned == {"local": False, "local_dq": True, "local_dkv": True}

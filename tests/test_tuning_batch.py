@@ -20,7 +20,7 @@ from swa_tvm import tuning, tuning_batch
 from swa_tvm.build import host_target, target_key
 from swa_tvm.spec import AttentionSpec
 
-from conftest import rel_err
+from conftest import rel_err, run_cli
 
 SPEC_STR = "head_dim=16,window=7:0"
 KSPEC = AttentionSpec.parse(SPEC_STR).kernels()[0]
@@ -57,8 +57,6 @@ def cpu_batch(tmp_path_factory):
 def test_cpu_batch_round_trip(cpu_batch, tmp_path, capsys):
     from tvm.s_tir.meta_schedule.database import JSONDatabase
 
-    from swa_tvm import cli
-
     batch, measured_path = cpu_batch
     meta = json.loads((batch / "batch.json").read_text())
     measured = json.loads(measured_path.read_text())
@@ -74,8 +72,8 @@ def test_cpu_batch_round_trip(cpu_batch, tmp_path, capsys):
         assert row["max_rel_err"] < 1e-4  # every candidate computes what the baseline does
 
     logs = tmp_path / "logs"
-    assert cli.main(["import-measurements", str(measured_path), "--batch", str(batch), "--logs", str(logs)]) == 0
-    assert "imported 2 records and 1 baselines" in capsys.readouterr().out
+    rc, out, err = run_cli(capsys, "import-measurements", measured_path, "--batch", batch, "--logs", logs)
+    assert rc == 0 and "imported 2 records and 1 baselines" in out, err
     folder = logs / target_key(host_target())
     # MetaSchedule's own database reads the records, with the times measured there.
     db = JSONDatabase(str(folder / tuning.WORKLOAD_FILE), str(folder / tuning.RECORD_FILE))
@@ -259,12 +257,9 @@ def test_cuda_records_replace_the_fused_kernel_only_when_measured_faster(cuda_ba
 
 
 def test_cuda_tune_without_a_gpu_says_how_to_measure(tmp_path, capsys):
-    from swa_tvm import cli
-
-    argv = ["tune", "--spec", "head_dim=16,window=7:0,dtype=float16", "--target", "cuda -arch=sm_90", "--trials", "1",
-            "--logs", str(tmp_path)]  # fmt: skip
-    assert cli.main(argv) == 1
-    err = capsys.readouterr().err
+    rc, _, err = run_cli(capsys, "tune", "--spec", "head_dim=16,window=7:0,dtype=float16", "--target", "cuda -arch=sm_90",
+                         "--trials", "1", "--logs", tmp_path)  # fmt: skip
+    assert rc == 1
     assert "has none" in err and "--batch-out" in err
 
 
