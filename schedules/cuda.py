@@ -58,24 +58,47 @@ def _spatial_count(sch, block) -> int:
     return sum(1 for iv in sch.get(block).iter_vars if iv.iter_type == 0)
 
 
-def _one_thread_per_output(sch, block, threads) -> None:
-    """Fuse the spatial loops, one thread per output; reductions run serially inside.
+def _batch_heads(sch, loops) -> int:
+    """How many of a block's leading ``loops`` run over the batch and the heads (the TE's
+    loops ``b`` and ``h``, extents B and H): 2, 1 (``h`` alone) or 0."""
+    names = [sch.get(loop).loop_var.name for loop in loops[:2]]
+    return 2 if names == ["b", "h"] else 1 if names[:1] == ["h"] else 0
 
-    A stage over the band of a window unbounded on the right ([..., band, cols], band =
-    T + left) keeps its leading loops apart (blockIdx.x) from the band and column loops
-    (split over blockIdx.y and the threads): fused into one, TVM's region analysis
-    cannot lower the split of that symbolic extent. blockIdx.y then bounds the band:
-    band * cols < 65536 * threads (T up to about 131K at 128 columns)."""
+
+def _bind_batch_heads(sch, loops) -> None:
+    """Bind the batch and head loops to blockIdx.z and blockIdx.y. With them out of the
+    fused index of blockIdx.x, no block index is divided by a symbolic extent; TVM's
+    buffer compaction spent seconds per stage on the regions of such divisions when one
+    1-D grid covered B x H x items. gridDim.y and .z bound H and B at 65535
+    (``functional._check_te_cuda_grid`` refuses a call past that by name)."""
+    for loop, axis in zip(reversed(loops), ("blockIdx.y", "blockIdx.z")):
+        sch.bind(loop, axis)
+
+
+def _one_thread_per_output(sch, block, threads) -> None:
+    """One thread per output (reductions run serially inside): batch and heads on the
+    grid's z and y, the other spatial loops fused and split over blockIdx.x and the threads.
+
+    A stage over the band of a window unbounded on the right ([..., items, band, cols],
+    band = T + left) fuses only band and columns into blockIdx.x, the items going to
+    blockIdx.y and batch and heads (fused) to blockIdx.z: fused with the items, TVM's
+    region analysis cannot lower the split of that symbolic extent. Such a stage is
+    O(T^2) in work; its grid bounds items (T / block_q) and B x H at 65535."""
     from tvm import tirx
 
     spatial = sch.get_loops(block)[: _spatial_count(sch, block)]
-    if len(spatial) >= 3 and not isinstance(sch.get(spatial[-2]).extent, (tirx.IntImm, tirx.Var)):
-        by, tx = sch.split(sch.fuse(*spatial[-2:]), [None, threads])
-        sch.bind(sch.fuse(*spatial[:-2]), "blockIdx.x")
-        sch.bind(by, "blockIdx.y")
-        sch.bind(tx, "threadIdx.x")
-        return
-    bx, tx = sch.split(sch.fuse(*spatial), [None, threads])
+    n = _batch_heads(sch, spatial)
+    lead, rest = spatial[:n], spatial[n:]
+    if len(rest) >= 3 and not isinstance(sch.get(rest[-2]).extent, (tirx.IntImm, tirx.Var)):
+        bx, tx = sch.split(sch.fuse(*rest[-2:]), [None, threads])
+        sch.bind(sch.fuse(*rest[:-2]), "blockIdx.y")
+        if lead:
+            sch.bind(sch.fuse(*lead), "blockIdx.z")
+    else:
+        if not rest:
+            lead, rest = lead[:-1], lead[-1:]
+        bx, tx = sch.split(sch.fuse(*rest), [None, threads])
+        _bind_batch_heads(sch, lead)
     sch.bind(bx, "blockIdx.x")
     sch.bind(tx, "threadIdx.x")
 
@@ -142,8 +165,9 @@ def _tiled_product(sch, name: str, rows: int, cols: int, red: int, operands=(), 
     if not isinstance(unroll, int) or unroll:
         sch.annotate(ko, "pragma_auto_unroll_max_step", unroll)
         sch.annotate(ko, "pragma_unroll_explicit", 1)
-    sch.bind(sch.fuse(*batch), "blockIdx.x")
-    sch.bind(sch.fuse(io, jo), "blockIdx.y")
+    n = _batch_heads(sch, batch)
+    _bind_batch_heads(sch, batch[:n])
+    sch.bind(sch.fuse(*batch[n:], io, jo), "blockIdx.x")
     sch.bind(ty, "threadIdx.y")
     sch.bind(tx, "threadIdx.x")
     local = sch.cache_write(blk, 0, "local")
@@ -213,7 +237,19 @@ def _tensor_core_product(sch, name: str, rows: int, dtype: str, operands, knobs,
     factors = knobs.split(sch, i_tiles, [rows // 16 // warps_default, warps_default], max_inner=8)
     i_blk, warp = sch.split(i_tiles, factors)
     sch.reorder(i_blk, warp, k_steps, j_tiles, i16, j16, k16)
-    sch.bind(sch.fuse(*batch), "blockIdx.x")
+    # The row-tile groups keep their own grid axis (y): fused with the int64 item loop,
+    # their int32 index would reach the wmma steps through a cast, which tensorize
+    # cannot blockize. Heads go to z, the batch into x with the items (this stage's
+    # one division by a symbolic extent, the item count).
+    n = _batch_heads(sch, batch)
+    rest = batch[n:]
+    if n == 2:
+        sch.reorder(batch[1], batch[0])
+        rest = [batch[0]] + rest
+    if n:
+        sch.bind(batch[n - 1], "blockIdx.z")
+    bx = sch.fuse(*rest) if len(rest) > 1 else rest[0]
+    sch.bind(bx, "blockIdx.x")
     sch.bind(i_blk, "blockIdx.y")
     sch.bind(warp, "threadIdx.y")
     accumulator = sch.cache_write(blk, 0, "wmma.accumulator")

@@ -172,6 +172,33 @@ def _dense(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % ALIGNMENT == 0 else x.clone()
 
 
+# gridDim.y and gridDim.z of a CUDA launch (x allows 2**31 - 1).
+CUDA_GRID_YZ = 65535
+
+
+def _check_te_cuda_grid(kern: library.Kernel, args) -> None:
+    """The TE kernels' CUDA grid (schedules/cuda.py) puts heads on blockIdx.y and the
+    batch on blockIdx.z, and with a side of the window unbounded, batch x heads on z and
+    the query blocks on y; refuse a shape past those axes' limit by name, before the
+    launch fails with a bare CUDA error. (The fused kernels use blockIdx.x alone.)"""
+    if kern.device != "cuda" or kern.schedule not in ("default", "tuned"):
+        return
+    shapes = [a.shape for a in args if isinstance(a, torch.Tensor) and a.dim() == 4]
+    B, H = max(s[0] for s in shapes), max(s[1] for s in shapes)
+    T = max(s[2] for s in shapes)
+    s = kern.spec
+    limits = [("batch size B", B), ("number of heads H", H)]
+    if s.left < 0 or s.right < 0:
+        blocks = -(-T // s.block_q) + s.max_dilation - 1
+        limits += [("B x H", B * H), (f"number of {s.block_q}-row query blocks", blocks)]
+    for what, n in limits:
+        if n > CUDA_GRID_YZ:
+            raise ValueError(
+                f"kernel {s.name} ({kern.schedule} schedule, schedules/cuda.py): its {what} = {n} exceeds the "
+                f"{CUDA_GRID_YZ} blocks a CUDA grid allows on its y and z axes; split the call along the batch or heads"
+            )
+
+
 def _launch(kern: library.Kernel, device: torch.device, *args) -> None:
     """Call a kernel. CUDA kernels run under ``device`` (a device guard: TVM launches on
     the current device) and on torch's current stream there, so they order with the
@@ -182,6 +209,7 @@ def _launch(kern: library.Kernel, device: torch.device, *args) -> None:
                 f"kernel {kern.spec.name}: a {tuple(a.shape)} argument's data is not {ALIGNMENT}-byte aligned "
                 "(the kernels assume it; pass it through functional._dense)"
             )
+    _check_te_cuda_grid(kern, args)
     if kern.device != "cuda" or device.type != "cuda":
         kern.func(*args)
         return

@@ -201,6 +201,9 @@ class Kernel:
     # Extra trailing arguments the caller allocates (the manifest's "workspace", one of
     # WORKSPACES), None for none.
     workspace: str | None = None
+    # The manifest's "schedule": "default"/"tuned" (the TE compute, schedules/cpu.py or
+    # schedules/cuda.py, or a record replayed on it) or a fused kernel's module name.
+    schedule: str | None = None
 
 
 class Registry:
@@ -339,7 +342,8 @@ def load_library(path: str | os.PathLike, *, _jit_cache: bool = False) -> list[K
     for entry in manifest["kernels"]:
         spec = KernelSpec.from_dict(entry["spec"])
         func = module[spec.name] if module is not None else _no_device_kernel(spec, path, no_device)
-        REGISTRY.add(Kernel(spec, func, device, "jit" if _jit_cache else path, arch, entry.get("workspace")), module)
+        origin = "jit" if _jit_cache else path
+        REGISTRY.add(Kernel(spec, func, device, origin, arch, entry.get("workspace"), entry.get("schedule")), module)
         specs.append(spec)
     if not _jit_cache:  # JIT cache entries do not count as user libraries
         with REGISTRY._lock:

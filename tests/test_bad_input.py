@@ -97,3 +97,32 @@ def test_device_not_served(monkeypatch):
     monkeypatch.setattr(functional, "SERVED_DEVICES", ("cuda",))
     with pytest.raises(ValueError, match=r"q is on cpu, but this build of swa_tvm has kernels only for cuda"):
         call()
+
+
+@pytest.mark.parametrize("window,shape,what", [
+    ((7, 0), (65536, 2, 64), r"batch size B = 65536"),
+    ((7, 0), (2, 70000, 64), r"number of heads H = 70000"),
+    ((7, -1), (300, 300, 64), r"B x H = 90000"),
+    ((7, -1), (1, 1, 32 * 65536), r"number of 32-row query blocks = 65537"),
+])
+def test_te_cuda_grid_limits_named(window, shape, what):
+    """The TE kernels' CUDA grid (schedules/cuda.py) has batch and heads on blockIdx.z/y,
+    whose limit is 65535 blocks: a call past it is refused by name before the launch. The
+    fused kernels (blockIdx.x alone) take the same shape. (Meta tensors: the check reads
+    shapes only; no GPU is needed to reach it.)"""
+    from swa_tvm import functional, library
+    from swa_tvm.spec import KernelSpec
+
+    B_, H_, T_ = shape
+    spec = KernelSpec("local", 16, "float16", *window, max_dilation=2)
+    q = torch.empty(B_, H_, T_, 16, dtype=torch.float16, device="meta")
+    calls = []
+    for schedule in ("default", "tuned", "cuda_flash_tc"):
+        kern = library.Kernel(spec, lambda *a: calls.append(a), "cuda", "test", "sm_90", schedule=schedule)
+        if schedule == "cuda_flash_tc":
+            functional._launch(kern, torch.device("meta"), q, q, q)
+            assert len(calls) == 1
+        else:
+            with pytest.raises(ValueError, match=rf"kernel {spec.name} \({schedule} schedule.*{what} exceeds the 65535"):
+                functional._launch(kern, torch.device("meta"), q, q, q)
+    assert len(calls) == 1

@@ -723,6 +723,21 @@ def _serial_on_cpu(func):
     return tvm.compile(mod, target=tvm.target.Target({"kind": "llvm", "opt-level": 0}))
 
 
+def _assert_grid_divides_by_no_symbolic_extent(func) -> None:
+    """Every block-index loop of a TE CUDA kernel: blockIdx.x's extent free of B and H
+    (batch and heads are the grid's z and y axes), so no block index is divided by a
+    product of symbolic extents (TVM's buffer compaction took 11-13 s per kernel on those
+    divisions when one 1-D grid covered B x H x items)."""
+    grid = re.findall(r'T\.thread_binding\((.*), thread="blockIdx\.([xyz])"\)', func.script())
+    assert grid and {axis for _, axis in grid} >= {"x", "y"}
+    for extent, axis in grid:
+        names = set(re.findall(r"\b[A-Za-z_]\w*\b", extent)) - {"T", "int64", "int32"}
+        if axis == "x":
+            assert not names & {"B", "H"}, extent
+        else:  # heads, batch, or (a band unbounded on the right) their product and the items
+            assert extent.strip() in ("B", "H", "B * H") or not names & {"B", "H"}, extent
+
+
 @pytest.mark.parametrize(
     "dtype,window,pattern",
     [
@@ -745,6 +760,7 @@ def test_cuda_schedule_computes_the_reference(dtype, window, pattern):
     sch = s_tir.Schedule(tvm.IRModule({spec.name: prim_func(spec, target_kind="cuda")}))
     sch.work_on(spec.name)
     cuda.schedule(sch, spec)
+    _assert_grid_divides_by_no_symbolic_extent(sch.mod[spec.name])
     kernel = _serial_on_cpu(sch.mod)[spec.name]
 
     dilation = [1, 2, 1, 2] if extras else [2, 2, 2, 2]
@@ -770,6 +786,7 @@ def test_cuda_search_space_points_replay_and_compute_the_reference(seed):
     kinds = [i.kind.name for i in sch.trace.insts]
     assert "SamplePerfectTile" in kinds and "SampleCategorical" in kinds
     func = tuning.apply_record(spec, sch.trace, "cuda")
+    _assert_grid_divides_by_no_symbolic_extent(func)
     kernel = _serial_on_cpu(tvm.IRModule({spec.name: func}))[spec.name]
     _check_local_kernel(kernel, "float16", (8, 9), [1, 2, 1, 2], True, 3e-3, Hkv=4, D=16)
 
