@@ -184,18 +184,20 @@ def _check_te_cuda_grid(kern: library.Kernel, args) -> None:
     if kern.device != "cuda" or kern.schedule not in ("default", "tuned"):
         return
     shapes = [a.shape for a in args if isinstance(a, torch.Tensor) and a.dim() == 4]
-    B, H = max(s[0] for s in shapes), max(s[1] for s in shapes)
-    T = max(s[2] for s in shapes)
+    if not shapes:
+        return
+    B, H, T = (max(shape[i] for shape in shapes) for i in range(3))
     s = kern.spec
-    limits = [("batch size B", B), ("number of heads H", H)]
+    split = "split the call along the batch or heads"
+    limits = [("batch size B", B, split), ("number of heads H", H, split)]
     if s.left < 0 or s.right < 0:
         blocks = -(-T // s.block_q) + s.max_dilation - 1
-        limits += [("B x H", B * H), (f"number of {s.block_q}-row query blocks", blocks)]
-    for what, n in limits:
+        limits += [("B x H", B * H, split), (f"number of {s.block_q}-row query blocks", blocks, "T is too long for it")]
+    for what, n, advice in limits:
         if n > CUDA_GRID_YZ:
             raise ValueError(
                 f"kernel {s.name} ({kern.schedule} schedule, schedules/cuda.py): its {what} = {n} exceeds the "
-                f"{CUDA_GRID_YZ} blocks a CUDA grid allows on its y and z axes; split the call along the batch or heads"
+                f"{CUDA_GRID_YZ} blocks a CUDA grid allows on its y and z axes; {advice}"
             )
 
 

@@ -284,15 +284,14 @@ def test_kernels_never_floor_divide_by_the_runtime_dilation(kind):
 def test_cuda_kernels_refuse_a_device_their_code_does_not_run_on(monkeypatch, arch, device_cc, refused):
     """The launch's arch check (before any CUDA call): sm_XY code runs on sm_XY and later
     GPUs, sm_XYa code (wgmma) on sm_XY alone; a refusal names both."""
-    import types
-
     import torch
 
     from swa_tvm import functional
+    from swa_tvm.spec import KernelSpec
 
     calls = []
-    kern = types.SimpleNamespace(spec=types.SimpleNamespace(name="k"), origin="lib.so", device="cuda",
-                                 cuda_arch=arch, func=lambda *a: calls.append(a))
+    kern = library.Kernel(KernelSpec("local", 16, "float16", 7, 0), lambda *a: calls.append(a), "cuda", "lib.so", arch,
+                          schedule="cuda_flash_tc")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: device_cc)
     if refused:
         with pytest.raises(RuntimeError, match=f"built for {arch}, but cuda:0 is sm_{device_cc[0]}{device_cc[1]}"):
