@@ -7,7 +7,6 @@ worker memory over repeated batches. Usage:
     python examples/compare_builders.py memory 8  # 8 batches of 16 builds, worker RSS after each
 """
 
-import os
 import sys
 import tempfile
 import time
@@ -35,13 +34,15 @@ def tune(kind: str) -> None:
 
 
 def worker_rss_mib() -> list[int]:
+    """Resident memory of this process's builder workers (TVM's popen_worker children)."""
+    import psutil
+
     out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for child in psutil.Process().children():
         try:
-            cmd = open(f"/proc/{pid}/cmdline").read()
-            if "popen_worker" in cmd and int(open(f"/proc/{pid}/stat").read().split()[3]) == os.getpid():
-                out.append(int(open(f"/proc/{pid}/statm").read().split()[1]) * 4096 // 2**20)
-        except OSError:
+            if any("popen_worker" in arg for arg in child.cmdline()):
+                out.append(child.memory_info().rss // 2**20)
+        except psutil.NoSuchProcess:
             pass
     return sorted(out)
 
