@@ -542,7 +542,7 @@ def _result(args, argv, libs_tuned, threads, peak, rows, memory, growth=()) -> d
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "swa-tvm bench " + " ".join(argv),
-        "machine": {"cpu": _cpu_name(), "machine": platform.machine(), "threads": threads, "tvm_threads": library.tvm_pool_threads()},
+        "machine": machine_info(threads),
         "versions": {"torch": torch.__version__, "tvm": swa_tvm.library.tvm_version(), "swa_tvm": swa_tvm.__version__},
         "shape": {"B": B, "H": H, "D": D, "dtype": args.dtype},
         "matmul_peak_gflops": peak,
@@ -581,6 +581,15 @@ def growth_table(result: dict) -> str:
         out.append(f"| {g['config']} | {g['T_small']} → {g['T_large']} | {g['ms_small']:.1f} | {g['ms_large']:.1f} | "
                    f"{g['ratio']:.2f} |")
     return "\n".join(out)
+
+
+def machine_info(threads: int) -> dict:
+    """What a results file says of the machine; ``target_key`` is the class whose
+    tuning logs a library exported here applies (``tuning_logs/<target_key>/``)."""
+    from .build import host_target, target_key
+
+    return {"cpu": _cpu_name(), "machine": platform.machine(), "target_key": target_key(host_target()),
+            "threads": threads, "tvm_threads": library.tvm_pool_threads()}
 
 
 def _cpu_name() -> str:

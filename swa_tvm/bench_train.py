@@ -164,7 +164,7 @@ def _result(argv, rows, dtype: str = "float32") -> dict:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "swa-tvm bench --training " + " ".join(argv or []),
-        "machine": {"cpu": bench._cpu_name(), "threads": torch.get_num_threads(), "tvm_threads": swa_tvm.library.tvm_pool_threads()},
+        "machine": bench.machine_info(torch.get_num_threads()),
         "versions": {"torch": torch.__version__, "tvm": swa_tvm.library.tvm_version(), "swa_tvm": swa_tvm.__version__},
         "shape": {"B": bench.B, "H": bench.H, "D": bench.D, "dtype": dtype},
         "rows": rows,
