@@ -620,9 +620,12 @@ def plot(result: dict, path: str) -> None:
         ax.set_title(config)
         ax.set_xlabel("T")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].set_ylabel("median ms (B=1, H=8, D=64, fp32)")
+    shape = result["shape"]
+    axes[0][0].set_ylabel(f"median ms (B={shape['B']}, H={shape['H']}, D={shape['D']}, {shape.get('dtype', 'float32')})")
     axes[0][-1].legend(fontsize=8)
-    fig.suptitle(f"{result['machine']['cpu']}, {result['machine']['threads']} threads, {result['date'][:10]}")
+    m = result["machine"]
+    key = f" ({m['target_key']})" if "target_key" in m else ""  # results before 2026-12-05 lack it
+    fig.suptitle(f"{m['cpu']}{key}, {m['threads']} threads, {result['date'][:10]}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
