@@ -85,7 +85,26 @@ def normalize_target(target: str | dict | None) -> dict:
     target = dict(target)
     if target.get("kind") == "cuda":
         return _cuda_target(target.get("arch"))
+    if target.get("kind") != "llvm":
+        raise ValueError(f"target kind {target.get('kind')!r}: swa_tvm builds for 'llvm' (CPUs) and 'cuda' only")
+    if "mcpu" in target:
+        _check_llvm_cpu(target)
     return target
+
+
+def _check_llvm_cpu(target: dict) -> None:
+    """LLVM takes an -mcpu it does not know as 'generic' with a log line and carries on,
+    which would write a baseline-ISA library under the misspelled name's class."""
+    from tvm.target import codegen
+
+    triple = target.get("mtriple") or codegen.llvm_get_system_triple()
+    cpu = target["mcpu"]
+    if not isinstance(cpu, str) or not codegen.llvm_is_valid_cpu(cpu, triple):
+        portable = " (portable x86 levels: x86-64-v2, x86-64-v3, x86-64-v4)" if triple.startswith("x86_64") else ""
+        raise ValueError(
+            f"target mcpu {cpu!r} is not a CPU that LLVM {codegen.llvm_version_major()} knows for {triple}; "
+            f"this machine is {codegen.llvm_get_system_cpu()!r}{portable}"
+        )
 
 
 def target_key(target: dict) -> str:

@@ -126,3 +126,22 @@ def test_te_cuda_grid_limits_named(window, shape, what):
             with pytest.raises(ValueError, match=rf"kernel {spec.name} \({schedule} schedule.*{what} exceeds the 65535"):
                 functional._launch(kern, torch.device("meta"), q, q, q)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("target,msg", [
+    ('{"kind": "llvm", "mcpu": "znver9"}', r"target mcpu 'znver9' is not a CPU that LLVM \d+ knows for .*x86-64-v3"),
+    ('{"kind": "llvm", "mcpu": 4}', r"target mcpu 4 is not a CPU"),
+    ('{"kind": "opencl"}', r"target kind 'opencl': swa_tvm builds for 'llvm' \(CPUs\) and 'cuda' only"),
+    ("vulkan", r"target 'vulkan': use 'llvm' for this CPU"),
+])
+def test_bad_export_target_named(target, msg, tmp_path, capsys):
+    """LLVM would take an unknown -mcpu as 'generic' and carry on: the library would be
+    baseline x86 code filed under the misspelled CPU's class. Refused before building."""
+    import re
+
+    from conftest import run_cli
+
+    out = tmp_path / "x.so"
+    rc, _, err = run_cli(capsys, "export", "--spec", "head_dim=16,window=3:0", "--target", target, "-o", out)
+    assert rc != 0 and re.search(msg, err), err
+    assert not out.exists()

@@ -2,6 +2,7 @@
 
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -173,6 +174,36 @@ def test_cli_info_and_errors(lib):
     assert r.returncode == 1 and "window must look like LEFT:RIGHT" in r.stderr
     r = subprocess.run([sys.executable, "-m", "swa_tvm.cli", "bogus"], capture_output=True, text=True)
     assert r.returncode == 2
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 feature levels")
+@pytest.mark.parametrize("level,needs", [("x86-64-v3", {"avx2", "fma"}), ("x86-64-v4", {"avx512f"})])
+def test_x86_level_library_needs_only_its_level(level, needs, tmp_path, fresh_registry):
+    """A library for one of x86-64's feature levels (to ship one file to a mixed fleet)
+    records just that level's features: v3 (AVX2, FMA) loads on any AVX2 machine whatever
+    LLVM calls its CPU, and computes the reference; where v4's AVX-512 is missing, the load
+    is refused naming it."""
+    from swa_tvm.reference import sliding_window_attention_ref
+
+    path = tmp_path / f"{level}.so"
+    specs = AttentionSpec.parse("head_dim=16,window=5:0,dilation=2").kernels()
+    with pytest.warns(UserWarning, match=f"no tuning record for llvm-{level}"):
+        manifest = swa_tvm.export_library(specs, path, target={"kind": "llvm", "mcpu": level})
+    feats = set(manifest["cpu_features"])
+    assert needs <= feats and manifest["target_key"] == f"llvm-{level}"
+    if level == "x86-64-v3":
+        assert not any(f.startswith("avx512") for f in feats), feats
+    missing = sorted(feats - library.host_cpu_flags())
+    if missing:
+        with pytest.raises(library.LibraryError, match=rf"built for CPU '{level}', which needs {missing[0]}"):
+            swa_tvm.load_library(path)
+        return
+    swa_tvm.load_library(path)
+    q, k, v = (torch.randn(1, 2, 70, 16) for _ in range(3))
+    dil = torch.tensor([1, 2], dtype=torch.int32)
+    out = swa_tvm.sliding_window_attention(q, k, v, window_size=(5, 0), dilation=dil)
+    ref, _ = sliding_window_attention_ref(q.double(), k.double(), v.double(), window_size=(5, 0), dilation=dil)
+    assert rel_err(out, ref) < 1e-5
 
 
 def test_half_precision_cpu_library(tmp_path, fresh_registry):
