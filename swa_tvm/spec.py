@@ -136,6 +136,7 @@ class AttentionSpec:
     def __post_init__(self) -> None:
         if not (isinstance(self.window, tuple) and len(self.window) == 2):
             raise ValueError(f"window must be a (left, right) tuple, got {self.window!r}")
+        self.kernels()  # each KernelSpec checks its fields: a bad spec fails here, by name
 
     def kernels(self) -> list[KernelSpec]:
         left, right = self.window
@@ -161,29 +162,43 @@ class AttentionSpec:
 
     @classmethod
     def parse(cls, text: str) -> "AttentionSpec":
-        """Parse ``head_dim=64,window=255:0,dilation=2,globals,sinks,backward,dtype=float32``."""
+        """Parse ``head_dim=64,window=255:0,dilation=2,globals,sinks,backward,dtype=float32``.
+        Each field at most once; flags bare or ``=1/0, true/false, yes/no``."""
+        aliases = {"d": "head_dim", "w": "window", "dilation": "max_dilation"}
         fields: dict = {}
+
+        def integer(key: str, val: str) -> int:
+            try:
+                return int(val)
+            except ValueError:
+                raise ValueError(f"spec {text!r}: {key} must be an integer, got {val!r}") from None
+
         for part in filter(None, (p.strip() for p in text.split(","))):
-            key, _, val = part.partition("=")
-            key = key.strip()
-            if key in ("head_dim", "d"):
-                fields["head_dim"] = int(val)
-            elif key in ("window", "w"):
-                m = re.fullmatch(r"\s*(-?\d+)\s*:\s*(-?\d+)\s*", val)
+            key, has_val, val = part.partition("=")
+            key, val = key.strip(), val.strip()
+            name = aliases.get(key, key)
+            if name in fields:
+                raise ValueError(f"spec {text!r}: {key} given twice")
+            if name in ("head_dim", "max_dilation", "block_q"):
+                fields[name] = integer(key, val)
+            elif name == "window":
+                m = re.fullmatch(r"(-?\d+)\s*:\s*(-?\d+)", val)
                 if not m:
                     raise ValueError(f"spec {text!r}: window must look like LEFT:RIGHT, got {val!r}")
                 fields["window"] = (int(m.group(1)), int(m.group(2)))
-            elif key in ("dilation", "max_dilation"):
-                fields["max_dilation"] = int(val)
-            elif key in ("globals", "sinks", "backward"):
-                fields[key] = val.strip().lower() not in ("0", "false", "no") if val else True
-            elif key == "dtype":
-                fields["dtype"] = val.strip()
-            elif key == "block_q":
-                fields["block_q"] = int(val)
+            elif name in ("globals", "sinks", "backward"):
+                flag = val.lower() if has_val else "1"
+                if flag not in ("1", "true", "yes", "0", "false", "no"):
+                    raise ValueError(f"spec {text!r}: {key} is a flag (bare, or =1/0, true/false, yes/no), got {val!r}")
+                fields[name] = flag in ("1", "true", "yes")
+            elif name == "dtype":
+                fields["dtype"] = val
             else:
                 raise ValueError(f"spec {text!r}: unknown field {key!r}")
         for need in ("head_dim", "window"):
             if need not in fields:
                 raise ValueError(f"spec {text!r}: missing {need}=")
-        return cls(**fields)
+        try:
+            return cls(**fields)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"spec {text!r}: {e}") from None

@@ -1,5 +1,7 @@
 """Every bad input raises TypeError/ValueError naming the argument, before any kernel runs."""
 
+import re
+
 import pytest
 import torch
 
@@ -145,3 +147,34 @@ def test_bad_export_target_named(target, msg, tmp_path, capsys):
     rc, _, err = run_cli(capsys, "export", "--spec", "head_dim=16,window=3:0", "--target", target, "-o", out)
     assert rc != 0 and re.search(msg, err), err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("head_dim=64,window=511:0,dtype=bfloat", r"dtype must be one of .*got 'bfloat'"),
+    ("head_dim=64,window=511:0,dilation=0", r"max_dilation must be >= 1, got 0"),
+    ("head_dim=0,window=3:0", r"head_dim must be a positive int, got 0"),
+    ("head_dim=64.5,window=3:0", r"head_dim must be an integer, got '64.5'"),
+    ("head_dim=64,window=-2:0", r"left must be >= -1"),
+    ("head_dim=64,window=3:0,block_q=0", r"block_q must be >= 1"),
+    ("head_dim=64,window=3:0,window=5:0", r"window given twice"),
+    ("head_dim=64,w=3:0,window=5:0", r"window given twice"),
+    ("head_dim=64,window=3:0,sinks=2", r"sinks is a flag .*got '2'"),
+    ("head_dim=64,window=3", r"window must look like LEFT:RIGHT, got '3'"),
+    ("head_dim=64,window=3:0,globalz", r"unknown field 'globalz'"),
+    ("window=3:0", r"missing head_dim="),
+])
+def test_bad_spec_text_named(text, msg):
+    """A spec string is refused when read, naming the field; a repeated field or a flag
+    with a value that is not a yes/no used to be taken silently (the last one, or True)."""
+    from swa_tvm.spec import AttentionSpec
+
+    with pytest.raises(ValueError, match=rf"spec {re.escape(repr(text))}: {msg}"):
+        AttentionSpec.parse(text)
+
+
+def test_spec_text_flags_and_aliases():
+    from swa_tvm.spec import AttentionSpec
+
+    got = AttentionSpec.parse(" d=16 , w = 7 : 0 , dilation=2, globals, sinks=no, backward=TRUE ,dtype=bfloat16")
+    assert got == AttentionSpec(head_dim=16, window=(7, 0), max_dilation=2, globals=True, sinks=False,
+                                dtype="bfloat16", backward=True)
