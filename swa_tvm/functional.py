@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
 import torch
@@ -16,6 +17,14 @@ SERVED_DTYPES = {
     "cpu": (torch.float16, torch.bfloat16, torch.float32, torch.float64),
     "cuda": (torch.float16, torch.bfloat16, torch.float32),
 }
+
+
+def _as_int(name: str, x) -> int:
+    # Any integral number (numpy's included) is taken; bool is refused, as True
+    # meaning 1 is almost always a mistake in a window or count.
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    return int(x)
 
 
 def _check_tensor(name: str, x, rank: int) -> None:
@@ -494,24 +503,22 @@ def sliding_window_attention(
     """
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
         raise ValueError(f"window_size must be a (left, right) pair, got {window_size!r}")
-    left, right = window_size
-    for name, x in (("left", left), ("right", right)):
-        if not isinstance(x, int) or isinstance(x, bool):
-            raise TypeError(f"window_size {name} must be an int, got {type(x).__name__}")
-    if not isinstance(num_sinks, int) or isinstance(num_sinks, bool):
-        raise TypeError(f"num_sinks must be an int, got {type(num_sinks).__name__}")
+    left = _as_int("window_size left", window_size[0])
+    right = _as_int("window_size right", window_size[1])
+    num_sinks = _as_int("num_sinks", num_sinks)
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         _check_tensor("q", q, 4)
     H, D = q.shape[1], q.shape[3]
-    if isinstance(dilation, bool) or not isinstance(dilation, (int, torch.Tensor)):
-        raise TypeError(f"dilation must be an int or an integer tensor of shape [H], got {type(dilation).__name__}")
-    if isinstance(dilation, int):
+    if not isinstance(dilation, torch.Tensor):
+        if isinstance(dilation, bool) or not isinstance(dilation, numbers.Integral):
+            raise TypeError(f"dilation must be an int or an integer tensor of shape [H], got {type(dilation).__name__}")
+        dilation = int(dilation)
         if dilation < 1:
             raise ValueError(f"dilation must be >= 1, got {dilation}")
         dilation = torch.full((H,), dilation, dtype=torch.int32, device=q.device)
     if scale is None:
         scale = 1.0 / math.sqrt(D)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a float, got {type(scale).__name__}")
     from . import ops  # noqa: F401 - registers torch.ops.swa_tvm
 

@@ -48,6 +48,9 @@ CASES = [
     ("dilation length", dict(dilation=torch.tensor([1, 2], dtype=torch.int32)), ValueError, r"dilation tensor must have shape \[H\]=\[4\]"),
     ("dilation float", dict(dilation=torch.ones(4)), TypeError, r"dilation tensor must have an integer dtype"),
     ("dilation type", dict(dilation=2.0), TypeError, r"dilation must be an int or an integer tensor"),
+    ("dilation bool", dict(dilation=True), TypeError, r"dilation must be an int or an integer tensor of shape \[H\], got bool"),
+    ("window bool", dict(window_size=(2, False)), TypeError, r"window_size right must be an int, got bool"),
+    ("sinks bool", dict(num_sinks=True), TypeError, r"num_sinks must be an int, got bool"),
     ("global range", dict(global_idx=torch.tensor([[1, 12]], dtype=torch.int32)), ValueError,
      r"global_idx values must lie in \[0, T=12\), found 12"),
     ("global negative", dict(global_idx=torch.tensor([[-1]], dtype=torch.int32)), ValueError, r"global_idx values"),
@@ -75,6 +78,22 @@ CASES = [
 def test_bad_input(over, exc, msg):
     with pytest.raises(exc, match=msg):
         call(**over)
+
+
+def test_numpy_scalars_taken_as_numbers():
+    """Windows, sinks, dilation and scale computed with numpy are numbers like any other:
+    the result is the float64 reference's for the same values as Python numbers."""
+    import numpy as np
+    from conftest import rand, rel_err
+    from swa_tvm.reference import sliding_window_attention_ref
+
+    q, k, v = rand(B, H, T, D), rand(B, 2, T, D), rand(B, 2, T, D)
+    out, lse = swa_tvm.sliding_window_attention(
+        q, k, v, window_size=(np.int64(2), np.int32(0)), dilation=np.int16(2), num_sinks=np.uint8(1),
+        scale=np.float32(0.3), return_lse=True)
+    ref_out, ref_lse = sliding_window_attention_ref(q, k, v, window_size=(2, 0), dilation=2, num_sinks=1, scale=0.3)
+    assert rel_err(out, ref_out) < 1e-5
+    assert (lse.double() - ref_lse).abs().max().item() < 1e-4
 
 
 def test_bad_input_through_torch_op():
