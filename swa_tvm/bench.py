@@ -408,8 +408,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--reuse-libs", action="store_true", help="reuse OUT's libraries from an earlier run if they load")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
-                   help="input dtype (float16/bfloat16: our kernels accumulate in float32; the tuning records are "
-                        "float32's, so both of our methods run default schedules); results go to results_<dtype>.json")
+                   help="input dtype (float16/bfloat16: our kernels accumulate in float32; only tuning_logs/llvm-rocketlake "
+                        "has records for bfloat16, elsewhere both of our methods run default schedules); results go "
+                        "to results_<dtype>.json")
     args = p.parse_args(argv)
     if args.runs < 5:
         print("swa-tvm bench: --runs below 5 gives medians too noisy to quote", file=sys.stderr)

@@ -223,6 +223,8 @@ def fused_tiles(spec: KernelSpec, schedule: str, config=None) -> dict | None:
 def _postprocess(spec: KernelSpec, kind: str, func):
     from swa_tvm.schedules import cpu as cpu_schedules
 
+    if kind == "llvm":
+        func = cpu_schedules.drop_fused_bound_predicates(func)
     if kind == "llvm" and spec.kind == "local":
         func = cpu_schedules.skip_dead_keys(func, spec)
     return func
