@@ -453,7 +453,7 @@ def _guard_key_loop(func, block: str, key_axis: int, span_of):
     iteration are ``iter_values[key_axis]`` over the loops inside it, a contiguous
     range for the splits these schedules make (bounds from the analyzer)."""
     from tvm import tirx
-    from tvm.s_tir.stmt import SBlock, SBlockRealize
+    from tvm.s_tir.stmt import SBlockRealize
     from tvm.sym import Analyzer, IntervalSet
 
     found = {}
@@ -484,22 +484,10 @@ def _guard_key_loop(func, block: str, key_axis: int, span_of):
     first, last = span_of(found["iv"])
     live = tirx.all(keys.max_value >= first, keys.min_value <= last)
 
-    def rebuild(stmt):
-        if isinstance(stmt, tirx.SeqStmt):
-            return tirx.SeqStmt([rebuild(x) for x in stmt.seq])
-        if isinstance(stmt, tirx.For):
-            body = rebuild(stmt.body)
-            if stmt.same_as(outer):
-                body = tirx.IfThenElse(live, body, None)
-            return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body, stmt.thread_binding, stmt.annotations)
-        if isinstance(stmt, SBlockRealize):
-            blk = stmt.block
-            blk = SBlock(blk.iter_vars, blk.reads, blk.writes, blk.name_hint, rebuild(blk.body), blk.init,
-                         blk.alloc_buffers, blk.match_buffers, blk.annotations)
-            return SBlockRealize(stmt.iter_values, stmt.predicate, blk)
-        return stmt
+    def guard(loop, body):
+        return tirx.IfThenElse(live, body, None) if loop.same_as(outer) else body
 
-    return func.with_body(rebuild(func.body))
+    return func.with_body(_rebuild(func.body, loop_body=guard))
 
 
 def skip_dead_keys(func, spec: KernelSpec):
@@ -539,13 +527,12 @@ def drop_fused_bound_predicates(func):
     """A scheduled kernel (default or replayed record) without the block predicates
     ``fused // (H * blocks) < B`` (and ``fused % (H * rest) // rest < H``) that fusing
     the symbolic batch and head loops into the item and row loops leaves on every block
-    computed there: the analyzer cannot prove them from the fused extent B * H * blocks,
-    so they stay, evaluated in the inner loops, and
-    the symbolic-B kernel ran 1.5x slower than the same schedule with B fixed (20.1
-    against 13.1 ms, causal W=512, T=2048, H=8, AVX-512, 2026-12-05). True by the loop's
-    extent, so dropping them changes no result. Conjuncts not of that form stay."""
+    computed there. The analyzer cannot prove them from the fused extent B * H * blocks,
+    so they stay, evaluated in the inner loops: the symbolic-B kernel ran 1.5x slower
+    than the same schedule with B fixed (20.1 against 13.1 ms, causal W=512, T=2048,
+    H=8, AVX-512, 2026-12-05). True by the loop's extent, so dropping them changes no
+    result. Conjuncts not of that form stay."""
     from tvm import tirx
-    from tvm.s_tir.stmt import SBlock, SBlockRealize
     from tvm.sym import Analyzer
 
     analyzer = Analyzer()
@@ -553,24 +540,36 @@ def drop_fused_bound_predicates(func):
     def conjuncts(e):
         return conjuncts(e.a) + conjuncts(e.b) if isinstance(e, tirx.And) else [e]
 
-    def rebuild(stmt, loops):
-        if isinstance(stmt, tirx.SeqStmt):
-            return tirx.SeqStmt([rebuild(x, loops) for x in stmt.seq])
-        if isinstance(stmt, tirx.For):
-            body = rebuild(stmt.body, {**loops, stmt.loop_var: stmt})
-            return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body, stmt.thread_binding, stmt.annotations)
-        if isinstance(stmt, tirx.IfThenElse):
-            other = stmt.else_case and rebuild(stmt.else_case, loops)
-            return tirx.IfThenElse(stmt.condition, rebuild(stmt.then_case, loops), other)
-        if isinstance(stmt, SBlockRealize):
-            blk = stmt.block
-            blk = SBlock(blk.iter_vars, blk.reads, blk.writes, blk.name_hint, rebuild(blk.body, loops), blk.init,
-                         blk.alloc_buffers, blk.match_buffers, blk.annotations)
-            kept = [c for c in conjuncts(stmt.predicate) if not _always_true(c, loops, analyzer)]
-            return SBlockRealize(stmt.iter_values, tirx.all(*kept) if kept else tirx.const(True, "bool"), blk)
-        return stmt
+    def predicate(realize, loops):
+        kept = [c for c in conjuncts(realize.predicate) if not _always_true(c, loops, analyzer)]
+        return tirx.all(*kept) if kept else tirx.const(True, "bool")
 
-    return func.with_body(rebuild(func.body, {}))
+    return func.with_body(_rebuild(func.body, predicate=predicate))
+
+
+def _rebuild(stmt, loops=None, loop_body=None, predicate=None):
+    """A scheduled body rebuilt with ``loop_body(loop, new_body)`` as each loop's body
+    and ``predicate(realize, loops)`` as each block's predicate (``loops``: the
+    enclosing loops by loop var)."""
+    from tvm import tirx
+    from tvm.s_tir.stmt import SBlock, SBlockRealize
+
+    loops = loops or {}
+    if isinstance(stmt, tirx.SeqStmt):
+        return tirx.SeqStmt([_rebuild(x, loops, loop_body, predicate) for x in stmt.seq])
+    if isinstance(stmt, tirx.For):
+        body = _rebuild(stmt.body, {**loops, stmt.loop_var: stmt}, loop_body, predicate)
+        body = loop_body(stmt, body) if loop_body else body
+        return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body, stmt.thread_binding, stmt.annotations)
+    if isinstance(stmt, tirx.IfThenElse):
+        other = stmt.else_case and _rebuild(stmt.else_case, loops, loop_body, predicate)
+        return tirx.IfThenElse(stmt.condition, _rebuild(stmt.then_case, loops, loop_body, predicate), other)
+    if isinstance(stmt, SBlockRealize):
+        blk = stmt.block
+        blk = SBlock(blk.iter_vars, blk.reads, blk.writes, blk.name_hint, _rebuild(blk.body, loops, loop_body, predicate),
+                     blk.init, blk.alloc_buffers, blk.match_buffers, blk.annotations)
+        return SBlockRealize(stmt.iter_values, predicate(stmt, loops) if predicate else stmt.predicate, blk)
+    return stmt
 
 
 SCHEDULES = {
