@@ -528,10 +528,10 @@ def drop_fused_bound_predicates(func):
     ``fused // (H * blocks) < B`` (and ``fused % (H * rest) // rest < H``) that fusing
     the symbolic batch and head loops into the item and row loops leaves on every block
     computed there. The analyzer cannot prove them from the fused extent B * H * blocks,
-    so they stay, evaluated in the inner loops: the symbolic-B kernel ran 1.5x slower
-    than the same schedule with B fixed (20.1 against 13.1 ms, causal W=512, T=2048,
-    H=8, AVX-512, 2026-12-05). True by the loop's extent, so dropping them changes no
-    result. Conjuncts not of that form stay."""
+    so they stay, evaluated in the inner loops: the causal W=512 forward ran 1.56x
+    slower with them (19.5 against 12.5 ms at T=2048, H=8, AVX-512, 2026-12-05;
+    examples/symbolic_shape_gap.py). True by the loop's extent, so dropping them changes
+    no result. Conjuncts not of that form stay."""
     from tvm import tirx
     from tvm.sym import Analyzer
 
