@@ -29,9 +29,9 @@ def compiled(spec, shapes, target, lanes, drop_predicates: bool):
     cpu_schedules.schedule(sch, spec, vector_lanes=lanes)
     func = sch.mod[spec.name]
     if drop_predicates:
-        func = cpu_schedules.drop_fused_bound_predicates(func)
-    if spec.kind == "local":
-        func = cpu_schedules.skip_dead_keys(func, spec)
+        func = build._postprocess(spec, "llvm", func)  # what export does after scheduling
+    elif spec.kind == "local":
+        func = cpu_schedules.skip_dead_keys(func, spec)  # the same, less the predicate pass
     return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
 
 

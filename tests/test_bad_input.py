@@ -158,8 +158,6 @@ def test_te_cuda_grid_limits_named(window, shape, what):
 def test_bad_export_target_named(target, msg, tmp_path, capsys):
     """LLVM would take an unknown -mcpu as 'generic' and carry on: the library would be
     baseline x86 code filed under the misspelled CPU's class. Refused before building."""
-    import re
-
     from conftest import run_cli
 
     out = tmp_path / "x.so"
