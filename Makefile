@@ -6,7 +6,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
 
-.PHONY: venv test demo bench tune gpu-bundle clean
+.PHONY: venv test check demo bench report tune gpu-bundle clean
 
 venv: $(STAMP)
 
@@ -20,30 +20,43 @@ $(STAMP): pyproject.toml
 # One pytest worker per core (at most 8), tests sharing a module fixture on one worker
 # (tests/conftest.py); WORKERS=0 runs them in this process.
 WORKERS ?= auto
+PYTEST  = SWA_TVM_CACHE=$${SWA_TVM_CACHE:-$(CURDIR)/.venv/swa_cache} $(VPY) -m pytest -q tests -n $(WORKERS) --maxprocesses 8 --dist loadgroup
+
+# The full suite (CI runs it).
 test: $(STAMP)
-	SWA_TVM_CACHE=$${SWA_TVM_CACHE:-$(CURDIR)/.venv/swa_cache} $(VPY) -m pytest -q tests -n $(WORKERS) --maxprocesses 8 --dist loadgroup
+	$(PYTEST)
+
+# The quick tier (under 3 minutes on 2 cores): the API and its checks, specs, semantics
+# against the float64 reference on small shapes, the library round trip. Everything
+# marked slow (tuning, CUDA codegen, subprocess suites) is left to `make test`.
+check: $(STAMP)
+	$(PYTEST) -m "not slow"
 
 demo: $(STAMP)
 	$(VPY) examples/demo.py
 
-# The full benchmark (tens of minutes on 2 cores): bench/results.json, bench/scaling.png,
-# then forward + backward against the peers that train: bench/training.json.
+# The full benchmark (tens of minutes on 2 cores) into benchmarks/results/<target-key>/:
+# results.json and scaling.png, then forward + backward against the peers that train:
+# training.json. `make report` turns every results folder into docs/performance.md.
 bench: $(STAMP)
-	$(VPY) examples/benchmark.py
-	$(VPY) examples/benchmark.py --training
+	$(VPY) -m benchmarks.forward
+	$(VPY) -m benchmarks.training
 
-# Tune the shipped spec set (the benchmark's forward kernels and the training benchmark's
-# backward kernels) for this CPU class into tuning_logs/ (continues from what is there).
-TRIALS ?= 64
-SPECS_PY := from swa_tvm import bench, bench_train; print(' '.join('--spec ' + s for s in bench.spec_strings() + bench_train.spec_strings()))
+report: $(STAMP)
+	$(VPY) -m benchmarks.report --out docs/performance.md
+
+# Tune the shipped spec set (swa_tvm/tuning_logs/shipped_specs.txt) for this CPU class
+# into swa_tvm/tuning_logs/<target-key>/ (continues from what is there).
+TRIALS  ?= 64
+SHIPPED := swa_tvm/tuning_logs/shipped_specs.txt
 tune: $(STAMP)
-	$(VENV)/bin/swa-tvm tune --trials $(TRIALS) $$($(VPY) -c "$(SPECS_PY)")
+	$(VENV)/bin/swa-tvm tune --trials $(TRIALS) $$(grep -v '^#' $(SHIPPED) | sed 's/^/--spec /')
 
-# CUDA libraries, the TVM runtime and the tvm-ffi wheel for examples/gpu_check.sh on a
+# CUDA libraries, the TVM runtime and the tvm-ffi wheel for tools/gpu_check.sh on a
 # GPU machine without TVM (needs nvcc, not a GPU): build/gpu/.
 CUDA_ARCH ?= sm_90
 gpu-bundle: $(STAMP)
-	$(VPY) -m swa_tvm.gpu_bundle --arch $(CUDA_ARCH)
+	$(VPY) -m tools.gpu_bundle --arch $(CUDA_ARCH)
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo_out

@@ -7,16 +7,28 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
 
 import torch
 
 import swa_tvm
-from swa_tvm.bench import median_ms
 from swa_tvm.reference import attention_mask, sliding_window_attention_ref
 
 B, H, T, D, W, G = 1, 8, 4096, 64, 512, 16
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "demo_out")
+
+
+def median_ms(fn, runs: int = 5, min_seconds: float = 0.5) -> float:
+    """Median wall time in ms after a warm-up call: at least ``runs`` calls, more for
+    short ones until they span ``min_seconds`` (as benchmarks/forward.py times)."""
+    fn()
+    ts = []
+    while len(ts) < runs or (sum(ts) < min_seconds and len(ts) < 200):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(ts)
 
 
 def main():

@@ -10,10 +10,10 @@ Public API::
 
 __version__ = "0.1.0"
 
-from .functional import sliding_window_attention  # noqa: E402
-from .library import LibraryError, load_library  # noqa: E402
-from .spec import AttentionSpec, KernelSpec  # noqa: E402
-from . import ops  # noqa: E402,F401  (registers torch.ops.swa_tvm.*)
+from swa_tvm.functional import sliding_window_attention  # noqa: E402
+from swa_tvm.runtime.library import LibraryError, load_library  # noqa: E402
+from swa_tvm.spec import AttentionSpec, KernelSpec  # noqa: E402
+from swa_tvm import ops  # noqa: E402,F401  (registers torch.ops.swa_tvm.*)
 
 
 def export_library(specs, path, target=None, logs="default", warn_untuned=True):
@@ -23,7 +23,7 @@ def export_library(specs, path, target=None, logs="default", warn_untuned=True):
     (default: $SWA_TVM_TUNING_LOGS or the committed ``tuning_logs/``; None: no records),
     else the default schedule, warning (UntunedKernelWarning) with the kernel's name.
     """
-    from .build import export_library as _export
+    from swa_tvm.compiler.build import export_library as _export
 
     kernels = []
     for s in specs:

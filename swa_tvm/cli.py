@@ -12,7 +12,7 @@ import sys
 
 
 def _specs(args):
-    from .spec import AttentionSpec
+    from swa_tvm.spec import AttentionSpec
 
     return [AttentionSpec.parse(s) for s in args.spec]
 
@@ -22,7 +22,7 @@ def _kernel_specs(args):
 
 
 def _logs_arg(args):
-    from .build import DEFAULT_LOGS
+    from swa_tvm.compiler.build import DEFAULT_LOGS
 
     if args.no_tuning:
         return None
@@ -32,8 +32,8 @@ def _logs_arg(args):
 def _cmd_export(args) -> int:
     import warnings
 
-    from . import export_library
-    from .build import UntunedKernelWarning
+    from swa_tvm import export_library
+    from swa_tvm.compiler.build import UntunedKernelWarning
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UntunedKernelWarning)
@@ -61,23 +61,22 @@ def _ptxas_text(r: dict) -> str:
     return f"{r['registers']} registers, {spills}, {r.get('smem', 0)} B static shared memory"
 
 
-FUSED_TEXT = {
-    "cuda_flash_tc": "fused kernel on tensor cores (schedules/cuda_flash_tc.py)",
-    "cuda_flash": "fused kernel on CUDA cores (schedules/cuda_flash.py)",
-    "cuda_flash_bwd_tc": "fused gradient kernel on tensor cores (schedules/cuda_flash_bwd_tc.py)",
-    "cuda_flash_bwd": "fused gradient kernel on CUDA cores (schedules/cuda_flash_bwd.py)",
-}
+def _fused_text(schedule) -> str | None:
+    from swa_tvm.compiler.kernels import fused_kernel
+
+    fused = fused_kernel(schedule)
+    return fused.description if fused is not None else None
 
 
 def _tuned_text(k) -> str:
     if not k["tuned"]:
-        text = FUSED_TEXT.get(k.get("schedule"), "default schedule")
+        text = _fused_text(k.get("schedule")) or "default schedule"
         tiles = ", ".join(f"{n}={v}" for n, v in k.get("tiles", {}).items())
         source = " (measured: tuning_logs tiles.json)" if k.get("tiles_from") == "measured" else ""
         return f"{text}, tiles {tiles}{source}" if tiles else text
     t = k.get("tuning", {})
-    if t.get("default_point") and k.get("schedule") in FUSED_TEXT:
-        return f"{FUSED_TEXT[k['schedule']]}: measured faster than its {t.get('records', '?')} tuning records"
+    if t.get("default_point") and _fused_text(k.get("schedule")):
+        return f"{_fused_text(k['schedule'])}: measured faster than its {t.get('records', '?')} tuning records"
     if t.get("default_point"):
         return f"tuned: the default schedule (no searched record beat it by the required margin; {t.get('records', '?')} records)"
     return f"tuned: {t.get('gflops', 0):.1f} GFLOP/s at the tuning shape, best of {t.get('records', '?')} records"
@@ -88,32 +87,33 @@ def _cmd_tune(args) -> int:
     import signal
     import time
 
-    from .build import normalize_target, target_key
-    from .tuning import check_tune_arguments, log_dir, tune
+    from swa_tvm.compiler.targets import normalize_target, target_key
+    from swa_tvm.tuning.tune import check_tune_arguments, tune
+    from swa_tvm.compiler.records import log_dir
 
     check_tune_arguments(args.trials, args.rpc_tracker, args.rpc_key)
     target = normalize_target(args.target)
     specs = _kernel_specs(args)
     if args.kernels != "all":
-        from .spec import BACKWARD_KINDS
+        from swa_tvm.spec import BACKWARD_KINDS
 
         specs = [k for k in specs if (k.kind in BACKWARD_KINDS) == (args.kernels == "backward")]
         if not specs:
             raise ValueError(f"--kernels {args.kernels}: the specs have no such kernels (add ',backward' to a spec)")
     if target.get("kind") == "cuda" and args.kernels == "all":
-        from .spec import BACKWARD_KINDS
+        from swa_tvm.spec import BACKWARD_KINDS
 
         specs = [k for k in specs if k.kind not in BACKWARD_KINDS]  # CUDA tuning covers the forward kernels
     logs = args.logs or "tuning_logs"
     if args.batch_out:
-        from .tuning_batch import build_batch
+        from swa_tvm.tuning.batch import build_batch
 
         batch = build_batch(specs, target, args.trials, logs, args.batch_out, seed=args.seed,
                             progress=lambda m: print(m, file=sys.stderr))
         n = sum(len(t["candidates"]) for t in batch["tasks"])
         print(f"wrote {args.batch_out}: {n} candidates and {len(batch['tasks'])} baselines of "
               f"{len(batch['tasks'])} kernel(s) for {batch['target_key']} (batch {batch['batch_id']})")
-        print(f"measure it where the device is: python -m swa_tvm.measure_batch {args.batch_out} --out OUT; "
+        print(f"measure it where the device is: python -m swa_tvm.tuning.measure {args.batch_out} --out OUT; "
               f"then here: swa-tvm import-measurements --batch {args.batch_out} OUT/measured.json")
         return 0
     work_dir = args.work_dir or os.path.join(logs, ".work", target_key(target))
@@ -164,7 +164,7 @@ def _cmd_tune(args) -> int:
 
 
 def _cmd_import(args) -> int:
-    from .tuning_batch import import_measurements
+    from swa_tvm.tuning.batch import import_measurements
 
     logs = args.logs or "tuning_logs"
     counts = import_measurements(args.batch, args.measured, logs, progress=lambda m: print(m, file=sys.stderr))
@@ -174,7 +174,7 @@ def _cmd_import(args) -> int:
 
 
 def _cmd_import_tiles(args) -> int:
-    from .tiles import import_results
+    from swa_tvm.compiler.tiles import import_results
 
     logs = args.logs or "tuning_logs"
     for path in import_results(args.results, logs):
@@ -188,7 +188,7 @@ def _cmd_import_tiles(args) -> int:
 
 
 def _cmd_info(args) -> int:
-    from .library import check_manifest, read_manifest
+    from swa_tvm.runtime.library import check_manifest, read_manifest
 
     manifest = read_manifest(args.library)
     if args.json:
@@ -236,19 +236,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tune only the forward or only the backward (gradient) kernels of the specs")
     t.add_argument("--batch-out", metavar="DIR",
                    help="build TRIALS candidates per kernel into DIR instead of measuring them here, for "
-                        "python -m swa_tvm.measure_batch on the device's machine (then import-measurements)")
+                        "python -m swa_tvm.tuning.measure on the device's machine (then import-measurements)")
     t.set_defaults(func=_cmd_tune)
 
     m = sub.add_parser("import-measurements",
-                       help="commit a batch measured elsewhere (swa_tvm.measure_batch) as tuning records")
-    m.add_argument("measured", help="the measured.json that python -m swa_tvm.measure_batch wrote")
+                       help="commit a batch measured elsewhere (swa_tvm.tuning.measure) as tuning records")
+    m.add_argument("measured", help="the measured.json that python -m swa_tvm.tuning.measure wrote")
     m.add_argument("--batch", required=True, help="the batch folder it measured (tune --batch-out)")
     m.add_argument("--logs", help="tuning log root (default: ./tuning_logs)")
     m.set_defaults(func=_cmd_import)
 
     g = sub.add_parser("import-tiles",
                        help="commit the GPU check's timings of the fused kernels' tiles as tile records")
-    g.add_argument("results", help="the gpu_results.json of python -m swa_tvm.gpu_check (its variant rows)")
+    g.add_argument("results", help="the gpu_results.json of python -m tools.gpu_check (its variant rows)")
     g.add_argument("--logs", help="tuning log root (default: ./tuning_logs)")
     g.set_defaults(func=_cmd_import_tiles)
 
@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--spec", action="append", required=True, help=spec_help)
     e.add_argument("--target", default="llvm", help=target_help)
     e.add_argument("-o", "--output", required=True, help="path of the .so to write (manifest goes to PATH.json)")
-    e.add_argument("--logs", help="tuning log root (default: $SWA_TVM_TUNING_LOGS or the committed tuning_logs/)")
+    e.add_argument("--logs", help="tuning log root (default: $SWA_TVM_TUNING_LOGS or the tuning logs shipped in swa_tvm/tuning_logs/)")
     e.add_argument("--no-tuning", action="store_true", help="ignore tuning logs: default schedules only")
     e.set_defaults(func=_cmd_export)
 
@@ -264,19 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("library")
     i.add_argument("--json", action="store_true", help="print the raw manifest")
     i.set_defaults(func=_cmd_info)
-
-    # Listed for --help only: main() hands `bench ...` straight to swa_tvm.bench.main.
-    sub.add_parser("bench", help="benchmark against SDPA, FlexAttention and sliding chunks (see bench --help)")
     return p
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:
-        # The benchmark owns its options (argparse's REMAINDER would not pass --help on).
-        from .bench import main as bench_main
-
-        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

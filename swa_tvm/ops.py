@@ -12,8 +12,9 @@ from typing import Optional
 
 import torch
 
-from .functional import attention_backward as _backward_impl
-from .functional import attention_forward, check_inputs
+from swa_tvm.eager import attention_backward as _backward_impl
+from swa_tvm.eager import attention_forward
+from swa_tvm.checks import check_inputs
 
 
 @torch.library.custom_op("swa_tvm::attention", mutates_args=())

@@ -48,14 +48,14 @@ def run_cli(capsys, *argv):
 
 
 def _registry_state():
-    from swa_tvm import library
+    from swa_tvm.runtime import library
 
     reg = library.REGISTRY
     return dict(reg._kernels), list(reg._libraries), list(reg._modules)
 
 
 def _restore_registry(state):
-    from swa_tvm import library
+    from swa_tvm.runtime import library
 
     reg = library.REGISTRY
     reg.clear()
@@ -78,7 +78,7 @@ def _libraries_unloaded_after_each_test():
 @pytest.fixture
 def fresh_registry():
     """Isolate tests that load libraries: the registry is process-global."""
-    from swa_tvm import library
+    from swa_tvm.runtime import library
 
     saved = _registry_state()
     library.REGISTRY.clear()

@@ -108,7 +108,7 @@ HALF_CASES = ("everything", "dilation_per_head", "causal_gqa", "unbounded")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", HALF_CASES)
 def test_half_precision_on_cpu(name, dtype):
-    from swa_tvm.gpu_check import GRAD_TOLERANCE, TOLERANCE
+    from tools.gpu_check import GRAD_TOLERANCE, TOLERANCE
 
     window, shape, extra = CASES[name]
     qkv, kw = _case(seed=7, dtype=dtype, **{"B": 2, "H": 4, "Hkv": 4, "T": 40, "D": 16, **shape})
@@ -184,8 +184,9 @@ def test_sampled_backward_schedules_replay_and_are_correct(fresh_registry):
     import tvm
     from tvm import s_tir
 
-    from swa_tvm import library, tuning
-    from swa_tvm.build import _vector_lanes, compile_specs, host_target
+    from swa_tvm.runtime import library
+    from swa_tvm.compiler.targets import _vector_lanes, host_target
+    from swa_tvm.compiler.build import compile_specs
     from swa_tvm.schedules import cpu
     from swa_tvm.spec import AttentionSpec
 
@@ -193,7 +194,7 @@ def test_sampled_backward_schedules_replay_and_are_correct(fresh_registry):
     lanes = _vector_lanes(tvm.target.Target(host_target()))
     records = {}
     for spec in specs:
-        sch = s_tir.Schedule(tuning.tuning_workload(spec), seed=7)
+        sch = s_tir.Schedule(records.tuning_workload(spec), seed=7)
         cpu.schedule(sch, spec, lanes, cpu.Sampled())
         records[spec.name] = types.SimpleNamespace(trace=sch.trace)
     module, _ = compile_specs(specs, host_target(), records)
@@ -203,8 +204,8 @@ def test_sampled_backward_schedules_replay_and_are_correct(fresh_registry):
 
 
 def test_library_without_backward_kernels_says_so(fresh_registry):
-    from swa_tvm import library
-    from swa_tvm.build import get_or_build_kernel
+    from swa_tvm.runtime import library
+    from swa_tvm.compiler.jit import get_or_build_kernel
     from swa_tvm.spec import KernelSpec
 
     qkv, kw = _make("asymmetric")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import swa_tvm
+from swa_tvm import eager
 
 B, H, T, D = 1, 4, 12, 16
 
@@ -113,9 +114,9 @@ def test_mixed_devices_named():
 
 def test_device_not_served(monkeypatch):
     """No second device exists on this machine, so pretend the build serves only CUDA."""
-    from swa_tvm import functional
+    from swa_tvm import checks
 
-    monkeypatch.setattr(functional, "SERVED_DEVICES", ("cuda",))
+    monkeypatch.setattr(checks, "SERVED_DEVICES", ("cuda",))
     with pytest.raises(ValueError, match=r"q is on cpu, but this build of swa_tvm has kernels only for cuda"):
         call()
 
@@ -131,7 +132,7 @@ def test_te_cuda_grid_limits_named(window, shape, what):
     whose limit is 65535 blocks: a call past it is refused by name before the launch. The
     fused kernels (blockIdx.x alone) take the same shape. (Meta tensors: the check reads
     shapes only; no GPU is needed to reach it.)"""
-    from swa_tvm import functional, library
+    from swa_tvm.runtime import library
     from swa_tvm.spec import KernelSpec
 
     B_, H_, T_ = shape
@@ -141,11 +142,11 @@ def test_te_cuda_grid_limits_named(window, shape, what):
     for schedule in ("default", "tuned", "cuda_flash_tc"):
         kern = library.Kernel(spec, lambda *a: calls.append(a), "cuda", "test", "sm_90", schedule=schedule)
         if schedule == "cuda_flash_tc":
-            functional._launch(kern, torch.device("meta"), q, q, q)
+            eager._launch(kern, torch.device("meta"), q, q, q)
             assert len(calls) == 1
         else:
             with pytest.raises(ValueError, match=rf"kernel {spec.name} \({schedule} schedule.*{what} exceeds the 65535"):
-                functional._launch(kern, torch.device("meta"), q, q, q)
+                eager._launch(kern, torch.device("meta"), q, q, q)
     assert len(calls) == 1
 
 

@@ -9,7 +9,7 @@ import torch
 import tvm
 from tvm import te, tirx
 
-from swa_tvm.compute import Band, i64, item_interior, item_key_span
+from swa_tvm.compute.forward import Band, i64, item_interior, item_key_span
 
 BLOCK, MAX_DIL, H = 4, 3, 3
 
@@ -106,7 +106,8 @@ def test_key_range_is_the_window(lo, hi):
 def test_cpu_local_kernels_skip_dead_key_loops(left, right, extras):
     """The built CPU local kernel tests the item span once per outer key loop of the
     score product and of P·V (the guards skip_dead_keys inserts), default schedule."""
-    from swa_tvm.build import host_target, schedule_spec
+    from swa_tvm.compiler.targets import host_target
+    from swa_tvm.compiler.build import schedule_spec
     from swa_tvm.spec import KernelSpec
 
     spec = KernelSpec(kind="local", head_dim=16, left=left, right=right, extras=extras)
@@ -126,7 +127,8 @@ def test_cpu_kernels_keep_no_fused_bound_predicates(text):
     evaluated in the inner loops it made the causal forward 1.5x slower on an AVX-512
     machine than the same schedule with B fixed. Every CPU kernel kind, as built, has
     none left (the pass drops only those; test below), and no other block predicate."""
-    from swa_tvm.build import host_target, schedule_spec
+    from swa_tvm.compiler.targets import host_target
+    from swa_tvm.compiler.build import schedule_spec
     from swa_tvm.spec import AttentionSpec
 
     target = tvm.target.Target(host_target())

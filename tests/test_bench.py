@@ -4,7 +4,7 @@ checked against the float64 dense reference (the timings themselves are not test
 import pytest
 import torch
 
-from swa_tvm import bench
+from benchmarks import forward as bench
 from swa_tvm.reference import attention_mask, sliding_window_attention_ref
 
 from conftest import rel_err
@@ -49,7 +49,7 @@ def test_spec_strings_cover_every_config():
     half = [AttentionSpec.parse(s) for s in bench.spec_strings("bfloat16")]
     assert [h.dtype for h in half] == ["bfloat16"] * len(bench.CONFIGS)
     assert [s.replace(",dtype=bfloat16", "") for s in bench.spec_strings("bfloat16")] == bench.spec_strings()
-    from swa_tvm import bench_train
+    from benchmarks import training as bench_train
 
     train = [AttentionSpec.parse(s) for s in bench_train.spec_strings(dtype="bfloat16")]
     assert all(t.backward and t.dtype == "bfloat16" for t in train) and len(train) == len(bench_train.CONFIGS)
@@ -67,7 +67,7 @@ def test_cli_bench_help():
 def test_training_peers_give_reference_gradients(config):
     """The training benchmark's torch peers (autograd through sliding chunks and SDPA
     with the dense mask) have the reference's gradients."""
-    from swa_tvm import bench_train
+    from benchmarks import training as bench_train
 
     cfg = bench.CONFIGS[config]
     T = 700

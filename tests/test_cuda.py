@@ -1,8 +1,8 @@
 """CUDA without a GPU: compile and export for sm_80/sm_90, load, fail clearly on call,
 and check the CUDA schedule's loop structure numerically on the CPU.
 
-What needs a GPU (running the kernels, timing them) is swa_tvm.gpu_check, run by
-examples/gpu_check.sh on a machine that has one."""
+What needs a GPU (running the kernels, timing them) is tools.gpu_check, run by
+tools/gpu_check.sh on a machine that has one."""
 
 import collections
 import dataclasses
@@ -18,9 +18,14 @@ import pytest
 import torch
 from conftest import rand, rel_err
 
+from swa_tvm.compiler import targets
+from swa_tvm.compiler import build
+from swa_tvm.compiler import records
+from swa_tvm import eager
 import swa_tvm
-from swa_tvm import build, library
-from swa_tvm.build import UntunedKernelWarning, normalize_target
+from swa_tvm.runtime import library
+from swa_tvm.compiler.build import UntunedKernelWarning
+from swa_tvm.compiler.targets import normalize_target
 from swa_tvm.spec import AttentionSpec, KernelSpec
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) not on PATH")
@@ -30,7 +35,7 @@ def test_cuda_targets():
     assert normalize_target("cuda -arch=sm_90") == {"kind": "cuda", "arch": "sm_90"}
     assert normalize_target("cuda:sm_80") == {"kind": "cuda", "arch": "sm_80"}
     assert normalize_target({"kind": "cuda", "arch": "sm_86"}) == {"kind": "cuda", "arch": "sm_86"}
-    assert build.target_key(normalize_target("cuda -arch=sm_90")) == "cuda-sm_90"
+    assert targets.target_key(normalize_target("cuda -arch=sm_90")) == "cuda-sm_90"
     with pytest.raises(ValueError, match="sm_XY"):
         normalize_target("cuda -arch=ampere")
     if not torch.cuda.is_available():
@@ -103,7 +108,7 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
                 continue
             assert 32 <= r["registers"] <= 255 and r["spill_stores"] == 0 and 1024 < r["smem"] <= 48 * 1024, (k["name"], r)
     # The split-K global rows take the caller's workspace, which the manifest names.
-    workspaces = {"global": swa_tvm.library.GLOBAL_WORKSPACE, "global_bwd": swa_tvm.library.GLOBAL_BWD_WORKSPACE}
+    workspaces = {"global": swa_tvm.runtime.library.GLOBAL_WORKSPACE, "global_bwd": swa_tvm.runtime.library.GLOBAL_BWD_WORKSPACE}
     assert {k["spec"]["kind"]: k.get("workspace") for k in manifest["kernels"]} == {
         k.kind: workspaces.get(k.kind) for k in kernels
     }
@@ -147,7 +152,7 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
     # The device code is in the library compiled (TVM alone would keep the source and
     # compile it at load, through a callback only the full apache-tvm registers): one
     # CUDA module, a fatbin holding the arch's machine code (an ELF) and its PTX.
-    from swa_tvm import cuda_pack
+    from swa_tvm.compiler import cuda_pack
 
     [(fmt, fatbin)] = cuda_pack.read_cuda_modules(cuda_pack.library_blob(str(path)))
     assert fmt == "fatbin" and fatbin[:4] == bytes.fromhex("50ed55ba"), (fmt, fatbin[:16])
@@ -175,9 +180,9 @@ def test_export_cuda_library_and_load_without_gpu(tmp_path, arch, spec_text, fre
 @needs_nvcc
 def test_fatbin_cubin_is_the_machine_code_nvcc_writes():
     """cuda_pack.fatbin_cubin (how the GPU bundle reads its library's machine code for
-    swa_tvm.sass instead of compiling the source again): the ELF in a fatbin is byte for
+    tools.sass instead of compiling the source again): the ELF in a fatbin is byte for
     byte the cubin nvcc writes for the arch; a PTX-only or foreign blob has none."""
-    from swa_tvm.cuda_pack import FATBIN_MAGIC, fatbin_cubin, nvcc_compile
+    from swa_tvm.compiler.cuda_pack import FATBIN_MAGIC, fatbin_cubin, nvcc_compile
 
     code = 'extern "C" __global__ void twice(float* a) { a[threadIdx.x] *= 2.0f; }'
     fatbin, _ = nvcc_compile(code, "sm_80", "fatbin")
@@ -193,13 +198,13 @@ def test_fused_cuda_kernels_have_the_barriers_they_need():
     """No shared-memory race in the generated source of every fused kernel (forward and
     gradients, tensor cores and CUDA cores, local rows with extra keys and global rows),
     of the forward with cp.async loads (one and two K/V stages) and of the gradient
-    kernels with two chunk stages, by swa_tvm.cuda_races's model. The serial CPU runs
+    kernels with two chunk stages, by tools.cuda_races's model. The serial CPU runs
     cannot see a barrier: TVM places most of them (its planner), the async loads' waits
     and barriers are ours. Dropping any one of the async loops' waits or barriers is
     caught."""
     import tvm
 
-    from swa_tvm.cuda_races import dynamic, generated_source, kernel_bodies, races
+    from tools.cuda_races import dynamic, generated_source, kernel_bodies, races
     from swa_tvm.schedules import cuda_flash_bwd_tc, cuda_flash_tc
 
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
@@ -261,10 +266,10 @@ def test_wgmma_kernels_fence_and_barrier_what_the_tensor_cores_read():
     """The wgmma kernels (forward with synchronous and cp.async loads, V transposed,
     overlapped, two K/V stages; the gradient kernels with one and two chunk stages;
     local rows with extra keys, global rows) by
-    swa_tvm.cuda_races: no shared-memory race, and every tile the tensor cores read
+    tools.cuda_races: no shared-memory race, and every tile the tensor cores read
     (the async proxy) was fenced by its writers, then barriered, after its last write;
     deleting any one of those fences is caught."""
-    from swa_tvm.cuda_races import deletions, dynamic, generated_source, kernel_bodies, races
+    from tools.cuda_races import deletions, dynamic, generated_source, kernel_bodies, races
     from swa_tvm.schedules import cuda_flash_bwd_tc, cuda_flash_tc
 
     local, glob = KernelSpec("local", 32, "bfloat16", 63, 0, extras=True), KernelSpec("global", 32, "bfloat16", 0, -1)
@@ -301,7 +306,7 @@ def test_tensor_core_chunk_loops_divide_nothing():
     the H200 profile of bench/gpu); this fails on that code."""
     import tvm
 
-    from swa_tvm.cuda_races import braced, generated_source, kernel_bodies
+    from tools.cuda_races import braced, generated_source, kernel_bodies
 
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
     spec = AttentionSpec.parse("head_dim=32,window=63:0,dilation=2,globals,sinks,backward,dtype=bfloat16")
@@ -318,13 +323,13 @@ def test_tensor_core_chunk_loops_divide_nothing():
 
 
 def test_machine_code_of_the_bf16_d128_kernels():
-    """The machine code (swa_tvm.sass: nvcc's cubin, nvdisasm) of the issue's bf16 D=128
+    """The machine code (tools.sass: nvcc's cubin, nvdisasm) of the issue's bf16 D=128
     kernels: no spill, the mma each chunk needs, every operand read from shared memory
     by ldmatrix in the forward, and the hot loop's instructions per mma well under the
     code the H200 profiled (14.2 forward, 14.4 dq, 9.9 dk/dv per mma, static count)."""
     import tvm
 
-    from swa_tvm import sass
+    from tools import sass
 
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
     kernels = {k.kind: k for k in AttentionSpec.parse("head_dim=128,window=4095:0,dtype=bfloat16,backward").kernels()}
@@ -351,9 +356,10 @@ def test_machine_code_of_the_wgmma_forward():
     HMMA or ldmatrix left (the tensor cores read K and V from shared memory); fewer
     instructions per product than the mma.sync default on the loop's shortest pass; the shared stores fenced
     for the async proxy; and ptxas did not serialize the wgmma."""
-    from swa_tvm import cuda_races, sass
-    from swa_tvm.cuda_pack import nvcc_compile, ptxas_resources
-    from swa_tvm.cuda_races import generated_source
+    from tools import cuda_races
+    from tools import sass
+    from swa_tvm.compiler.cuda_pack import nvcc_compile, ptxas_resources
+    from tools.cuda_races import generated_source
     from swa_tvm.schedules import cuda_flash_tc
 
     spec = next(k for k in AttentionSpec.parse("head_dim=128,window=4095:0,dtype=bfloat16").kernels() if k.kind == "local")
@@ -399,9 +405,9 @@ def test_two_stage_forward_copies_a_chunk_ahead():
     spill, registers for two blocks per SM, no more instructions per product than the
     one-stage kernel's loop (the ring costs shared memory, not instructions), and no
     block barrier but the waits'."""
-    from swa_tvm import sass
-    from swa_tvm.cuda_pack import nvcc_compile, ptxas_resources
-    from swa_tvm.cuda_races import generated_source
+    from tools import sass
+    from swa_tvm.compiler.cuda_pack import nvcc_compile, ptxas_resources
+    from tools.cuda_races import generated_source
     from swa_tvm.schedules import cuda_flash_tc
 
     spec = next(k for k in AttentionSpec.parse("head_dim=128,window=4095:0,dtype=bfloat16").kernels() if k.kind == "local")
@@ -424,7 +430,7 @@ def _assert_two_stage_loop(found, resources, kernel, one_stage, mma):
     stage's products; two block barriers a turn, the waits'; ``mma`` products a turn;
     no spill; no more instructions per product than ``one_stage``'s loop. Returns the
     two loops' summaries."""
-    from swa_tvm import sass
+    from tools import sass
 
     tags = {"DEPBAR": "wait", "LDGSTS": "copy", "HMMA": "mma", "HGMMA": "mma"}
     insts, labels = found[kernel]
@@ -455,9 +461,9 @@ def test_two_stage_gradients_copy_a_chunk_ahead():
     stage's products; two block barriers a turn; no spill; no more instructions per
     product than the one-stage loop, and fewer on its shortest pass (the synchronous
     loads are out of the loop)."""
-    from swa_tvm import sass
-    from swa_tvm.cuda_pack import nvcc_compile, ptxas_resources
-    from swa_tvm.cuda_races import generated_source
+    from tools import sass
+    from swa_tvm.compiler.cuda_pack import nvcc_compile, ptxas_resources
+    from tools.cuda_races import generated_source
     from swa_tvm.schedules import cuda_flash_bwd_tc
 
     kernels = {k.kind: k for k in AttentionSpec.parse("head_dim=128,window=4095:0,dtype=bfloat16,backward").kernels()}
@@ -487,9 +493,10 @@ def test_wgmma_overlap_forward_waits_for_q_k_before_p_v():
     waits are the kernel's: deleting the one that leaves P V pending makes ptxas inject
     its own (the registers it guards), deleting the loop's full wait races on V's tile
     (cuda_races). The option needs wgmma and synchronous loads."""
-    from swa_tvm import cuda_races, sass
-    from swa_tvm.cuda_pack import nvcc_compile, ptxas_resources
-    from swa_tvm.cuda_races import generated_source
+    from tools import cuda_races
+    from tools import sass
+    from swa_tvm.compiler.cuda_pack import nvcc_compile, ptxas_resources
+    from tools.cuda_races import generated_source
     from swa_tvm.schedules import cuda_flash_tc
 
     spec = next(k for k in AttentionSpec.parse("head_dim=128,window=4095:0,dtype=bfloat16").kernels() if k.kind == "local")
@@ -525,9 +532,9 @@ def test_machine_code_of_the_wgmma_gradients():
     shared memory, dS K (dq) or P^T dO and dS^T Q (dk/dv) as HGMMA.64x128x16, the work
     of 96 / 128 mma.sync per warp, and no HMMA or ldmatrix left; fewer instructions per
     product than the mma.sync kernels (6.3, 5.7)."""
-    from swa_tvm import sass
-    from swa_tvm.cuda_pack import nvcc_compile, ptxas_resources
-    from swa_tvm.cuda_races import generated_source
+    from tools import sass
+    from swa_tvm.compiler.cuda_pack import nvcc_compile, ptxas_resources
+    from tools.cuda_races import generated_source
     from swa_tvm.schedules import cuda_flash_bwd_tc
 
     kernels = {k.kind: k for k in AttentionSpec.parse("head_dim=128,window=4095:0,dtype=bfloat16,backward").kernels()}
@@ -586,7 +593,8 @@ def test_wgmma_probe_tells_the_layout_readings_apart():
     and V's tile and V's transposed agree with torch's product; V's tile under the other
     reading (LBO and SBO exchanged) does not, so on the GPU the probes name the reading
     the hardware has."""
-    from swa_tvm import gpu_check, gpu_bundle
+    from tools import gpu_check
+    from tools import gpu_bundle
     from swa_tvm.schedules import cuda_wgmma
 
     rows = []
@@ -599,10 +607,10 @@ def test_wgmma_probe_tells_the_layout_readings_apart():
 
 
 def test_sass_hot_loop_is_the_innermost_with_the_most_mma():
-    """swa_tvm.sass's reading of nvdisasm's text: two loops of two HMMA each (the band's,
+    """tools.sass's reading of nvdisasm's text: two loops of two HMMA each (the band's,
     then the extra keys'), and a branch back across both, as nvcc laid out the forward
     with extra keys: the hot loop is the first inner loop, not the range spanning both."""
-    from swa_tvm import sass
+    from tools import sass
 
     ops = []
 
@@ -636,7 +644,7 @@ def test_tensor_core_forward_min_blocks_sets_the_launch_bounds():
     """TCConfig.min_blocks is __launch_bounds__' second argument, on the local and the
     global rows' kernels (0: none, ptxas's own choice; None: two blocks of up to 4
     warps, one of more); a negative one is refused."""
-    from swa_tvm.cuda_races import generated_source
+    from tools.cuda_races import generated_source
     from swa_tvm.schedules import cuda_flash_tc
 
     for kind, window in (("local", (31, 0)), ("global", (0, 0))):
@@ -651,11 +659,11 @@ def test_tensor_core_forward_min_blocks_sets_the_launch_bounds():
 
 
 def test_sass_shortest_pass_takes_each_branch_the_shorter_way():
-    """swa_tvm.sass.shortest_pass on a loop as nvcc lays out the forward's: a predicated
+    """tools.sass.shortest_pass on a loop as nvcc lays out the forward's: a predicated
     branch over the unmasked path to the masked one (longer), which jumps back to the
     join; then a predicated skip of the rescale; then the back branch. The shortest pass
     is the unmasked path without the rescale; the mma on it are counted."""
-    from swa_tvm import sass
+    from tools import sass
 
     lines, labels = [], {}
 
@@ -777,15 +785,14 @@ def test_cuda_search_space_points_replay_and_compute_the_reference(seed):
     import tvm
     from tvm import s_tir
 
-    from swa_tvm import tuning
     from swa_tvm.schedules import cpu, cuda
 
     spec = KernelSpec("local", 16, "float16", 8, 9, max_dilation=2, extras=True)
-    sch = s_tir.Schedule(tuning.tuning_workload(spec, target_kind="cuda"), seed=seed)
+    sch = s_tir.Schedule(records.tuning_workload(spec, target_kind="cuda"), seed=seed)
     cuda.schedule(sch, spec, cpu.Sampled())
     kinds = [i.kind.name for i in sch.trace.insts]
     assert "SamplePerfectTile" in kinds and "SampleCategorical" in kinds
-    func = tuning.apply_record(spec, sch.trace, "cuda")
+    func = records.apply_record(spec, sch.trace, "cuda")
     _assert_grid_divides_by_no_symbolic_extent(func)
     kernel = _serial_on_cpu(tvm.IRModule({spec.name: func}))[spec.name]
     _check_local_kernel(kernel, "float16", (8, 9), [1, 2, 1, 2], True, 3e-3, Hkv=4, D=16)
@@ -801,28 +808,28 @@ def test_cuda_tensor_core_space_computes_the_reference_and_issues_wmma(dtype, se
     import tvm
     from tvm import s_tir
 
-    from swa_tvm import tuning
-    from swa_tvm.build import cuda_source
+    pass  # SPLITIMPORT
+    from swa_tvm.compiler.build import cuda_source
     from swa_tvm.schedules import cpu, cuda
 
-    tuning.preload_tensor_intrin()
+    records.preload_tensor_intrin()
     spec = KernelSpec("local", 32, dtype, 15, 16, max_dilation=2, extras=True)  # band 64 keys
     assert cuda.tensor_cores_apply(spec)
     assert not cuda.tensor_cores_apply(KernelSpec("local", 40, dtype, 7, 0))  # head dim 40
     assert not cuda.tensor_cores_apply(KernelSpec("local", 32, dtype, -1, 0))  # no band
     assert not cuda.tensor_cores_apply(KernelSpec("local", 32, "float32", 15, 16))
-    sch = s_tir.Schedule(tuning.tuning_workload(spec, target_kind="cuda"), seed=seed)
+    sch = s_tir.Schedule(records.tuning_workload(spec, target_kind="cuda"), seed=seed)
     cuda.schedule(sch, spec, cpu.Sampled(), tensor_cores=True)
     assert [i.kind.name for i in sch.trace.insts].count("Tensorize") == 5
-    func = tuning.apply_record(spec, sch.trace, "cuda")
+    func = records.apply_record(spec, sch.trace, "cuda")
     target = {"kind": "cuda", "arch": "sm_90"}
     src = cuda_source(tvm.compile(tvm.IRModule({spec.name: func}), target=tvm.target.Target(target)).mod)
     half = {"float16": "half", "bfloat16": "nv_bfloat16"}[dtype]
     assert f"wmma::matrix_a, 16, 16, 16, {half}" in src and "wmma::mma_sync" in src
 
-    loops = s_tir.Schedule(tuning.tuning_workload(spec, target_kind="cuda"), seed=seed)
+    loops = s_tir.Schedule(records.tuning_workload(spec, target_kind="cuda"), seed=seed)
     cuda.schedule(loops, spec, cpu.Sampled(), tensor_cores=True, tensorize=False)
-    kernel = _serial_on_cpu(tvm.IRModule({spec.name: tuning.apply_record(spec, loops.trace, "cuda")}))[spec.name]
+    kernel = _serial_on_cpu(tvm.IRModule({spec.name: records.apply_record(spec, loops.trace, "cuda")}))[spec.name]
     _check_local_kernel(kernel, dtype, (15, 16), [1, 2, 1, 2], True, 3e-3, Hkv=4, D=32)
 
 
@@ -834,9 +841,9 @@ def test_cuda_search_space_points_with_one_thread_along_an_axis_compile(tensor_c
     import tvm
     from tvm import s_tir
 
-    from swa_tvm import tuning
-    from swa_tvm.build import cuda_source
-    from swa_tvm.cuda_pack import nvcc_fatbin
+    pass  # SPLITIMPORT
+    from swa_tvm.compiler.build import cuda_source
+    from swa_tvm.compiler.cuda_pack import nvcc_fatbin
     from swa_tvm.schedules import cpu, cuda
 
     class OneThread(cpu.DefaultPoint):
@@ -847,11 +854,11 @@ def test_cuda_search_space_points_with_one_thread_along_an_axis_compile(tensor_c
                 default = [default[0] * default[1], 1]
             return super().split(sch, loop, default, max_inner)
 
-    tuning.preload_tensor_intrin()
+    records.preload_tensor_intrin()
     spec = KernelSpec("local", 16, "float16", 7, 0)
-    sch = s_tir.Schedule(tuning.tuning_workload(spec, target_kind="cuda"))
+    sch = s_tir.Schedule(records.tuning_workload(spec, target_kind="cuda"))
     cuda.schedule(sch, spec, OneThread(), tensor_cores=tensor_cores)
-    func = tuning.apply_record(spec, sch.trace, "cuda")
+    func = records.apply_record(spec, sch.trace, "cuda")
     target = {"kind": "cuda", "arch": "sm_80"}
     fatbin, _ = nvcc_fatbin(cuda_source(tvm.compile(tvm.IRModule({spec.name: func}), target=tvm.target.Target(target)).mod), "sm_80")
     assert fatbin[:4] == bytes.fromhex("50ed55ba")  # the fatbin magic
@@ -861,7 +868,7 @@ def _pattern_inputs(dtype, window, dilation, extras, B=2, H=4, Hkv=2, T=150, D=3
     """Fresh inputs of one pattern, the kernel's extra arguments, and the rows a local
     kernel owns (global rows belong to the global kernel). ``ramp``: key j scaled by
     1 + ramp * j / T, so that rows' score maxima keep growing along the keys."""
-    from swa_tvm.functional import _extra_positions
+    from swa_tvm.eager import _extra_positions
 
     tdt = getattr(torch, dtype)
     q = rand(B, H, T, D).to(tdt)
@@ -1037,7 +1044,7 @@ def test_mma_fragment_maps_are_the_hardware_layout():
     lanes (TVM's trans_b B is stored n x k, as the kernel's K tile). Then the identity
     the kernel's P·V rests on: score C values l of tiles 2s and 2s+1 are, at A index
     4*(tile % 2) + l, the A fragment of the probabilities' k-step s."""
-    from swa_tvm.tuning import preload_tensor_intrin
+    from swa_tvm.compiler.records import preload_tensor_intrin
 
     preload_tensor_intrin()  # the intrinsics' module parses hundreds of TVMScript functions on import
     from tvm.s_tir.tensor_intrin.cuda import (
@@ -1176,7 +1183,7 @@ def test_cuda_flash_config_checks():
 def test_gpu_check_harness_on_cpu(tmp_path, fresh_registry):
     """The GPU check's correctness stage, run on the CPU kernels: the harness itself
     (cases, reference, tolerances, results file) works before it costs GPU time."""
-    from swa_tvm import gpu_check
+    from tools import gpu_check
 
     # A library that does not load (here: no manifest) is recorded and fails the run,
     # and the stages still run.
@@ -1244,7 +1251,7 @@ BACKWARD_BUILDS = {"cores": BACKWARD_CASES, "tc": TC_BACKWARD_CONFIGS, "tc_wgmma
 
 @pytest.mark.parametrize("case,fused", [(c, f) for c in BACKWARD_CASES for f, cases in BACKWARD_BUILDS.items() if c in cases])
 def test_cuda_backward_kernels_compute_the_reference_gradients(case, fused, monkeypatch):
-    """The whole backward (``functional.attention_backward``: delta, sink gradient, the
+    """The whole backward (``eager.attention_backward``: delta, sink gradient, the
     global rows' split, GQA sums) with every gradient kernel as the CUDA build makes it
     ("cores": all on the fused kernels of schedules/cuda_flash_bwd.py; "tc": on the
     tensor-core ones of schedules/cuda_flash_bwd_tc.py, mma emulated lane by lane;
@@ -1256,10 +1263,10 @@ def test_cuda_backward_kernels_compute_the_reference_gradients(case, fused, monk
     import tvm
     from tvm import s_tir
 
-    from swa_tvm import functional
+    pass  # SPLITIMPORT
     from swa_tvm.compute import prim_func
-    from swa_tvm.gpu_check import sink_grad_err
-    from swa_tvm.library import GLOBAL_BWD_WORKSPACE, Kernel
+    from tools.gpu_check import sink_grad_err
+    from swa_tvm.runtime.library import GLOBAL_BWD_WORKSPACE, Kernel
     from swa_tvm.reference import sliding_window_attention_ref
     from swa_tvm.schedules import cuda, cuda_flash_bwd, cuda_flash_bwd_tc
     from swa_tvm.spec import BACKWARD_KINDS
@@ -1285,8 +1292,8 @@ def test_cuda_backward_kernels_compute_the_reference_gradients(case, fused, monk
         cuda.schedule(sch, want)
         return Kernel(want, _serial_on_cpu(sch.mod)[want.name], device, "serial CUDA schedule")
 
-    monkeypatch.setattr(functional, "_kernel", serial_cuda_kernel)
-    monkeypatch.setattr(functional, "global_pieces", lambda B, H, G, T, device: 3)  # T=45: empty pieces too
+    monkeypatch.setattr(eager, "_kernel", serial_cuda_kernel)
+    monkeypatch.setattr(eager, "global_pieces", lambda B, H, G, T, device: 3)  # T=45: empty pieces too
     dtype, window, dilation, extras, tol, _ = BACKWARD_CASES[case]
     B, H, Hkv, T, G = 2, 4, 2, 45, 2
     D = tc_configs[case][1] if fused.startswith("tc") else 16
@@ -1305,7 +1312,7 @@ def test_cuda_backward_kernels_compute_the_reference_gradients(case, fused, monk
 
     low = lambda x: x.detach().to(tdt) if x is not None else None  # noqa: E731
     sink = kw.get("sink_logits")
-    got = functional.attention_backward(
+    got = eager.attention_backward(
         low(d_out), d_lse.float(), low(q), low(k), low(v), kw["dilation"], kw.get("global_idx"),
         low(kw.get("q_global")), low(kw.get("k_global")), low(kw.get("v_global")), kw.get("num_sinks", 0),
         sink.detach().float() if sink is not None else None, D**-0.5, *window, low(ref_out), ref_lse.float(),
@@ -1328,8 +1335,8 @@ def test_tensor_core_forward_through_functional(pieces, monkeypatch):
     mma emulated): the window with extra keys, then the split-K global rows, whose
     workspace functional allocates (``pieces`` of the keys, in place of
     global_pieces's choice for the GPU) and passes after lse, as the manifest says."""
-    from swa_tvm import functional
-    from swa_tvm.library import GLOBAL_WORKSPACE, Kernel
+    pass  # SPLITIMPORT
+    from swa_tvm.runtime.library import GLOBAL_WORKSPACE, Kernel
     from swa_tvm.reference import sliding_window_attention_ref
     from swa_tvm.schedules import cuda_flash_tc
 
@@ -1338,15 +1345,15 @@ def test_tensor_core_forward_through_functional(pieces, monkeypatch):
         workspace = GLOBAL_WORKSPACE if want.kind == "global" else None
         return Kernel(want, _serial_on_cpu(func)[want.name], device, "serial, mma emulated", None, workspace)
 
-    monkeypatch.setattr(functional, "_kernel", serial_tc_kernel)
-    monkeypatch.setattr(functional, "global_pieces", lambda B, H, G, T, device: pieces)
+    monkeypatch.setattr(eager, "_kernel", serial_tc_kernel)
+    monkeypatch.setattr(eager, "global_pieces", lambda B, H, G, T, device: pieces)
     B, H, Hkv, T, D = 2, 4, 2, 90, 32
     q, k, v = rand(B, H, T, D).bfloat16(), rand(B, Hkv, T, D).bfloat16(), rand(B, Hkv, T, D).bfloat16()
     gidx = torch.tensor([[3, 50, 88], [70, 1, 20]], dtype=torch.int32)
     sink = rand(H)
     kw = dict(window_size=(9, 0), global_idx=gidx, num_sinks=1, sink_logits=sink)
     ref_out, ref_lse = sliding_window_attention_ref(q, k, v, **kw)
-    out, lse = functional.attention_forward(
+    out, lse = eager.attention_forward(
         q, k, v, torch.ones(H, dtype=torch.int32), gidx, None, None, None, 1, sink, D**-0.5, 9, 0
     )
     assert rel_err(out, ref_out) < 4e-3
@@ -1356,7 +1363,7 @@ def test_tensor_core_forward_through_functional(pieces, monkeypatch):
 def test_gpu_check_training_timing_on_cpu():
     """The GPU check's training stage (GPU-only there), run on the CPU kernels at a tiny
     shape: it times ours and the banded-mask SDPA, and their gradients agree."""
-    from swa_tvm import gpu_check
+    from tools import gpu_check
 
     results = {}
     gpu_check.time_training(results, torch.device("cpu"), None, 64, 8, shape=(1, 4, 2, 16), dtype=torch.float32)
@@ -1374,7 +1381,7 @@ def test_staged_bytes_counts_the_chunks_a_dense_mask_touches(left, right, warps,
     left bound) holding a partner some row of the block sees in the dense mask; for the
     forward and dq the rows are queries and a chunk K's and V's rows, for dk/dv the rows
     are keys, the mask transposed, and a chunk Q's and dO's rows with lse and delta."""
-    from swa_tvm import gpu_check
+    from tools import gpu_check
     from swa_tvm.reference import window_mask
 
     B, H, T, D = 2, 3, 50, 8
@@ -1400,8 +1407,9 @@ def test_gpu_check_variant_rows_on_cpu(monkeypatch, tmp_path):
     the rest are still measured; the same from a child process."""
     import tvm
 
-    from swa_tvm import gpu_check
-    from swa_tvm.build import host_target, schedule_spec
+    from tools import gpu_check
+    from swa_tvm.compiler.targets import host_target
+    from swa_tvm.compiler.build import schedule_spec
 
     kernels = {k.kind: k for k in AttentionSpec.parse("head_dim=16,window=7:0,backward").kernels()}
     target = tvm.target.Target(host_target())
@@ -1463,7 +1471,8 @@ def test_cuda_global_schedule_computes_the_reference(causal):
     import tvm
     from tvm import s_tir
 
-    from swa_tvm.compute import GLOBAL_CHUNK, prim_func
+    from swa_tvm.compute.forward import GLOBAL_CHUNK
+    from swa_tvm.compute import prim_func
     from swa_tvm.reference import sliding_window_attention_ref
     from swa_tvm.schedules import cuda
 
@@ -1494,7 +1503,7 @@ def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
     (tensor-core configurations and the CUDA-core kernel of the forward, dq and dk/dv
     kernels), listed in variants.json with the kind each computes; for sm_90 built as
     sm_90a, with the wgmma forward (V transposed, overlapped); two K/V stages."""
-    from swa_tvm import gpu_bundle
+    from tools import gpu_bundle
 
     # 16-bit loads and cp.async; two 16-row tiles per warp.
     monkeypatch.setattr(gpu_bundle, "TC_VARIANTS", ((4, 64), (2, 16, False, True), (1, 16, True, False, 2),
@@ -1531,7 +1540,7 @@ def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
     # ptxas's report per variant; the dynamic tiles count no static shared memory.
     assert all(v["ptxas"]["registers"] <= 255 for v in meta["variants"]), meta["variants"]
     assert [v["ptxas"]["smem"] > 1024 for v in dq_rows] == [True, False, True, True]
-    # And each one's hot loop from its machine code (swa_tvm.sass): the tensor-core
+    # And each one's hot loop from its machine code (tools.sass): the tensor-core
     # forward's mma per warp and chunk: (8 k-steps x chunk/8 score tiles + chunk/16 x 16
     # output tiles) x row tiles: 128 at the default 4 x 64, 32 at 2 x 16, 64 with two
     # row tiles at 1 x 16, 32 in wgmma's units (a warp's share of each HGMMA) at 4 x 16;

@@ -10,8 +10,11 @@ import pytest
 import torch
 from conftest import rel_err
 
+from swa_tvm.compiler import jit
+from swa_tvm.compute import forward as compute_forward
+from swa_tvm import eager
 import swa_tvm
-from swa_tvm import library
+from swa_tvm.runtime import library
 from swa_tvm.spec import AttentionSpec
 
 SPEC = AttentionSpec(head_dim=32, window=(3, 0), max_dilation=4, globals=True, sinks=True)
@@ -42,7 +45,7 @@ def test_manifest_contents(lib):
 
 ROUND_TRIP = r"""
 import sys, torch, swa_tvm
-from swa_tvm import library
+from swa_tvm.runtime import library
 from swa_tvm.reference import sliding_window_attention_ref as ref
 specs = swa_tvm.load_library(sys.argv[1])
 assert not library.REGISTRY.kernels() or all(k.origin == sys.argv[1] for k in library.REGISTRY.kernels())
@@ -209,7 +212,7 @@ def test_x86_level_library_needs_only_its_level(level, needs, tmp_path, fresh_re
 def test_half_precision_cpu_library(tmp_path, fresh_registry):
     """A bfloat16 CPU library (float32 accumulation): exported, loaded through its
     manifest, serving the forward and the gradients against the float64 reference."""
-    from swa_tvm.gpu_check import GRAD_TOLERANCE, TOLERANCE
+    from tools.gpu_check import GRAD_TOLERANCE, TOLERANCE
     from swa_tvm.reference import sliding_window_attention_ref
 
     specs = AttentionSpec.parse("head_dim=16,window=5:0,dtype=bfloat16,backward").kernels()
@@ -283,12 +286,12 @@ def test_jit_cache_builds_once_for_concurrent_processes(tmp_path):
 def test_jit_cache_key_covers_every_schedule():
     """Every file of the schedules package (cuda_wgmma.py was missed once) and the TE
     are in the sources whose hash keys the JIT cache."""
-    from swa_tvm import build, compute, schedules
+    from swa_tvm import schedules
 
-    files = {os.path.realpath(f) for f in build.kernel_code_files()}
+    files = {os.path.realpath(f) for f in jit.kernel_code_files()}
     folder = os.path.dirname(schedules.__file__)
     wanted = {os.path.realpath(os.path.join(folder, n)) for n in os.listdir(folder) if n.endswith(".py")}
-    assert len(wanted) >= 8 and wanted <= files and os.path.realpath(compute.__file__) in files
+    assert len(wanted) >= 8 and wanted <= files and os.path.realpath(compute_forward.__file__) in files
 
 
 @pytest.mark.parametrize("kind", ["local", "local_dq", "local_dkv"])
@@ -296,7 +299,7 @@ def test_kernels_never_floor_divide_by_the_runtime_dilation(kind):
     # Floor division/modulo by a runtime value lowers to sign fix-ups (nested Let/Select);
     # nested in the gathers they made every kernel take ~7 s in TVM's code generation.
     # Indices and dilations are never negative, so the kernels divide with truncation
-    # (compute.div_nonneg). (With extras, the extra positions' residues keep floor
+    # (compute_forward.div_nonneg). (With extras, the extra positions' residues keep floor
     # division on purpose: a padded position is -1.) The code of 2026-12-02 had 14-22
     # such divisions per kernel.
     import re
@@ -317,7 +320,6 @@ def test_cuda_kernels_refuse_a_device_their_code_does_not_run_on(monkeypatch, ar
     GPUs, sm_XYa code (wgmma) on sm_XY alone; a refusal names both."""
     import torch
 
-    from swa_tvm import functional
     from swa_tvm.spec import KernelSpec
 
     calls = []
@@ -326,9 +328,9 @@ def test_cuda_kernels_refuse_a_device_their_code_does_not_run_on(monkeypatch, ar
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: device_cc)
     if refused:
         with pytest.raises(RuntimeError, match=f"built for {arch}, but cuda:0 is sm_{device_cc[0]}{device_cc[1]}"):
-            functional._launch(kern, torch.device("cuda", 0))
+            eager._launch(kern, torch.device("cuda", 0))
         return
     # Accepted: on to the launch, which needs the CUDA runtime this machine lacks.
     with pytest.raises(Exception) as e:
-        functional._launch(kern, torch.device("cuda", 0))
+        eager._launch(kern, torch.device("cuda", 0))
     assert "built for" not in str(e.value)

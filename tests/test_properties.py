@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import check_against_reference
-from swa_tvm.build import get_or_build_kernel
+from swa_tvm.compiler.jit import get_or_build_kernel
 from swa_tvm.spec import KernelSpec
 
 D = 16

@@ -1,4 +1,4 @@
-"""Tile records of the fused CUDA kernels (swa_tvm.tiles): the GPU check's variant rows
+"""Tile records of the fused CUDA kernels (swa_tvm.compiler.tiles): the GPU check's variant rows
 become records per arch, and export builds with them (compile-only here)."""
 
 import json
@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from swa_tvm import build, tiles
+from swa_tvm.compiler import build, tiles
 from swa_tvm.spec import AttentionSpec, KernelSpec
 
 SPEC = {"kind": "local", "head_dim": 128, "dtype": "bfloat16", "left": 4095, "right": 0}

@@ -77,16 +77,16 @@ def test_misaligned_views_get_aligned_copies(monkeypatch):
     handed to a launch is refused by name."""
     import pytest
 
-    from swa_tvm import functional
+    from swa_tvm import eager
 
     seen = []
-    launch = functional._launch
+    launch = eager._launch
 
     def spy(kern, device, *args):
         seen.extend((kern.spec.kind, a.data_ptr() % 64) for a in args if isinstance(a, torch.Tensor) and a.numel())
         return launch(kern, device, *args)
 
-    monkeypatch.setattr(functional, "_launch", spy)
+    monkeypatch.setattr(eager, "_launch", spy)
 
     def odd(x):  # the same values, contiguous, 4 bytes past an aligned allocation
         flat = torch.empty(x.numel() + 1, dtype=x.dtype)
@@ -114,6 +114,6 @@ def test_misaligned_views_get_aligned_copies(monkeypatch):
     assert rel_err(out_a, ref(*[inputs[n] for n in "qkv"], window_size=(5, 0), global_idx=gi, num_sinks=1,
                               q_global=inputs["q_global"], sink_logits=inputs["sink_logits"])[0]) < 1e-5
 
-    kern = functional._kernel(functional._local_spec(inputs["q"], 5, 0, torch.ones(4, dtype=torch.int32), None), "cpu")
+    kern = eager._kernel(eager._local_spec(inputs["q"], 5, 0, torch.ones(4, dtype=torch.int32), None), "cpu")
     with pytest.raises(ValueError, match=r"\(1, 4, 40, 16\) argument's data is not 64-byte aligned"):
         launch(kern, torch.device("cpu"), odd(inputs["q"]))

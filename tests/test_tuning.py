@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import swa_tvm
-from swa_tvm import tuning
-from swa_tvm.build import host_target, target_key
+from swa_tvm.compiler import records
+from swa_tvm.tuning import tune
+from swa_tvm.compiler.targets import host_target, target_key
 from swa_tvm.reference import sliding_window_attention_ref
 from swa_tvm.spec import AttentionSpec, KernelSpec
 
@@ -44,14 +45,14 @@ def test_sampled_schedules_replay_on_symbolic_kernel_and_are_correct(seed):
     import tvm
     from tvm import s_tir
 
-    from swa_tvm.build import _vector_lanes
+    from swa_tvm.compiler.targets import _vector_lanes
     from swa_tvm.schedules import cpu
 
     spec = KernelSpec("local", 16, "float32", 5, 2, 2, True, 16)
-    sch = s_tir.Schedule(tuning.tuning_workload(spec), seed=seed)
+    sch = s_tir.Schedule(records.tuning_workload(spec), seed=seed)
     cpu.schedule(sch, spec, _vector_lanes(tvm.target.Target(host_target())), cpu.Sampled())
     assert any(i.kind.name in ("SamplePerfectTile", "SampleCategorical") for i in sch.trace.insts)
-    func = tuning.apply_record(spec, sch.trace)
+    func = records.apply_record(spec, sch.trace)
     f = _compile_one(func)[spec.name]
 
     B, H, T, D = 2, 3, 77, 16  # E = 3 extra key slots per batch row
@@ -81,7 +82,7 @@ def _tune_cmd(logs, work, trials, per_iter, *extra):
 
 
 def _record_lines(folder):
-    path = os.path.join(folder, tuning.RECORD_FILE)
+    path = os.path.join(folder, records.RECORD_FILE)
     if not os.path.exists(path):
         return 0
     with open(path) as f:
@@ -93,10 +94,10 @@ def _check_logs_readable(folder):
     from tvm.s_tir.meta_schedule.database import JSONDatabase
 
     db = JSONDatabase(
-        os.path.join(folder, tuning.WORKLOAD_FILE), os.path.join(folder, tuning.RECORD_FILE), allow_missing=False
+        os.path.join(folder, records.WORKLOAD_FILE), os.path.join(folder, records.RECORD_FILE), allow_missing=False
     )
     n = len(db.get_all_tuning_records())
-    assert n == _record_lines(folder) == len(tuning.open_log(folder, readonly=True))
+    assert n == _record_lines(folder) == len(records.open_log(folder, readonly=True))
     return n
 
 
@@ -105,7 +106,7 @@ def tuned_logs(tmp_path_factory):
     """Tune, SIGKILL mid-run, check the logs, continue with a second run."""
     logs = tmp_path_factory.mktemp("logs")
     work = tmp_path_factory.mktemp("work")
-    folder = tuning.log_dir(str(logs), host_target())
+    folder = records.log_dir(str(logs), host_target())
     # 40 trials: far more than are measured before the kill (a short run could end first
     # on a busy machine: pytest's other worker shares the cores).
     p = subprocess.Popen(_tune_cmd(logs, work, 40, 2), start_new_session=True,
@@ -136,9 +137,9 @@ def test_builder_keeps_its_workers_across_batches_and_reports_failures():
     from tvm import te
     from tvm.s_tir import meta_schedule as ms
 
-    from swa_tvm.tuning_builder import PooledBuilder
+    from swa_tvm.tuning.builder import PooledBuilder
 
-    good = tuning.default_point(KSPEC, 8).mod
+    good = records.default_point(KSPEC, 8).mod
     n, a = te.var("n"), te.placeholder((64,), name="a")  # n: used, not an argument
     broken = tvm.IRModule({"main": te.create_prim_func([a, te.compute((64,), lambda i: a[i] * n.astype("float32"))])})
     cpu = tvm.target.Target(host_target())
@@ -163,14 +164,14 @@ def test_sampled_schedule_of_a_bfloat16_kernel_is_correct():
     import tvm
     from tvm import s_tir
 
-    from swa_tvm.build import _vector_lanes
+    from swa_tvm.compiler.targets import _vector_lanes
     from swa_tvm.schedules import cpu
 
     spec = KernelSpec("local", 16, "bfloat16", 5, 0, 1, False, 16)
-    sch = s_tir.Schedule(tuning.tuning_workload(spec), seed=4)
+    sch = s_tir.Schedule(records.tuning_workload(spec), seed=4)
     cpu.schedule(sch, spec, _vector_lanes(tvm.target.Target(host_target())), cpu.Sampled())
     assert any(i.kind.name in ("SamplePerfectTile", "SampleCategorical") for i in sch.trace.insts)
-    f = _compile_one(tuning.apply_record(spec, sch.trace))[spec.name]
+    f = _compile_one(records.apply_record(spec, sch.trace))[spec.name]
     B, H, T, D = 2, 3, 77, 16
     q, k, v = (torch.randn(B, H, T, D).to(torch.bfloat16) for _ in range(3))
     out, lse = torch.empty(B, H, T, D, dtype=torch.bfloat16), torch.empty(B, H, T)
@@ -182,7 +183,7 @@ def test_sampled_schedule_of_a_bfloat16_kernel_is_correct():
 def test_interrupt_keeps_records_and_exits_130(tmp_path):
     """Ctrl-C: exit 130, every record kept, and no builder or runner worker left running
     (the tune has its own process group; the workers leave it only by exiting)."""
-    folder = tuning.log_dir(str(tmp_path / "logs"), host_target())
+    folder = records.log_dir(str(tmp_path / "logs"), host_target())
     p = subprocess.Popen(_tune_cmd(tmp_path / "logs", tmp_path / "work", 40, 2),  # interrupted long before its end
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
     deadline = time.time() + 400
@@ -210,7 +211,7 @@ def test_export_applies_records_and_result_is_correct(tuned_logs, tmp_path, fres
     rc, _, err = run_cli(capsys, "export", "--spec", SPEC_STR, "--logs", tuned_logs, "-o", lib)
     assert rc == 0, err
     assert "warning" not in err  # the only kernel is tuned
-    m = swa_tvm.library.read_manifest(lib)
+    m = swa_tvm.runtime.library.read_manifest(lib)
     (k,) = m["kernels"]
     assert k["tuned"] is True and k["tuning"]["records"] >= 4 and k["tuning"]["gflops"] > 0
     rc, out, _ = run_cli(capsys, "info", lib)
@@ -229,10 +230,10 @@ def test_records_never_cross_cpu_classes(tuned_logs, tmp_path):
 
     here = host_target()
     other = dict(here, mcpu="skylake-avx512" if here["mcpu"] != "skylake-avx512" else "znver4")
-    assert tuning.best_record(KSPEC, here, str(tuned_logs)) is not None
-    assert tuning.best_record(KSPEC, other, str(tuned_logs)) is None  # no folder for it
-    shutil.copytree(tuning.log_dir(str(tuned_logs), here), tmp_path / target_key(other))
-    assert tuning.best_record(KSPEC, other, str(tmp_path)) is None  # folder, foreign records
+    assert records.best_record(KSPEC, here, str(tuned_logs)) is not None
+    assert records.best_record(KSPEC, other, str(tuned_logs)) is None  # no folder for it
+    shutil.copytree(records.log_dir(str(tuned_logs), here), tmp_path / target_key(other))
+    assert records.best_record(KSPEC, other, str(tmp_path)) is None  # folder, foreign records
 
 
 def test_untuned_export_warns_naming_the_kernel(tmp_path, capsys):
@@ -246,15 +247,15 @@ def test_torn_last_line_is_skipped_other_damage_is_an_error(tuned_logs, tmp_path
     import shutil
 
     folder = tmp_path / "f"
-    shutil.copytree(tuning.log_dir(str(tuned_logs), host_target()), folder)
-    rec = folder / tuning.RECORD_FILE
+    shutil.copytree(records.log_dir(str(tuned_logs), host_target()), folder)
+    rec = folder / records.RECORD_FILE
     lines = rec.read_text().splitlines()
     rec.write_text("\n".join(lines) + "\n" + lines[-1][: len(lines[-1]) // 2])
     with pytest.warns(UserWarning, match="torn last line"):
-        assert len(tuning.open_log(str(folder), readonly=True)) == len(lines)
+        assert len(records.open_log(str(folder), readonly=True)) == len(lines)
     rec.write_text(lines[0][:10] + "\n" + "\n".join(lines[1:]) + "\n")
     with pytest.raises(ValueError, match="line 1 is not JSON"):
-        tuning.open_log(str(folder), readonly=True)
+        records.open_log(str(folder), readonly=True)
 
 
 def _free_port():
@@ -297,9 +298,9 @@ def test_rpc_tracker_with_two_servers(tmp_path):
         r = subprocess.run(_tune_cmd(logs, tmp_path / "work", 2, 2, "--rpc-tracker", f"127.0.0.1:{port}",
                                      "--rpc-key", "swa-test"), capture_output=True, text=True, timeout=600)  # fmt: skip
         assert r.returncode == 0, r.stdout + r.stderr
-        folder = tuning.log_dir(str(logs), host_target())
+        folder = records.log_dir(str(logs), host_target())
         assert _check_logs_readable(folder) >= 2
-        db = tuning.open_log(folder, readonly=True)
+        db = records.open_log(folder, readonly=True)
         secs = [float(s) for rec in db.get_all_tuning_records() for s in rec.run_secs]
         assert secs and all(0 < s < 1e9 for s in secs), secs  # measured, not failure markers
     finally:
@@ -335,24 +336,24 @@ def test_backward_kernels_tune_and_export_with_their_own_records(tmp_path, fresh
                               "--quiet"], capture_output=True, text=True, timeout=900)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     kernels = AttentionSpec.parse(spec).kernels()
-    found = {k.kind: tuning.best_record(k, host_target(), str(tmp_path / "logs")) for k in kernels}
+    found = {k.kind: records.best_record(k, host_target(), str(tmp_path / "logs")) for k in kernels}
     assert found["local"] is None and found["local_dq"] is not None and found["local_dkv"] is not None
     # The search started from the default schedule: its point was measured and logged,
     # so the best record is never one the default beats at the tuning shape.
-    from swa_tvm.build import _vector_lanes
+    from swa_tvm.compiler.targets import _vector_lanes
 
     import tvm
 
-    db = tuning.open_log(tuning.log_dir(str(tmp_path / "logs"), host_target()), readonly=True)
+    db = records.open_log(records.log_dir(str(tmp_path / "logs"), host_target()), readonly=True)
     lanes = _vector_lanes(tvm.target.Target(host_target()))
     for k in kernels[1:]:
-        default = str(tuning.default_point(k, lanes).trace)
-        recs = db.records_for(tuning.tuning_workload(k))
+        default = str(records.default_point(k, lanes).trace)
+        recs = db.records_for(records.tuning_workload(k))
         assert any(str(r.trace) == default for r in recs), k.name
     lib = tmp_path / "train.so"
     rc, _, err = run_cli(capsys, "export", "--spec", spec, "--logs", tmp_path / "logs", "-o", lib)
     assert rc == 0, err
-    tuned = {k["spec"]["kind"]: k["tuned"] for k in swa_tvm.library.read_manifest(lib)["kernels"]}
+    tuned = {k["spec"]["kind"]: k["tuned"] for k in swa_tvm.runtime.library.read_manifest(lib)["kernels"]}
     assert tuned == {"local": False, "local_dq": True, "local_dkv": True}
     swa_tvm.load_library(lib)
     q, kk, v = (torch.randn(1, 2, 150, 16, requires_grad=True) for _ in range(3))
@@ -374,25 +375,25 @@ def test_a_record_must_beat_the_default_by_the_margin(tmp_path, searched_secs, p
     from tvm.s_tir import meta_schedule as ms
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 
-    from swa_tvm.build import _vector_lanes
+    from swa_tvm.compiler.targets import _vector_lanes
     from swa_tvm.schedules import cpu
 
-    assert tuning.DEFAULT_MARGIN == 0.05
+    assert records.DEFAULT_MARGIN == 0.05
     here = host_target()
     tvm_target = tvm.target.Target(here)
     lanes = _vector_lanes(tvm_target)
-    default = tuning.default_point(KSPEC, lanes)
-    searched = s_tir.Schedule(tuning.tuning_workload(KSPEC), seed=5)
+    default = records.default_point(KSPEC, lanes)
+    searched = s_tir.Schedule(records.tuning_workload(KSPEC), seed=5)
     cpu.schedule(searched, KSPEC, lanes, cpu.Sampled())
     assert str(searched.trace) != str(default.trace)
 
-    db = tuning.open_log(tuning.log_dir(str(tmp_path), here))
-    wl = db.commit_workload(tuning.tuning_workload(KSPEC))
+    db = records.open_log(records.log_dir(str(tmp_path), here))
+    wl = db.commit_workload(records.tuning_workload(KSPEC))
     args = ArgInfo.from_prim_func(default.mod["main"])
     for sch, secs in ((default, 1.0e-3), (searched, searched_secs)):
         db.commit_tuning_record(ms.database.TuningRecord(sch.trace, wl, [secs], tvm_target, args))
 
-    best = tuning.best_record(KSPEC, here, str(tmp_path))
+    best = records.best_record(KSPEC, here, str(tmp_path))
     assert best.default_point is picks_default
     assert str(best.trace) == str((default if picks_default else searched).trace)
     assert best.run_ms == pytest.approx(1.0 if picks_default else searched_secs * 1e3)
@@ -402,10 +403,11 @@ def test_a_record_must_beat_the_default_by_the_margin(tmp_path, searched_secs, p
 def test_tuning_shape_covers_long_windows():
     """Windows reaching past T/2 are tuned at a T where most rows see the whole window;
     the shipped CPU spec sets keep T=2048, so their committed records still match."""
-    from swa_tvm import bench, bench_train
+    from benchmarks import forward as bench
+    from benchmarks import training as bench_train
 
     def T_of(text):
-        return {k.kind: tuning.tune_shapes(k)["T"] for k in AttentionSpec.parse(text).kernels()}
+        return {k.kind: records.tune_shapes(k)["T"] for k in AttentionSpec.parse(text).kernels()}
 
     assert T_of("head_dim=128,window=4095:0,globals,dtype=bfloat16") == {"local": 8192, "global": 2048}
     assert T_of("head_dim=64,window=1023:0,dilation=2")["local"] == 4096  # reach 2047 positions
@@ -421,9 +423,9 @@ def test_tuning_inputs_are_in_range_and_distinct():
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 
     for k in AttentionSpec.parse("head_dim=16,window=7:0,globals,backward").kernels():
-        info = [a.as_json() for a in ArgInfo.from_prim_func(tuning.tuning_workload(k)["main"])]
-        T = tuning.tune_shapes(k)["T"]
-        for (_, dtype, shape), x in zip(info, tuning.tuning_inputs(info)):
+        info = [a.as_json() for a in ArgInfo.from_prim_func(records.tuning_workload(k)["main"])]
+        T = records.tune_shapes(k)["T"]
+        for (_, dtype, shape), x in zip(info, tune.tuning_inputs(info)):
             assert x.dtype == dtype and list(x.shape) == list(shape)
             if dtype == "int32" and x.ndim == 1:
                 assert (x == 1).all()  # dilation

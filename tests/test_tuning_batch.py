@@ -1,5 +1,5 @@
-"""Tuning with the builder here and the runner elsewhere (swa_tvm.tuning_batch and
-swa_tvm.measure_batch): a CPU batch goes the whole way (built by the CLI, measured by
+"""Tuning with the builder here and the runner elsewhere (swa_tvm.tuning.batch and
+swa_tvm.tuning.measure): a CPU batch goes the whole way (built by the CLI, measured by
 the runtime alone in another process, imported as records that export then applies);
 the import refuses what it cannot vouch for; the measuring side refuses a candidate
 whose outputs differ from the baseline's; and for CUDA, records replace the fused
@@ -16,8 +16,10 @@ import sys
 
 import pytest
 
-from swa_tvm import tuning, tuning_batch
-from swa_tvm.build import host_target, target_key
+from swa_tvm.compiler import records
+from swa_tvm.tuning import batch as tuning_batch
+from swa_tvm.tuning import tune
+from swa_tvm.compiler.targets import host_target, target_key
 from swa_tvm.spec import AttentionSpec
 
 from conftest import rel_err, run_cli
@@ -30,7 +32,7 @@ CLI = [sys.executable, "-m", "swa_tvm.cli"]
 # machine that has only torch, tvm-ffi and libtvm_runtime.
 MEASURE_RUNTIME_ONLY = r"""
 import sys
-from swa_tvm import measure_batch
+from swa_tvm.tuning import measure as measure_batch
 assert measure_batch.main([sys.argv[1], "--out", sys.argv[2], "--device", "cpu", "--repeat", "3", "--number", "1"]) == 0
 assert "tvm" not in sys.modules, "measuring must not import the TVM compiler"
 """
@@ -76,15 +78,15 @@ def test_cpu_batch_round_trip(cpu_batch, tmp_path, capsys):
     assert rc == 0 and "imported 2 records and 1 baselines" in out, err
     folder = logs / target_key(host_target())
     # MetaSchedule's own database reads the records, with the times measured there.
-    db = JSONDatabase(str(folder / tuning.WORKLOAD_FILE), str(folder / tuning.RECORD_FILE))
+    db = JSONDatabase(str(folder / records.WORKLOAD_FILE), str(folder / records.RECORD_FILE))
     recs = db.get_all_tuning_records()
     assert len(recs) == 2
     got = sorted(tuple(float(s) for s in rec.run_secs) for rec in recs)
     want = sorted(tuple(rows[c["id"]]["run_secs"]) for c in task["candidates"])
     assert [t for row in got for t in row] == pytest.approx([t for row in want for t in row], rel=1e-6)
-    base = json.loads((folder / tuning.BASELINE_FILE).read_text())
+    base = json.loads((folder / records.BASELINE_FILE).read_text())
     assert list(base.values())[0]["run_secs"] == pytest.approx(rows[task["baseline"]["id"]]["run_secs"])
-    assert tuning.best_record(KSPEC, host_target(), str(logs)) is not None
+    assert records.best_record(KSPEC, host_target(), str(logs)) is not None
 
     # Export applies the imported records; the library computes the right answer.
     import torch
@@ -129,8 +131,8 @@ def test_import_refuses_what_it_cannot_vouch_for(cpu_batch, tmp_path, edit, mess
     logs = tmp_path / "logs"
     with pytest.raises(ValueError, match=message):
         tuning_batch.import_measurements(str(batch), _edited(measured_path, tmp_path, edit), str(logs))
-    records = logs / target_key(host_target()) / tuning.RECORD_FILE
-    assert not records.exists() or records.read_text() == ""  # nothing half-imported
+    record_file = logs / target_key(host_target()) / records.RECORD_FILE
+    assert not record_file.exists() or record_file.read_text() == ""  # nothing half-imported
 
 
 def test_a_record_that_cannot_be_read_writes_nothing(cpu_batch, tmp_path):
@@ -157,8 +159,8 @@ def test_measure_rejects_a_candidate_that_computes_something_else(cpu_batch, tmp
     import tvm
 
     from swa_tvm.schedules import cpu
-    from swa_tvm.build import _vector_lanes
-    from swa_tvm.measure_batch import measure
+    from swa_tvm.compiler.targets import _vector_lanes
+    from swa_tvm.tuning.measure import measure
     from tvm import s_tir
 
     batch, _ = cpu_batch
@@ -166,7 +168,7 @@ def test_measure_rejects_a_candidate_that_computes_something_else(cpu_batch, tmp
     shutil.copytree(batch, copy)
     meta = json.loads((copy / "batch.json").read_text())
     wrong = AttentionSpec.parse("head_dim=16,window=3:0").kernels()[0]
-    sch = s_tir.Schedule(tuning.tuning_workload(wrong))
+    sch = s_tir.Schedule(records.tuning_workload(wrong))
     target = tvm.target.Target(host_target())
     cpu.schedule(sch, wrong, _vector_lanes(target))
     victim = meta["tasks"][0]["candidates"][0]
@@ -211,14 +213,14 @@ def test_cuda_batch_builds_the_search_space_and_the_fused_baseline(cuda_batch):
     names = [a[3]["name"] for a in task["args"]]
     assert names == ["q", "k", "v", "dilation", "sink_logit", "out", "lse"]
     # The GPU fills the arguments by the rule MetaSchedule's runner follows here.
-    from swa_tvm.tuning import input_fills
+    from swa_tvm.tuning.tune import input_fills
 
     fills = [{k: v for k, v in a[3].items() if k not in ("name", "output")} for a in task["args"]]
     assert fills == input_fills([a[:3] for a in task["args"]]) and fills[3] == {"fill": "ones"}
     assert [bool(a[3].get("output")) for a in task["args"]] == [False] * 5 + [True] * 2
     # Each artifact carries its device code compiled (a fatbin), which the runtime alone
     # loads there: TVM by itself would leave the source for a compiler at load.
-    from swa_tvm import cuda_pack
+    from swa_tvm.compiler import cuda_pack
 
     for entry in [task["baseline"]] + task["candidates"]:
         [(fmt, data)] = cuda_pack.read_cuda_modules(cuda_pack.library_blob(str(folder / entry["artifact"])))
@@ -240,7 +242,7 @@ def test_cuda_records_replace_the_fused_kernel_only_when_measured_faster(cuda_ba
     # Without a measured baseline a CUDA record is never applied.
     counts = tuning_batch.import_measurements(str(folder), measured, str(logs))
     assert counts == {"records": 1, "baselines": 1, "failed": 0}
-    best = tuning.best_record(spec, target, str(logs))
+    best = records.best_record(spec, target, str(logs))
     manifest = swa_tvm.export_library([spec], tmp_path / "x.so", "cuda -arch=sm_80", logs=str(logs))
     entry = manifest["kernels"][0]
     if faster:
@@ -252,8 +254,8 @@ def test_cuda_records_replace_the_fused_kernel_only_when_measured_faster(cuda_ba
         assert best.trace is None and best.default_point and best.run_ms == pytest.approx(1.0)
         assert entry["schedule"] == "cuda_flash_tc" and entry["tuning"]["default_point"]
         assert "tensor cores" in _tuned_text(entry) and "faster than its 1 tuning records" in _tuned_text(entry)
-    os.remove(logs / target_key(target) / tuning.BASELINE_FILE)
-    assert tuning.best_record(spec, target, str(logs)) is None
+    os.remove(logs / target_key(target) / records.BASELINE_FILE)
+    assert records.best_record(spec, target, str(logs)) is None
 
 
 def test_cuda_tune_without_a_gpu_says_how_to_measure(tmp_path, capsys):
@@ -268,18 +270,18 @@ def test_baselines_measured_by_metaschedules_runner(tmp_path):
     RPC) the baseline is measured by that runner: here the CPU's local runner."""
     target = host_target()
     folder = str(tmp_path / target_key(target))
-    builder = tuning.make_builder(target, 2)
+    builder = tune.make_builder(target, 2)
     try:
-        tuning_batch.measure_baselines([KSPEC], target, folder, builder, tuning.make_runner(threads=2))
+        tuning_batch.measure_baselines([KSPEC], target, folder, builder, tune.make_runner(threads=2))
     finally:
         builder.close()
-    (entry,) = tuning.read_baselines(folder).values()
+    (entry,) = records.read_baselines(folder).values()
     assert entry["spec"] == KSPEC.name and entry["schedule"] == "default"
     assert len(entry["run_secs"]) == 3 and min(entry["run_secs"]) > 0
 
 
 def test_measuring_a_cuda_batch_without_a_gpu_says_so(cuda_batch):
-    from swa_tvm.measure_batch import measure
+    from swa_tvm.tuning.measure import measure
 
     _, folder, _ = cuda_batch
     with pytest.raises(RuntimeError, match="no CUDA device is present"):
@@ -294,7 +296,7 @@ def test_committed_bf16_cuda_records_read_in_a_fresh_process():
     bf16 CUDA export does first) works in a process that registered nothing. It failed
     there (`make gpu-bundle` stopped at its bf16 library); pytest's own process has them
     registered by other tests, hence a subprocess."""
-    from swa_tvm.tuning import default_logs_root
+    from swa_tvm.compiler.records import default_logs_root
 
     assert os.path.exists(os.path.join(default_logs_root(), "cuda-sm_90"))
     code = (

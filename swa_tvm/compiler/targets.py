@@ -1,0 +1,117 @@
+"""Targets: the host CPU class, CUDA architectures, and the key (``llvm-znver3``,
+``cuda-sm_90``) that names a target class in the tuning logs, caches and benchmarks."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+
+from swa_tvm.runtime.library import X86_FEATURES
+
+
+def host_target(num_cores: int | None = None) -> dict:
+    """The llvm target of this machine: detected -mcpu, all usable cores."""
+    import tvm
+
+    cores = num_cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    return {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(), "num-cores": int(cores or 1)}
+
+
+CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+
+
+def local_cuda_arch() -> str | None:
+    """sm_XY of this machine's first CUDA device (via torch), or None without one."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability(0)
+            return f"sm_{major}{minor}"
+    except Exception:  # noqa: BLE001 - no usable CUDA runtime counts as no device
+        pass
+    return None
+
+
+def _cuda_target(arch: str | None) -> dict:
+    arch = arch or local_cuda_arch()
+    if arch is None:
+        raise ValueError(
+            "target 'cuda': this machine has no CUDA device to take the architecture from; "
+            f"name it, e.g. 'cuda -arch=sm_90' (one of {', '.join(CUDA_ARCHS)})"
+        )
+    if not re.fullmatch(r"sm_\d{2,3}a?", arch):
+        raise ValueError(f"CUDA arch {arch!r}: expected sm_XY such as sm_80 or sm_90")
+    return {"kind": "cuda", "arch": arch}
+
+
+def normalize_target(target: str | dict | None) -> dict:
+    """Accept None/"llvm" (host CPU), "cuda" (this machine's GPU), "cuda -arch=sm_90" or
+    "cuda:sm_90", a JSON string, or a dict; return a plain dict."""
+    if target is None or target in ("llvm", "cpu", "host"):
+        return host_target()
+    if isinstance(target, str):
+        text = target.strip()
+        m = re.fullmatch(r"cuda(?:\s+-arch=(\S+)|:(\S+))?", text)
+        if m:
+            return _cuda_target(m.group(1) or m.group(2))
+        if text.startswith("{"):
+            return normalize_target(json.loads(text))
+        raise ValueError(
+            f"target {target!r}: use 'llvm' for this CPU, 'cuda -arch=sm_90' for a GPU class, or a JSON dict "
+            'such as {"kind": "llvm", "mcpu": "znver3", "num-cores": 2}'
+        )
+    target = dict(target)
+    if target.get("kind") == "cuda":
+        return _cuda_target(target.get("arch"))
+    if target.get("kind") != "llvm":
+        raise ValueError(f"target kind {target.get('kind')!r}: swa_tvm builds for 'llvm' (CPUs) and 'cuda' only")
+    if "mcpu" in target:
+        _check_llvm_cpu(target)
+    return target
+
+
+def _check_llvm_cpu(target: dict) -> None:
+    """LLVM takes an -mcpu it does not know as 'generic' with a log line and carries on,
+    which would write a baseline-ISA library under the misspelled name's class."""
+    from tvm.target import codegen
+
+    triple = target.get("mtriple") or codegen.llvm_get_system_triple()
+    cpu = target["mcpu"]
+    if not isinstance(cpu, str) or not codegen.llvm_is_valid_cpu(cpu, triple):
+        portable = " (portable x86 levels: x86-64-v2, x86-64-v3, x86-64-v4)" if triple.startswith("x86_64") else ""
+        raise ValueError(
+            f"target mcpu {cpu!r} is not a CPU that LLVM {codegen.llvm_version_major()} knows for {triple}; "
+            f"this machine is {codegen.llvm_get_system_cpu()!r}{portable}"
+        )
+
+
+def target_key(target: dict) -> str:
+    """The target class: tuning records and caches are never shared across classes."""
+    if target.get("kind") == "llvm":
+        return f"llvm-{target.get('mcpu', 'generic')}"
+    return f"{target.get('kind')}-{target.get('arch', 'unknown')}"
+
+
+def _vector_lanes(tvm_target) -> int:
+    """fp32 lanes of the target's widest vector unit. (llvm_get_vector_width reports 512
+    for znver3, which has 256-bit units, so this asks for the features instead.)"""
+    import tvm
+
+    feats = tvm.target.codegen.llvm_get_cpu_features(tvm_target)
+    if "avx512f" in feats:
+        return 16
+    if "avx" in feats:
+        return 8
+    return 4
+
+
+def _cpu_features(tvm_target) -> list[str]:
+    import tvm
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    feats = tvm.target.codegen.llvm_get_cpu_features(tvm_target)
+    return sorted(X86_FEATURES[f] for f in X86_FEATURES if f in feats)

@@ -1,0 +1,607 @@
+"""Tensor-expression definitions of the attention math (no scheduling here).
+
+Two computes, both O(T * (W + G)) in work and memory; neither ever builds a T x T tensor.
+
+``local``: the blocked ("chunks") form. With dilation d, row i = r + d*t has residue
+r = i mod d and only ever sees keys of the same residue, so each residue class is an
+ordinary (non-dilated) banded problem over t. A *work item* is one block of ``block_q``
+consecutive t of one residue: item beta of head h covers
+
+    ib = beta // d,  r = beta % d,  rows  i(qi) = ib*Bq*d + r + d*qi,    qi < Bq
+                                    keys  j(kj) = ib*Bq*d + r + d*(kj - left), kj < Kw
+
+so its window keys form one contiguous band of Kw = Bq + left + right keys, and the score
+stage is a dense (Kw x D) @ (D x Bq) product per item (key-major: see local_attention). d is read at runtime from a [H]
+tensor, so one kernel serves uniform and per-head dilation up to ``max_dilation``; the
+item grid has ceil(T/Bq) + max_dilation - 1 entries, enough for any d <= max_dilation.
+
+``global``: G global rows, each against all T keys (causal: keys j <= its position),
+as blocks of GLOBAL_BLOCK rows against chunks of GLOBAL_CHUNK keys (split-K softmax with
+a combine stage; see global_attention).
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+from tvm import te, tirx
+
+from swa_tvm.spec import KernelSpec, accum_dtype
+
+# Key bands are padded to a multiple of this many keys (one AVX-512 vector of fp32).
+LANES = 16
+# The extra keys' axis is padded to a multiple of this many (masked), so a schedule can
+# tile it into register rows as it tiles the band.
+EXTRA_TILE = 4
+
+
+def _neg_inf(dtype: str):
+    return tirx.infinity(dtype) * tirx.const(-1, dtype)
+
+
+def _exp(x, dtype: str, native: bool = False):
+    """exp(x) for x <= 0 (scores minus their row max), vectorizable.
+
+    ``native``: the target's own exp (CUDA has a fast hardware one). Otherwise, on the
+    CPU: LLVM scalarises ``tir.exp`` into libm calls, which would dominate the
+    kernel. This is Cephes' expf (range reduction by ln 2, degree-6 polynomial, ~1 ulp),
+    returning exactly 0 below the float32 range so masked (-inf) scores add nothing.
+    float64 (used by gradient tests) keeps the exact intrinsic.
+
+    ``x`` appears many times in the expanded polynomial, so callers pass a cheap
+    expression (a few buffer loads; the stages it reads are materialized). It is not
+    Let-bound: MetaSchedule's FLOP estimator rejects Let, and LLVM removes the repeats.
+    """
+    if native or dtype != "float32":
+        return tirx.exp(x)
+    return _exp_poly(x, lambda c: tirx.const(c, "float32"))
+
+
+def _exp_poly(x, f):
+    xc = tirx.max(x, f(-87.0))
+    n = tirx.floor(xc * f(1.44269504088896341) + f(0.5))
+    r = xc - n * f(0.693359375) - n * f(-2.12194440e-4)
+    p = f(1.9875691500e-4)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = p * r + f(c)
+    y = p * r * r + r + f(1.0)
+    pow2n = tirx.reinterpret("float32", (n.astype("int32") + 127) << 23)
+    return tirx.Select(x > f(-87.0), y * pow2n, f(0.0))
+
+
+def _dims(shapes: dict | None, names: str):
+    """Each named dimension: the int given in ``shapes``, else a symbolic int64 var."""
+    shapes = shapes or {}
+    return [shapes[n] if n in shapes else te.var(n, dtype="int64") for n in names.split()]
+
+
+def band_width(block: int, lo: int, hi: int) -> int:
+    """Partners of a block of a bounded window: block + lo + hi, rounded up to whole SIMD
+    vectors (the extra partners are masked like any position beyond the window)."""
+    return -(-(block + lo + hi) // LANES) * LANES
+
+
+def cast(x, dtype: str):
+    """x in ``dtype``; no Cast node when it already is (keeps fp32 kernels' IR unchanged)."""
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+def i64(x):
+    return x.astype("int64") if hasattr(x, "astype") else x
+
+
+# Division of index expressions known to be >= 0 by a divisor >= 1 (positions, items,
+# heads by the GQA group, by the runtime dilation). Truncating division equals floor
+# division there, and it lowers to one instruction: floordiv/floormod by a runtime value
+# lower to sign fix-ups (nested Let/Select) that, nested in the result gathers, made
+# TVM's LLVM code generation take ~7 s per kernel instead of ~1 s.
+def div_nonneg(a, b):
+    return tirx.truncdiv(a, b)
+
+
+def mod_nonneg(a, b):
+    return tirx.truncmod(a, b)
+
+
+class Band:
+    """The blocked band structure shared by the local kernels (forward and backward).
+
+    A *work item* is one block of ``block`` consecutive positions of one residue class
+    mod d (the head's dilation). Block position p sees partner position p + s*d for
+    -lo <= s <= hi, so an item's partners form one contiguous band of ``width``
+    positions: the forward and dq kernels use (lo, hi) = (left, right) with queries as
+    block positions and keys as partners; the dk/dv kernel uses (right, left) with the
+    roles swapped (key j is seen by query i = j + u*d, -right <= u <= left).
+
+    Item beta of head h covers ib = beta // d, r = beta % d:
+        block positions  pos(qi) = ib*block*d + r + d*qi,            qi < block
+        partners         partner(kj) = pos(0) + d*(kj - lo),          kj < width
+    (partner(kj) = r + d*kj when lo is unbounded). ``info`` [H, nitems, 4] holds, per
+    item, pos(0), partner(0), ib*block and r, so inner loops never divide by the
+    runtime dilation.
+    """
+
+    def __init__(self, lo: int, hi: int, block: int, max_dilation: int, T, H, dil, name: str = "item_info"):
+        self.lo, self.hi, self.block, self.T, self.H, self.dil = lo, hi, block, T, H, dil
+        self.nitems = tirx.floordiv(T + (block - 1), block) + (max_dilation - 1)
+        # Unbounded side: the band is the whole (residue) sequence, O(T^2) as the math says.
+        self.width = band_width(block, lo, hi) if lo >= 0 and hi >= 0 else T + max(lo, 0)
+
+        def field(h, beta, f):
+            d = i64(dil[h])
+            ib, r = div_nonneg(beta, d), mod_nonneg(beta, d)
+            row0 = ib * (block * d) + r
+            key0 = row0 - lo * d if lo >= 0 else r
+            return tirx.Select(f == 0, row0, tirx.Select(f == 1, key0, tirx.Select(f == 2, ib * block, r)))
+
+        self.info = te.compute((H, self.nitems, 4), field, name=name)
+
+    def pos(self, h, beta, qi):
+        return self.info[h, beta, 0] + i64(self.dil[h]) * qi
+
+    def partner(self, h, beta, kj):
+        return self.info[h, beta, 1] + i64(self.dil[h]) * kj
+
+    def clamp(self, x):
+        return tirx.max(tirx.min(x, self.T - 1), 0)
+
+    def ok(self, h, beta, qi, kj):
+        """Partner kj of the band is in range and inside block position qi's window. In
+        residue space its offset from qi is kj - lo - qi (bounded lo) or
+        kj - t(pos 0) - qi (unbounded lo), independent of the dilation."""
+        T, lo, hi = self.T, self.lo, self.hi
+        j = self.partner(h, beta, kj)
+        ok = tirx.all(j >= 0, j < T, self.pos(h, beta, qi) < T)
+        off = kj - lo - qi if lo >= 0 else kj - self.info[h, beta, 2] - qi
+        if lo >= 0:
+            ok = tirx.all(ok, off >= -lo)
+        if hi >= 0:
+            ok = tirx.all(ok, off <= hi)
+        return ok
+
+    def key_range(self, h, beta, qi):
+        """(first, last) partner index kj that block position qi sees: the same set as
+        ``ok``, as one interval (empty, first > last, for rows past the end). A mask
+        from two compares per entry, instead of ``ok``'s int64 arithmetic."""
+        return row_key_range(
+            self.lo, self.hi, self.T, i64(self.dil[h]), self.info[h, beta, 2], self.info[h, beta, 3], qi
+        )
+
+    def interval_mask(self, name: str = "krange"):
+        """``ok`` as a stage plus a predicate: the per-item table [H, nitems, 2, block]
+        (int32; band indices are small) of each block position's partner interval, and
+        ok(h, beta, qi, kj) reading it, two compares per entry."""
+        def field(h, beta, f, qi):
+            first, last = self.key_range(h, beta, qi)
+            return tirx.Select(f == 0, first, last).astype("int32")
+
+        rng = te.compute((self.H, self.nitems, 2, self.block), field, name=name)
+
+        def ok(h, beta, qi, kj):
+            kj = kj.astype("int32")
+            return tirx.all(kj >= rng[h, beta, 0, qi], kj <= rng[h, beta, 1, qi])
+
+        return ok
+
+    def item_of(self, h, i):
+        """(item, block position) of sequence position i: for gathering results back."""
+        d = i64(self.dil[h])
+        # i = (ib*block + qi)*d + r: one division by d, the rest by the constant block.
+        t = div_nonneg(i, d)
+        return div_nonneg(t, self.block) * d + mod_nonneg(i, d), mod_nonneg(t, self.block)
+
+
+def row_key_range(lo: int, hi: int, T, d, m0, r, qi):
+    """(first, last) band index that block position ``qi`` of an item sees (int64; empty,
+    first > last, for a row past the end), under dilation ``d``: index arithmetic only,
+    shared by the TE mask (``Band.key_range``) and hand-written kernels.
+
+    In residue space the item's block positions are m0 + qi (m0 = ib*block) and partner
+    kj is m0 - lo + kj (bounded lo) or kj; residue r has nres = ceil((T - r) / d)
+    positions."""
+    qi = i64(qi)
+    nres = div_nonneg(T - r + d - 1, d)
+    if lo >= 0:
+        first = tirx.max(qi, lo - m0)
+        last = nres - m0 + lo - 1
+        if hi >= 0:
+            last = tirx.min(last, qi + lo + hi)
+    else:
+        first = tirx.const(0, "int64")
+        last = nres - 1
+        if hi >= 0:
+            last = tirx.min(last, m0 + qi + hi)
+    past_end = m0 + qi >= nres
+    one, zero = tirx.const(1, "int64"), tirx.const(0, "int64")
+    return tirx.Select(past_end, one, i64(first)), tirx.Select(past_end, zero, i64(last))
+
+
+def item_inner_span(lo: int, hi: int, block: int, T, d, m0, r):
+    """(first, last): the band indices every row of an item that is not past the end
+    sees, all of [first, last] (empty when first > last); a kernel may skip the mask
+    there (rows past the end write nothing). Both ends of ``row_key_range`` are
+    non-decreasing in the row, so that is [first of the last row (past the end or not),
+    last of row 0]."""
+    first_max = tirx.max(tirx.const(block - 1, "int64"), lo - m0) if lo >= 0 else tirx.const(0, "int64")
+    return first_max, row_key_range(lo, hi, T, d, m0, r, 0)[1]
+
+
+def item_interior(lo: int, hi: int, block: int, T, d, m0, r, k0, k1):
+    """Whether every row of an item that is not past the end sees every band index in
+    [k0, k1] (``item_inner_span``)."""
+    first, last = item_inner_span(lo, hi, block, T, d, m0, r)
+    return tirx.all(k0 >= first, k1 <= last)
+
+
+def item_key_span(lo: int, hi: int, block: int, T, d, beta):
+    """(first, last) band index that any block position of item ``beta`` sees, under
+    dilation ``d`` (int64): the union of its rows' ``Band.key_range`` intervals (a
+    superset for rows past the end). Index arithmetic on ``d`` only (no stage), so a
+    schedule can test it in a loop guard: see schedules.cpu.skip_dead_keys."""
+    ib, r = div_nonneg(beta, d), mod_nonneg(beta, d)
+    m0 = ib * block
+    nres = div_nonneg(T - r + d - 1, d)
+    zero = tirx.const(0, "int64")
+    if lo >= 0:
+        first, last = tirx.max(zero, lo - m0), nres - m0 + lo - 1
+        if hi >= 0:
+            last = tirx.min(last, tirx.const(block - 1 + lo + hi, "int64"))
+    else:
+        first, last = zero, nres - 1
+        if hi >= 0:
+            last = tirx.min(last, m0 + block - 1 + hi)
+    return first, last
+
+
+class Extras:
+    """Visibility of the extra keys (global positions and sinks, [B, E] int32, -1 =
+    padding) to ordinary rows. Calling it with a row's position i, residue-space index
+    t and residue r (so no division by the dilation is needed per score) says whether
+    extra e is visible: not padding, not in the future of a causal row, and not already
+    inside the row's window (a position counts once)."""
+
+    def __init__(self, xidx, dil, B, H, E, left: int, right: int, T):
+        self.xidx, self.left, self.right, self.T = xidx, left, right, T
+        # Residue and residue-space index of each extra position under each head's dilation.
+        self.info = te.compute(
+            (B, H, E, 2),
+            lambda b, h, e, f: tirx.Select(
+                f == 0, tirx.floormod(i64(xidx[b, e]), i64(dil[h])), tirx.floordiv(i64(xidx[b, e]), i64(dil[h]))
+            ),
+            name="extra_info",
+        )
+
+    def __call__(self, b, h, e, i, t, r):
+        x = i64(self.xidx[b, e])
+        return extra_visible(self.left, self.right, self.T, x, self.info[b, h, e, 0], self.info[b, h, e, 1], i, t, r)
+
+
+def extra_visible(left: int, right: int, T, x, xr, xt, i, t, r):
+    """Whether extra key position ``x`` (residue ``xr``, residue-space index ``xt`` under
+    the head's dilation; x = -1 is padding) is visible to the row at position ``i``
+    (residue ``r``, residue-space index ``t``): not padding, not in a causal row's
+    future, not already inside its window (a position counts once)."""
+    s = xt - t
+    in_band = xr == r
+    if left >= 0:
+        in_band = tirx.all(in_band, s >= -left)
+    if right >= 0:
+        in_band = tirx.all(in_band, s <= right)
+    ok = tirx.all(x >= 0, i < T, tirx.Not(in_band))
+    if right == 0:
+        ok = tirx.all(ok, x <= i)
+    return ok
+
+
+def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = False):
+    """TE for the local (window + extra keys) kernel.
+
+    Returns the PrimFunc argument list: tensors q [B,H,T,D], k/v [B,Hkv,T,D],
+    dilation [H] int32, extra_idx [B,E] int32 (-1 = padding; only with spec.extras),
+    sink_logit [H] (-inf = none), the scale Var, out [B,H,T,D], lse [B,H,T] (float32 or
+    the kernel dtype for float64).
+    ``shapes`` may fix any of B, H, Hkv, T, E to ints (tuning needs concrete shapes).
+    ``native_exp``: use the target's exp intrinsic (GPU targets) instead of the
+    vectorizable polynomial the CPU needs (see ``_exp``).
+    """
+    assert spec.kind == "local"
+    B, H, Hkv, T, E = _dims(shapes, "B H Hkv T E")
+    D, dt, Bq = spec.head_dim, spec.dtype, spec.block_q
+    acc = accum_dtype(dt)
+    left, right = spec.left, spec.right
+
+    q = te.placeholder((B, H, T, D), dt, name="q")
+    k = te.placeholder((B, Hkv, T, D), dt, name="k")
+    v = te.placeholder((B, Hkv, T, D), dt, name="v")
+    dil = te.placeholder((H,), "int32", name="dilation")
+    xidx = te.placeholder((B, E), "int32", name="extra_idx") if spec.extras else None
+    sink = te.placeholder((H,), acc, name="sink_logit")
+    scale = te.var("scale", dtype=acc)
+
+    band = Band(left, right, Bq, spec.max_dilation, T, H, dil)
+    nitems, kw, item_info = band.nitems, band.width, band.info
+    row_of, key_of, clamp = band.pos, band.partner, band.clamp
+    group = div_nonneg(H, Hkv)
+    ninf = _neg_inf(acc)
+
+    # Per-item stages are key-major: [band key, block row], the block rows contiguous.
+    # The score product is then a (Kw x D) @ (D x Bq) matmul whose vector axis is the
+    # block rows, so only the small query block is transposed, the key and value bands
+    # are read row by row straight from k and v (a CPU schedule inlines the band
+    # gathers; a GPU one stages them in shared memory), and the softmax reductions over
+    # keys are vertical (elementwise across rows of vectors). Out-of-range indices are
+    # clamped, never read out of bounds; key_ok masks them. Gathers keep the input dtype
+    # (half inputs reach tensor cores as half); products accumulate in acc.
+    qblk_t = te.compute(
+        (B, H, nitems, D, Bq), lambda b, h, beta, cc, qi: q[b, h, clamp(row_of(h, beta, qi)), cc], name="qblk_t"
+    )
+    kband = te.compute(
+        (B, H, nitems, kw, D),
+        lambda b, h, beta, kj, cc: k[b, div_nonneg(h, group), clamp(key_of(h, beta, kj)), cc],
+        name="kband",
+    )
+    vband = te.compute(
+        (B, H, nitems, kw, D),
+        lambda b, h, beta, kj, cc: v[b, div_nonneg(h, group), clamp(key_of(h, beta, kj)), cc],
+        name="vband",
+    )
+    c = te.reduce_axis((0, D), name="c")
+    score = te.compute(
+        (B, H, nitems, kw, Bq),
+        lambda b, h, beta, kj, qi: te.sum(cast(kband[b, h, beta, kj, c], acc) * cast(qblk_t[b, h, beta, c, qi], acc), axis=c),
+        name="score",
+    )
+    # Each block row's visible band keys are one interval: two compares per score.
+    key_ok = band.interval_mask()
+    masked = te.compute(
+        (B, H, nitems, kw, Bq),
+        lambda b, h, beta, kj, qi: tirx.Select(key_ok(h, beta, qi, kj), score[b, h, beta, kj, qi] * scale, ninf),
+        name="masked",
+    )
+
+    stages_x = None
+    if spec.extras:
+
+        extra_ok = Extras(xidx, dil, B, H, E, left, right, T)
+        # Padded extras' axis: entries e >= E repeat extra E-1 and are masked.
+        nx = tirx.floordiv(E + (EXTRA_TILE - 1), EXTRA_TILE) * EXTRA_TILE
+        xe = lambda e: tirx.min(e, E - 1)  # noqa: E731
+        band_extra_ok = lambda b, h, beta, qi, e: tirx.all(  # noqa: E731
+            e < E, extra_ok(b, h, xe(e), row_of(h, beta, qi), item_info[h, beta, 2] + qi, item_info[h, beta, 3])
+        )
+
+        c2 = te.reduce_axis((0, D), name="c2")
+        xscore = te.compute(
+            (B, H, nitems, nx, Bq),
+            lambda b, h, beta, e, qi: te.sum(
+                cast(k[b, div_nonneg(h, group), clamp(i64(xidx[b, xe(e)])), c2], acc) * cast(qblk_t[b, h, beta, c2, qi], acc),
+                axis=c2,
+            ),
+            name="xscore",
+        )
+        xmasked = te.compute(
+            (B, H, nitems, nx, Bq),
+            lambda b, h, beta, e, qi: tirx.Select(band_extra_ok(b, h, beta, qi, e), xscore[b, h, beta, e, qi] * scale, ninf),
+            name="xmasked",
+        )
+        stages_x = (xscore, xmasked)
+
+    kr = te.reduce_axis((0, kw), name="kr")
+    wmax = te.compute(
+        (B, H, nitems, Bq), lambda b, h, beta, qi: te.max(masked[b, h, beta, kr, qi], axis=kr), name="wmax"
+    )
+    if spec.extras:
+        er = te.reduce_axis((0, nx), name="er")
+        xmax = te.compute(
+            (B, H, nitems, Bq), lambda b, h, beta, qi: te.max(stages_x[1][b, h, beta, er, qi], axis=er), name="xmax"
+        )
+        rowmax = te.compute(
+            (B, H, nitems, Bq),
+            lambda b, h, beta, qi: tirx.max(tirx.max(wmax[b, h, beta, qi], xmax[b, h, beta, qi]), sink[h]),
+            name="rowmax",
+        )
+    else:
+        rowmax = te.compute(
+            (B, H, nitems, Bq), lambda b, h, beta, qi: tirx.max(wmax[b, h, beta, qi], sink[h]), name="rowmax"
+        )
+
+    def softmax_part(prefix, scores, n, value):
+        """Probabilities [n, Bq] of one key set (window band or extras) against the
+        shared row max, their sum and their probability-weighted values."""
+        prob = te.compute(
+            (B, H, nitems, n, Bq),
+            lambda b, h, beta, j, qi: _exp(scores[b, h, beta, j, qi] - rowmax[b, h, beta, qi], acc, native_exp),
+            name=f"{prefix}prob",
+        )
+        r = te.reduce_axis((0, n), name=f"{prefix}r_sum")
+        total = te.compute(
+            (B, H, nitems, Bq), lambda b, h, beta, qi: te.sum(prob[b, h, beta, r, qi], axis=r), name=f"{prefix}sum"
+        )
+        r2 = te.reduce_axis((0, n), name=f"{prefix}r_acc")
+        weighted = te.compute(
+            (B, H, nitems, Bq, D),
+            lambda b, h, beta, qi, cc: te.sum(prob[b, h, beta, r2, qi] * value(b, h, beta, r2, cc), axis=r2),
+            name=f"{prefix}acc",
+        )
+        return total, weighted
+
+    parts = [softmax_part("w", masked, kw, lambda b, h, beta, j, cc: cast(vband[b, h, beta, j, cc], acc))]
+    if spec.extras:
+        parts.append(
+            softmax_part(
+                "x", stages_x[1], nx, lambda b, h, beta, e, cc: cast(v[b, div_nonneg(h, group), clamp(i64(xidx[b, xe(e)])), cc], acc)
+            )
+        )
+    sums, accs = zip(*parts)
+    denom = te.compute(
+        (B, H, nitems, Bq),
+        lambda b, h, beta, qi: functools.reduce(operator.add, [t[b, h, beta, qi] for t in sums])
+        + _exp(sink[h] - rowmax[b, h, beta, qi], acc, native_exp),
+        name="denom",
+    )
+
+    def numer(b, h, beta, qi, cc):
+        return functools.reduce(operator.add, [t[b, h, beta, qi, cc] for t in accs])
+
+    blk_out = te.compute(
+        (B, H, nitems, Bq, D),
+        lambda b, h, beta, qi, cc: numer(b, h, beta, qi, cc) / denom[b, h, beta, qi],
+        name="blk_out",
+    )
+
+    item_of_row = band.item_of
+
+    out = te.compute(
+        (B, H, T, D),
+        lambda b, h, i, cc: blk_out[(b, h) + item_of_row(h, i) + (cc,)].astype(dt),
+        name="out",
+    )
+    blk_lse = te.compute(
+        (B, H, nitems, Bq),
+        lambda b, h, beta, qi: rowmax[b, h, beta, qi] + tirx.log(denom[b, h, beta, qi]),
+        name="blk_lse",
+    )
+    lse = te.compute((B, H, T), lambda b, h, i: blk_lse[(b, h) + item_of_row(h, i)], name="lse")
+    args = [q, k, v, dil] + ([xidx] if spec.extras else []) + [sink, scale, out, lse]
+    return args
+
+
+# Global rows are processed GLOBAL_BLOCK at a time (the vector axis of their key-major
+# tiles: one AVX-512 or two AVX2 registers), keys in chunks of GLOBAL_CHUNK.
+GLOBAL_BLOCK, GLOBAL_CHUNK = 16, 256
+
+
+def global_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = False):
+    """TE for global rows: q_global [B,H,G,D] against k_global/v_global [B,Hkv,T,D].
+
+    Row g sees every key j (causal: j <= global_idx[b, g]). Returns the argument list
+    q_global, k_global, v_global, global_idx [B,G] int32, sink_logit [H], scale,
+    out [B,H,G,D], lse [B,H,G].
+
+    Split-K softmax, as the local kernel's items: a work item is one block of
+    GLOBAL_BLOCK global rows (the last one padded with copies of row G-1) against one
+    chunk of GLOBAL_CHUNK keys (the last one padded, masked), with key-major tiles
+    [chunk key, block row] as the local kernel's. Each item keeps its own max, sum of
+    probabilities (relative to that max) and probability-weighted values; a combine
+    stage rescales the chunks to the row's overall max. No [G, T] tensor exists, and
+    a short sequence still has B*H*chunks items to spread over cores.
+    """
+    assert spec.kind == "global"
+    B, H, Hkv, T, G = _dims(shapes, "B H Hkv T G")
+    D, dt = spec.head_dim, spec.dtype
+    GB, KC = GLOBAL_BLOCK, GLOBAL_CHUNK
+    acc = accum_dtype(dt)
+    qg = te.placeholder((B, H, G, D), dt, name="q_global")
+    kg = te.placeholder((B, Hkv, T, D), dt, name="k_global")
+    vg = te.placeholder((B, Hkv, T, D), dt, name="v_global")
+    gidx = te.placeholder((B, G), "int32", name="global_idx")
+    sink = te.placeholder((H,), acc, name="sink_logit")
+    scale = te.var("scale", dtype=acc)
+    group = div_nonneg(H, Hkv)
+    ninf = _neg_inf(acc)
+    nblk = tirx.floordiv(G + (GB - 1), GB)
+    nchunk = tirx.floordiv(T + (KC - 1), KC)
+
+    def row(gb, gi):  # global row of block position gi (the padding repeats row G-1)
+        return tirx.min(gb * GB + gi, G - 1)
+
+    def key(ch, kk):
+        return ch * KC + kk
+
+    qg_t = te.compute((B, H, nblk, D, GB), lambda b, h, gb, c, gi: qg[b, h, row(gb, gi), c], name="qg_t")
+    c = te.reduce_axis((0, D), name="c")
+    gscore = te.compute(
+        (B, H, nblk, nchunk, KC, GB),
+        lambda b, h, gb, ch, kk, gi: te.sum(
+            cast(kg[b, div_nonneg(h, group), tirx.min(key(ch, kk), T - 1), c], acc) * cast(qg_t[b, h, gb, c, gi], acc),
+            axis=c,
+        ),
+        name="gscore",
+    )
+
+    def ok(b, gb, ch, kk, gi):
+        j = key(ch, kk)
+        if spec.causal:
+            return tirx.all(j < T, j <= gidx[b, row(gb, gi)].astype("int64"))
+        return j < T
+
+    gmasked = te.compute(
+        (B, H, nblk, nchunk, KC, GB),
+        lambda b, h, gb, ch, kk, gi: tirx.Select(ok(b, gb, ch, kk, gi), gscore[b, h, gb, ch, kk, gi] * scale, ninf),
+        name="gmasked",
+    )
+    kr = te.reduce_axis((0, KC), name="kr")
+    cmax = te.compute(
+        (B, H, nblk, nchunk, GB), lambda b, h, gb, ch, gi: te.max(gmasked[b, h, gb, ch, kr, gi], axis=kr), name="cmax"
+    )
+    # A chunk wholly in a causal row's future has max -inf: its probabilities are taken
+    # against 0 instead (all exactly 0), never against -inf (NaN).
+    cref = te.compute(
+        (B, H, nblk, nchunk, GB),
+        lambda b, h, gb, ch, gi: tirx.Select(cmax[b, h, gb, ch, gi] == ninf, tirx.const(0, acc), cmax[b, h, gb, ch, gi]),
+        name="cref",
+    )
+    cprob = te.compute(
+        (B, H, nblk, nchunk, KC, GB),
+        lambda b, h, gb, ch, kk, gi: _exp(gmasked[b, h, gb, ch, kk, gi] - cref[b, h, gb, ch, gi], acc, native_exp),
+        name="cprob",
+    )
+    kr2 = te.reduce_axis((0, KC), name="kr2")
+    csum = te.compute(
+        (B, H, nblk, nchunk, GB), lambda b, h, gb, ch, gi: te.sum(cprob[b, h, gb, ch, kr2, gi], axis=kr2), name="csum"
+    )
+    kr3 = te.reduce_axis((0, KC), name="kr3")
+    cacc = te.compute(
+        (B, H, nblk, nchunk, GB, D),
+        lambda b, h, gb, ch, gi, cc: te.sum(
+            cprob[b, h, gb, ch, kr3, gi] * cast(vg[b, div_nonneg(h, group), tirx.min(key(ch, kr3), T - 1), cc], acc),
+            axis=kr3,
+        ),
+        name="cacc",
+    )
+
+    # Combine the chunks of each block row: rescale each to the row's overall max (a
+    # wholly masked chunk by exp(-inf) = 0).
+    chr_ = te.reduce_axis((0, nchunk), name="chr")
+    gmax0 = te.compute((B, H, nblk, GB), lambda b, h, gb, gi: te.max(cmax[b, h, gb, chr_, gi], axis=chr_), name="gmax0")
+    gmax = te.compute((B, H, nblk, GB), lambda b, h, gb, gi: tirx.max(gmax0[b, h, gb, gi], sink[h]), name="gmax")
+    cfac = te.compute(
+        (B, H, nblk, nchunk, GB),
+        lambda b, h, gb, ch, gi: _exp(cmax[b, h, gb, ch, gi] - gmax[b, h, gb, gi], acc, native_exp),
+        name="cfac",
+    )
+    chr2 = te.reduce_axis((0, nchunk), name="chr2")
+    gsum = te.compute(
+        (B, H, nblk, GB),
+        lambda b, h, gb, gi: te.sum(csum[b, h, gb, chr2, gi] * cfac[b, h, gb, chr2, gi], axis=chr2),
+        name="gsum",
+    )
+    gden = te.compute(
+        (B, H, nblk, GB),
+        lambda b, h, gb, gi: gsum[b, h, gb, gi] + _exp(sink[h] - gmax[b, h, gb, gi], acc, native_exp),
+        name="gden",
+    )
+    chr3 = te.reduce_axis((0, nchunk), name="chr3")
+    gacc = te.compute(
+        (B, H, nblk, GB, D),
+        lambda b, h, gb, gi, cc: te.sum(cacc[b, h, gb, chr3, gi, cc] * cfac[b, h, gb, chr3, gi], axis=chr3),
+        name="gacc",
+    )
+    blk_out = te.compute(
+        (B, H, nblk, GB, D), lambda b, h, gb, gi, cc: gacc[b, h, gb, gi, cc] / gden[b, h, gb, gi], name="blk_out"
+    )
+    blk_lse = te.compute(
+        (B, H, nblk, GB), lambda b, h, gb, gi: gmax[b, h, gb, gi] + tirx.log(gden[b, h, gb, gi]), name="blk_lse"
+    )
+    gout = te.compute(
+        (B, H, G, D), lambda b, h, g, cc: blk_out[b, h, div_nonneg(g, GB), mod_nonneg(g, GB), cc].astype(dt), name="out"
+    )
+    glse = te.compute((B, H, G), lambda b, h, g: blk_lse[b, h, div_nonneg(g, GB), mod_nonneg(g, GB)], name="lse")
+    return [qg, kg, vg, gidx, sink, scale, gout, glse]
+
+
+FORWARD_COMPUTES = {"local": local_attention, "global": global_attention}
+
+
+__all__ = ["local_attention", "global_attention", "FORWARD_COMPUTES"]

@@ -1,0 +1,311 @@
+"""Eager implementation behind torch.ops.swa_tvm.*: picks the registered kernels (compiled
+on first use when no library is loaded), lays out their arguments and launches them."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from swa_tvm.checks import check_inputs
+from swa_tvm.runtime import library
+from swa_tvm.spec import BACKWARD_KINDS, DEFAULT_BLOCK_Q, KernelSpec
+
+
+def _available(device: str) -> str:
+    ks = library.REGISTRY.kernels(device)
+    return ", ".join(sorted({k.spec.name for k in ks})) or "none"
+
+
+def _kernel(want: KernelSpec, device: str) -> library.Kernel:
+    """The registered kernel for ``want``; compiled on first use when no library is
+    loaded. With libraries loaded, a missing kernel is an error naming what they hold."""
+    hit = library.REGISTRY.find(want, device)
+    if hit is not None:
+        return hit
+    if library.REGISTRY.libraries:
+        have = library.REGISTRY.kernels(device)
+        dims = sorted({k.spec.head_dim for k in have})
+        if want.head_dim not in dims:
+            raise ValueError(
+                f"head dim D={want.head_dim} is not served by the loaded libraries "
+                f"({', '.join(library.REGISTRY.libraries)}); they have head dims {dims}"
+            )
+        hint = ""
+        if want.kind in BACKWARD_KINDS:
+            hint = "; gradients need the backward kernels: export with 'backward' in the spec"
+        raise ValueError(
+            f"no kernel in the loaded libraries computes {want.name} "
+            f"(window ({want.left}, {want.right}), dilation up to {want.max_dilation}, extras={want.extras}, "
+            f"{want.dtype}); they hold: {_available(device)}{hint}"
+        )
+    from swa_tvm.compiler.jit import get_or_build_kernel
+
+    # Round the dilation bound up so nearby dilations share one compiled kernel.
+    md = 1 << (want.max_dilation - 1).bit_length()
+    return get_or_build_kernel(KernelSpec(**{**want.to_dict(), "max_dilation": md}), "cuda" if device == "cuda" else None)
+
+
+# TVM compiles every kernel assuming each tensor's data is aligned to 64 bytes (its
+# default buffer alignment; the CUDA kernels' 16-byte vector loads rely on it), which a
+# contiguous view into a larger tensor need not be (x[1:] of a flat buffer): such a view
+# is copied, and _launch refuses any argument that is still misaligned.
+ALIGNMENT = 64
+
+
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """x contiguous and ALIGNMENT-byte aligned (a copy only where it is not)."""
+    x = x.contiguous()
+    return x if x.data_ptr() % ALIGNMENT == 0 else x.clone()
+
+
+# gridDim.y and gridDim.z of a CUDA launch (x allows 2**31 - 1).
+CUDA_GRID_YZ = 65535
+
+
+def _check_te_cuda_grid(kern: library.Kernel, args) -> None:
+    """The TE kernels' CUDA grid (schedules/cuda.py) puts heads on blockIdx.y and the
+    batch on blockIdx.z, and with a side of the window unbounded, batch x heads on z and
+    the query blocks on y; refuse a shape past those axes' limit by name, before the
+    launch fails with a bare CUDA error. (The fused kernels use blockIdx.x alone.)"""
+    if kern.device != "cuda" or kern.schedule not in ("default", "tuned"):
+        return
+    shapes = [a.shape for a in args if isinstance(a, torch.Tensor) and a.dim() == 4]
+    if not shapes:
+        return
+    B, H, T = (max(shape[i] for shape in shapes) for i in range(3))
+    s = kern.spec
+    split = "split the call along the batch or heads"
+    limits = [("batch size B", B, split), ("number of heads H", H, split)]
+    if s.left < 0 or s.right < 0:
+        blocks = -(-T // s.block_q) + s.max_dilation - 1
+        limits += [("B x H", B * H, split), (f"number of {s.block_q}-row query blocks", blocks, "T is too long for it")]
+    for what, n, advice in limits:
+        if n > CUDA_GRID_YZ:
+            raise ValueError(
+                f"kernel {s.name} ({kern.schedule} schedule, schedules/cuda.py): its {what} = {n} exceeds the "
+                f"{CUDA_GRID_YZ} blocks a CUDA grid allows on its y and z axes; {advice}"
+            )
+
+
+def _launch(kern: library.Kernel, device: torch.device, *args) -> None:
+    """Call a kernel. CUDA kernels run under ``device`` (a device guard: TVM launches on
+    the current device) and on torch's current stream there, so they order with the
+    surrounding torch work and CUDA graphs capture them."""
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.numel() and a.data_ptr() % ALIGNMENT:
+            raise ValueError(
+                f"kernel {kern.spec.name}: a {tuple(a.shape)} argument's data is not {ALIGNMENT}-byte aligned "
+                "(the kernels assume it; pass it through functional._dense)"
+            )
+    _check_te_cuda_grid(kern, args)
+    if kern.device != "cuda" or device.type != "cuda":
+        kern.func(*args)
+        return
+    import tvm_ffi
+
+    if kern.cuda_arch:
+        major, minor = torch.cuda.get_device_capability(device)
+        built = int(kern.cuda_arch[3:].rstrip("a"))
+        # sm_XYa code (wgmma) runs on that arch alone, sm_XY code on it and later ones.
+        if major * 10 + minor < built or (kern.cuda_arch.endswith("a") and major * 10 + minor != built):
+            raise RuntimeError(
+                f"kernel {kern.spec.name} of {kern.origin} was built for {kern.cuda_arch}, but {device} is "
+                f"sm_{major}{minor}; export a library for it with --target 'cuda -arch=sm_{major}{minor}'"
+            )
+    stream = torch.cuda.current_stream(device).cuda_stream
+    with torch.cuda.device(device), tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", device.index or 0), stream):
+        kern.func(*args)
+
+
+def global_pieces(B: int, H: int, G: int, T: int, device: torch.device) -> int:
+    """Pieces of the keys for the split-K global rows (the forward's
+    ``library.GLOBAL_WORKSPACE``, the gradients' ``GLOBAL_BWD_WORKSPACE``; the kernels
+    take any number): about two thread blocks per SM, a block per 64 rows (the forward's
+    default tiles') and piece, and a piece no shorter than 1024 keys."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    blocks = B * H * -(-G // 64)
+    return max(1, min(-(-2 * sms // blocks), -(-T // 1024)))
+
+
+def _extra_positions(global_idx, num_sinks: int, B: int, device) -> Optional[torch.Tensor]:
+    """[B, E] int32: global positions and sinks, each once per row, -1 = padding."""
+    parts = []
+    if global_idx is not None and global_idx.shape[1]:
+        parts.append(global_idx.to(torch.int32))
+    if num_sinks:
+        parts.append(torch.arange(num_sinks, dtype=torch.int32, device=device).expand(B, num_sinks))
+    if not parts:
+        return None
+    x = torch.cat(parts, dim=1).sort(dim=1).values
+    dup = torch.zeros_like(x, dtype=torch.bool)
+    dup[:, 1:] = x[:, 1:] == x[:, :-1]
+    return x.masked_fill(dup, -1).contiguous()
+
+
+def _local_spec(q, left, right, dil, extra) -> KernelSpec:
+    dtype = str(q.dtype).replace("torch.", "")
+    return KernelSpec(
+        "local", q.shape[3], dtype, left, right, max(1, int(dil.max())), extras=extra is not None, block_q=DEFAULT_BLOCK_Q
+    )
+
+
+def _global_spec(q, right) -> KernelSpec:
+    return KernelSpec("global", q.shape[3], str(q.dtype).replace("torch.", ""), 0, 0 if right == 0 else -1)
+
+
+def _sink_or_none(sink_logits, H, acc, device):
+    """Learned sinks as the kernels take them: [H] in the accumulation dtype, -inf = none."""
+    if sink_logits is not None:
+        return _dense(sink_logits.to(acc))
+    return torch.full((H,), float("-inf"), dtype=acc, device=device)
+
+
+def _global_rows(x, gi):
+    """Rows global_idx of x [B, H, T, ...] -> [B, H, G, ...]."""
+    idx = gi[:, None, :].expand(x.shape[0], x.shape[1], gi.shape[1])
+    if x.dim() == 4:
+        idx = idx[..., None].expand(*idx.shape, x.shape[3])
+    return torch.gather(x, 2, idx), idx
+
+
+def attention_forward(
+    q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, scale, left, right
+):
+    """Eager implementation behind ``torch.ops.swa_tvm.attention``: (out, lse)."""
+    check_inputs(
+        q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, scale, left, right,
+        values=True,
+    )
+    B, H, T, D = q.shape
+    device = q.device.type
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k, v = _dense(q), _dense(k), _dense(v)
+    dil = _dense(dilation.to(torch.int32))
+    sink = _sink_or_none(sink_logits, H, acc, q.device)
+    extra = _extra_positions(global_idx, num_sinks, B, q.device)
+    kern = _kernel(_local_spec(q, left, right, dil, extra), device)
+    out = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, T, dtype=acc, device=q.device)
+    args = [q, k, v, dil] + ([extra] if extra is not None else []) + [sink, float(scale), out, lse]
+    _launch(kern, q.device, *args)
+
+    G = global_idx.shape[1] if global_idx is not None else 0
+    if G:
+        gkern = _kernel(_global_spec(q, right), device)
+        gi = global_idx.long()
+        qg = _dense(q_global) if q_global is not None else _global_rows(q, gi)[0]
+        kg = _dense(k_global) if k_global is not None else k
+        vg = _dense(v_global) if v_global is not None else v
+        gout = torch.empty(B, H, G, D, dtype=q.dtype, device=q.device)
+        glse = torch.empty(B, H, G, dtype=acc, device=q.device)
+        workspace = []
+        if gkern.workspace == library.GLOBAL_WORKSPACE:  # split-K (torch's allocator orders it by stream)
+            S = global_pieces(B, H, G, T, q.device)
+            workspace = [torch.empty(B, H, S, G, D, device=q.device), torch.empty(B, H, S, G, device=q.device)]
+        _launch(gkern, q.device, qg, kg, vg, _dense(global_idx), sink, float(scale), gout, glse, *workspace)
+        out.scatter_(2, gi[:, None, :, None].expand(B, H, G, D), gout)
+        lse.scatter_(2, gi[:, None, :].expand(B, H, G), glse)
+    return out, lse
+
+
+def _group_sum(x, Hkv):
+    """[B, H, ...] per query head -> [B, H_kv, ...]: the gradient of a GQA group's k/v."""
+    B, H = x.shape[:2]
+    return x if H == Hkv else x.view(B, Hkv, H // Hkv, *x.shape[2:]).sum(2)
+
+
+def attention_backward(
+    dout, dlse, q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, scale, left, right, out, lse
+):
+    """Eager implementation behind ``torch.ops.swa_tvm.attention_backward``.
+
+    Returns (dq, dk, dv, dq_global, dk_global, dv_global, dsink_logits); the gradient
+    of an input that was not given is an empty tensor. ``dlse`` (the gradient flowing
+    into the returned lse) may be None.
+    """
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    device = q.device.type
+    acc = lse.dtype
+    q, k, v, dout = _dense(q), _dense(k), _dense(v), _dense(dout)
+    dil = _dense(dilation.to(torch.int32))
+    # delta_i = dout_i . out_i - dlse_i: the one row statistic every gradient kernel needs.
+    # einsum makes it a batched matrix product (4x faster on the CPU than (dout * out).sum(-1),
+    # which also writes a [B, H, T, D] temporary).
+    delta = torch.einsum("bhtd,bhtd->bht", dout.to(acc), out.to(acc))
+    if dlse is not None:
+        delta = delta - dlse.to(acc)
+    lse = _dense(lse)
+    # Distinct empty tensors: a custom op's outputs may not alias each other.
+    none = lambda: q.new_empty(0)  # noqa: E731
+    dsink = none()
+    if sink_logits is not None:
+        # d lse_i / d sink_h = exp(sink_h - lse_i), and d out_i / d sink_h = -exp(sink_h - lse_i) out_i.
+        p_sink = torch.exp(sink_logits.to(acc).view(1, H, 1) - lse)
+        dsink = -(p_sink * delta).sum((0, 2)).to(sink_logits.dtype)
+
+    G = global_idx.shape[1] if global_idx is not None else 0
+    lse_l, delta_l = lse, delta
+    if G:
+        gi = global_idx.long()
+        dout_g, idx4 = _global_rows(dout, gi)
+        lse_g, idx3 = _global_rows(lse, gi)
+        delta_g = _global_rows(delta, gi)[0]
+        # Global rows are the global kernel's: the local kernels see them with lse = +inf,
+        # so every one of their probabilities is exactly 0 and so is each term p * (...)
+        # they add (dout stays as it is: zeroing it would copy [B, H, T, D] for nothing).
+        lse_l = lse.scatter(2, idx3, float("inf"))
+        delta_l = delta.scatter(2, idx3, 0.0)
+
+    extra = _extra_positions(global_idx, num_sinks, B, q.device)
+    fwd = _local_spec(q, left, right, dil, extra)
+    kernels = {s.kind: _kernel(s, device) for s in fwd.backward_kernels()}
+    common = [q, k, v, dil] + ([extra] if extra is not None else []) + [dout, _dense(lse_l), _dense(delta_l), float(scale)]
+    dq = torch.empty_like(q)
+    _launch(kernels["local_dq"], q.device, *common, dq)
+    # Key gradients per query head come in the accumulation dtype: a GQA group and the
+    # extra and global terms are summed before the one rounding to k's dtype.
+    dk = torch.empty(B, H, T, D, dtype=acc, device=q.device)
+    dv = torch.empty_like(dk)
+    _launch(kernels["local_dkv"], q.device, *common, dk, dv)
+    if extra is not None:
+        E = extra.shape[1]
+        dkx = torch.empty(B, H, E, D, dtype=acc, device=q.device)
+        dvx = torch.empty_like(dkx)
+        _launch(kernels["local_dx"], q.device, *common, dkx, dvx)
+        # Padding entries (-1) have zero gradient; send them to row 0 harmlessly.
+        xi = extra.long().clamp_min(0)[:, None, :, None].expand(B, H, E, D)
+        dk.scatter_add_(2, xi, dkx)
+        dv.scatter_add_(2, xi, dvx)
+    dk, dv = _group_sum(dk, Hkv), _group_sum(dv, Hkv)
+
+    dqg, dkg, dvg = none(), none(), none()
+    if G:
+        gkern = _kernel(_global_spec(q, right).backward_kernels()[0], device)
+        qg = _dense(q_global) if q_global is not None else _global_rows(q, gi)[0]
+        kg = _dense(k_global) if k_global is not None else k
+        vg = _dense(v_global) if v_global is not None else v
+        g_dq = torch.empty(B, H, G, D, dtype=q.dtype, device=q.device)
+        g_dk = torch.empty(B, H, T, D, dtype=acc, device=q.device)
+        g_dv = torch.empty_like(g_dk)
+        workspace = []
+        if gkern.workspace == library.GLOBAL_BWD_WORKSPACE:  # split-K dq (as the forward's global rows)
+            S = global_pieces(B, H, G, T, q.device)
+            workspace = [torch.empty(B, H, S, G, D, device=q.device)]
+        _launch(gkern, q.device, qg, kg, vg, _dense(global_idx), dout_g, lse_g, delta_g, float(scale), g_dq, g_dk, g_dv,
+                *workspace)
+        g_dk, g_dv = _group_sum(g_dk, Hkv), _group_sum(g_dv, Hkv)
+        if q_global is not None:
+            dqg = g_dq
+        else:
+            dq.scatter_add_(2, idx4, g_dq)
+        if k_global is not None:
+            dkg = g_dk.to(k_global.dtype)
+        else:
+            dk += g_dk
+        if v_global is not None:
+            dvg = g_dv.to(v_global.dtype)
+        else:
+            dv += g_dv
+    return dq, dk.to(k.dtype), dv.to(v.dtype), dqg, dkg, dvg, dsink

@@ -1,0 +1,588 @@
+"""CPU (llvm) schedules for the computes in ``swa_tvm.compute``: the default, and the
+MetaSchedule search space around it.
+
+One function per kernel kind serves both. It asks a ``Knobs`` object for every tunable
+decision: ``Defaults`` answers with the hand-picked value (the default schedule, used
+when no tuning record applies), ``Sampled`` with a MetaSchedule random variable, so the
+same code is the design space ``swa-tvm tune`` searches. Only loops whose extent the
+spec fixes (block_q, the padded key band, head_dim) are ever sampled: a tuning record
+is measured at one concrete shape and replayed on the symbolic-T kernel, where the
+item and row loops have no fixed extent.
+
+The plan for the local kernel: one parallel loop over work items (batch x head x query
+block); every stage of an item is computed at that loop so its intermediates (the
+Kw x Bq score and probability tiles, the transposed query block) stay in L1/L2; key
+and value rows are read straight from k and v. The score product is register-tiled as
+key rows x block-row vectors, P·V as block rows x feature vectors over chunks of the
+band; max and sum over keys are vertical. The final gathers back to [B,H,T,...] run as
+their own parallel loop.
+
+The backward kernels follow the same plan (items of the query- or key-major band in
+parallel, every stage at the item loop); their [band, block] products are tiled as
+band rows x block vectors, and the [block, D] results as block rows x feature vectors.
+The extras' and global rows' gradients run one parallel loop per (batch, head).
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir
+
+from swa_tvm.compute.forward import EXTRA_TILE, band_width
+from swa_tvm.spec import KernelSpec
+
+# Candidate values of the categorical knobs. Unroll steps feed
+# pragma_auto_unroll_max_step on the item loop.
+UNROLL_STEPS = (0, 16, 64)
+
+
+class Defaults:
+    """Knobs answered with the hand-picked default: the untuned schedule."""
+
+    def tile(self, sch, loop, extent: int, default: int, max_inner: int) -> int:
+        return default if extent % default == 0 else 1
+
+    def choice(self, sch, candidates, default):
+        return default
+
+    def split(self, sch, loop, default: list, max_inner: int) -> list:
+        return list(default)
+
+
+class Sampled:
+    """Knobs answered with MetaSchedule samples (recorded in the trace)."""
+
+    def tile(self, sch, loop, extent: int, default: int, max_inner: int):
+        # A 2-way perfect tile of a fixed-extent loop; only the inner factor is used.
+        return sch.sample_perfect_tile(loop, n=2, max_innermost_factor=max_inner)[1]
+
+    def choice(self, sch, candidates, default):
+        candidates = list(candidates)
+        return sch.sample_categorical(candidates, [1.0 / len(candidates)] * len(candidates))
+
+    def split(self, sch, loop, default: list, max_inner: int) -> list:
+        # A perfect tile of a fixed-extent loop into len(default) factors.
+        return list(sch.sample_perfect_tile(loop, n=len(default), max_innermost_factor=max_inner))
+
+
+class DefaultPoint(Sampled):
+    """The default schedule as a point of the search space: the same sampling
+    instructions as ``Sampled``, each with the default as its decision. ``swa-tvm tune``
+    measures it first, so the search starts from the default and a tuned record is
+    never one the default beats at the tuning shape."""
+
+    def tile(self, sch, loop, extent: int, default: int, max_inner: int):
+        inner = Defaults().tile(sch, loop, extent, default, max_inner)
+        return sch.sample_perfect_tile(loop, n=2, max_innermost_factor=max_inner, decision=[extent // inner, inner])[1]
+
+    def choice(self, sch, candidates, default):
+        candidates = list(candidates)
+        n = len(candidates)
+        return sch.sample_categorical(candidates, [1.0 / n] * n, decision=candidates.index(default))
+
+    def split(self, sch, loop, default: list, max_inner: int) -> list:
+        return list(sch.sample_perfect_tile(loop, n=len(default), max_innermost_factor=max_inner, decision=default))
+
+
+def _has(sch: s_tir.Schedule, name: str) -> bool:
+    try:
+        sch.get_sblock(name)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _vectorize_inner(sch, loop, lanes):
+    sch.vectorize(sch.split(loop, factors=[None, lanes])[1])
+
+
+def _vertical_reduce(sch, name, lanes, vectorize: bool):
+    """A [rows] reduction over the key axis of a key-major [keys, rows] tile: keys
+    outside, rows inside as vectors, so max and sum are elementwise vector operations
+    (no horizontal reduction, no serial scalar chain)."""
+    blk = sch.get_sblock(name)
+    rows, keys = sch.get_loops(blk)[-2:]
+    sch.reorder(keys, rows)
+    if vectorize:
+        _vectorize_inner(sch, rows, lanes)
+    sch.decompose_reduction(blk, keys)
+
+
+def _key_row_product(sch, name, rows_extent, cols_extent, lanes, knobs, vector_cols: bool, tiled_rows: bool):
+    """A key-major [keys, rows] product reduced over the feature axis (score = K Q^T):
+    register tile of key rows x block-row vectors, the feature reduction outside it.
+    Keys are the broadcast operand (read straight from k), block rows the vectors.
+    Untiled key rows (a runtime key count) take the widest vector tile instead: its
+    independent accumulators hide the FMA latency a single key row's chain exposes."""
+    blk = sch.get_sblock(name)
+    k_l, r_l, c_l = sch.get_loops(blk)[-3:]
+    widths = _widths(cols_extent, lanes)
+    if not (vector_cols and widths):
+        sch.reorder(k_l, c_l, r_l)
+        sch.decompose_reduction(blk, c_l)
+        return
+    default = widths[min(1, len(widths) - 1)] if tiled_rows else widths[-1]
+    ro, ri = sch.split(r_l, factors=[None, knobs.choice(sch, widths, default)])
+    if tiled_rows:
+        ko, ki = sch.split(k_l, factors=[None, knobs.tile(sch, k_l, rows_extent, 4, 8)])
+        sch.reorder(ko, ro, c_l, ki, ri)
+        sch.unroll(ki)
+    else:
+        sch.reorder(k_l, ro, c_l, ri)
+    # One vector register per vectorized loop: LLVM keeps a tile of them in registers,
+    # while a wider vectorized loop gave code that reloads its accumulators.
+    rv, ri = sch.split(ri, factors=[None, lanes])
+    sch.unroll(rv)
+    sch.vectorize(ri)
+    sch.decompose_reduction(blk, c_l)
+
+
+def _largest_divisor_upto(n: int, cap: int) -> int:
+    return max(x for x in range(1, min(n, cap) + 1) if n % x == 0)
+
+
+def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
+    knobs = knobs or Defaults()
+    # masked/rowmax/denom stay materialized per item: each feeds an exp polynomial that
+    # repeats its argument, and the mask is then evaluated once, not twice.
+    # Gathers back to [B,H,T,(D)], merged into one parallel loop over rows. `merge` puts
+    # the merged loop where the last of its loops was and does not check dataflow, so
+    # the gathers are merged first (landing after both item stages) and the item
+    # stages second (landing before the gathers).
+    out = sch.get_sblock("out")
+    b, h, i, cc = sch.get_loops(out)
+    row = sch.fuse(b, h, i)
+    if spec.head_dim % vector_lanes == 0:
+        _vectorize_inner(sch, cc, vector_lanes)
+    b, h, i = sch.get_loops(sch.get_sblock("lse"))
+    sch.parallel(sch.merge(row, sch.fuse(b, h, i)))
+
+    # blk_out and blk_lse share every producer, so their item loops are merged into one
+    # before the producers are computed at it.
+    root = sch.get_sblock("blk_out")
+    b, h, beta, qi, cc = sch.get_loops(root)
+    item = sch.fuse(b, h, beta)
+    lse_blk = sch.get_sblock("blk_lse")
+    b2, h2, beta2, _ = sch.get_loops(lse_blk)
+    item = sch.merge(item, sch.fuse(b2, h2, beta2))
+    if spec.head_dim % vector_lanes == 0:
+        _vectorize_inner(sch, cc, vector_lanes)
+
+    # The products read key and value rows straight from k and v (contiguous rows).
+    for name in ("kband", "vband"):
+        sch.compute_inline(sch.get_sblock(name))
+    bounded = spec.left >= 0 and spec.right >= 0
+    # Producers of blk_out, innermost first so each compute_at finds its consumer placed.
+    order = ["denom", "wacc", "xacc", "wsum", "xsum", "wprob", "xprob", "rowmax", "wmax", "xmax"]
+    order += ["masked", "xmasked", "krange", "score", "xscore", "qblk_t"]
+    for name in order:
+        if _has(sch, name):
+            sch.compute_at(sch.get_sblock(name), item, preserve_unit_loops=True)
+    sch.parallel(item)
+    sch.annotate(item, "pragma_auto_unroll_max_step", knobs.choice(sch, UNROLL_STEPS, 0))
+    sch.annotate(item, "pragma_unroll_explicit", 1)
+
+    rows_vec = spec.block_q % vector_lanes == 0
+    # Query block, transposed: walk rows outside and features inside (contiguous loads).
+    blk = sch.get_sblock("qblk_t")
+    cc_l, qi_l = sch.get_loops(blk)[-2:]
+    sch.reorder(qi_l, cc_l)
+
+    if bounded:
+        kw = band_width(spec.block_q, spec.left, spec.right)
+        _key_row_product(sch, "score", kw, spec.block_q, vector_lanes, knobs, rows_vec, True)
+    else:
+        _key_row_product(sch, "score", None, spec.block_q, vector_lanes, knobs, rows_vec, False)
+    if _has(sch, "xscore"):
+        # The extras' axis is a runtime multiple of EXTRA_TILE: tiled by it exactly.
+        _key_row_product(sch, "xscore", EXTRA_TILE, spec.block_q, vector_lanes, Defaults(), rows_vec, True)
+    # Mask and probability tiles: elementwise, vectorized along block rows.
+    if rows_vec:
+        for name in ("masked", "wprob", "xmasked", "xprob"):
+            if _has(sch, name):
+                _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1], vector_lanes)
+    for name in ("wmax", "wsum", "xmax", "xsum"):
+        if _has(sch, name):
+            _vertical_reduce(sch, name, vector_lanes, rows_vec)
+    # P @ V for the band and the extras (the extras' product, E keys, E small and
+    # runtime, keeps the default tiles). The band's keys are walked in chunks (all
+    # tiles of one chunk, then the next), so a chunk's value rows (chunk x D) and
+    # probabilities stay in L1 while every tile uses them.
+    for name in ("wacc", "xacc"):
+        if _has(sch, name):
+            kw = band_width(spec.block_q, spec.left, spec.right) if name == "wacc" and bounded else None
+            k = knobs if name == "wacc" else Defaults()
+            _prob_value_product(sch, name, spec.block_q, spec.head_dim, vector_lanes, k, kw)
+
+
+def _prob_value_product(sch, name, rows: int, head_dim: int, vector_lanes: int, knobs, keys: int | None):
+    """[rows, D] = sum over keys of P[key, row] * V[key, D] (P·V): register tile of
+    rows x feature vectors, the reduction over keys outside the tile; value rows come
+    straight from v. With ``keys`` (a fixed key extent) the keys are walked in chunks."""
+    widths = _widths(head_dim, vector_lanes)
+    blk = sch.get_sblock(name)
+    qi_l, c_l, kr = sch.get_loops(blk)[-3:]
+    qo, qi_in = sch.split(qi_l, factors=[None, knobs.tile(sch, qi_l, rows, 4, 4)])
+    tiles = [qo]
+    if widths:
+        co, ci = sch.split(c_l, factors=[None, knobs.choice(sch, widths, widths[min(1, len(widths) - 1)])])
+        tiles.append(co)
+    else:
+        ci = c_l
+    if keys is not None:
+        kro, kri = sch.split(kr, factors=[None, knobs.tile(sch, kr, keys, _largest_divisor_upto(keys, 96), 136)])
+        sch.reorder(kro, *tiles, kri, qi_in, ci)
+        kr = kro
+    else:
+        sch.reorder(*tiles, kr, qi_in, ci)
+    sch.unroll(qi_in)
+    sch.vectorize(ci)
+    sch.decompose_reduction(blk, kr)
+
+
+def schedule_global(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
+    """Items of (batch, head, global-row block, key chunk) in parallel, every stage of
+    an item at the item loop, tiled as the local kernel's (key rows x block-row vectors
+    for the scores, block rows x feature vectors for P·V, vertical max and sum); then
+    the per-block combine over chunks, then the gathers back to [B, H, G, ...]."""
+    from swa_tvm.compute.forward import GLOBAL_BLOCK, GLOBAL_CHUNK
+
+    knobs = knobs or Defaults()
+    out = sch.get_sblock("out")
+    b, h, g, cc = sch.get_loops(out)
+    row = sch.fuse(b, h, g)
+    if spec.head_dim % vector_lanes == 0:
+        _vectorize_inner(sch, cc, vector_lanes)
+    sch.parallel(sch.merge(row, sch.fuse(*sch.get_loops(sch.get_sblock("lse")))))
+    # Combine: one loop over (batch, head, block), the chunk rescaling at it.
+    _items(sch, ["blk_out", "blk_lse"], ["gden", "gacc", "gsum", "cfac", "gmax", "gmax0"], Defaults(), depth=3)
+    _row_reduce_product(sch, "gacc", spec, vector_lanes)
+    # Items: (batch, head, block, chunk). The chunk's max, sum and P·V are all read by
+    # the combine, so all three are roots of the item loop (compute_at needs every
+    # consumer of a stage under the loop).
+    _items(sch, ["cmax", "csum", "cacc"], ["cprob", "cref", "gmasked", "gscore", "qg_t"], knobs, depth=4)
+    rows_vec = GLOBAL_BLOCK % vector_lanes == 0
+    blk = sch.get_sblock("qg_t")
+    cc_l, gi_l = sch.get_loops(blk)[-2:]
+    sch.reorder(gi_l, cc_l)
+    _key_row_product(sch, "gscore", GLOBAL_CHUNK, GLOBAL_BLOCK, vector_lanes, knobs, rows_vec, True)
+    _vectorize_block_axis(sch, ["gmasked", "cprob", "cref"], GLOBAL_BLOCK, vector_lanes)
+    for name in ("cmax", "csum"):
+        _vertical_reduce(sch, name, vector_lanes, rows_vec)
+    _prob_value_product(sch, "cacc", GLOBAL_BLOCK, spec.head_dim, vector_lanes, knobs, None)
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def _widths(extent: int, vector_lanes: int) -> list[int]:
+    """Vector widths (1, 2 or 4 registers) that divide a fixed extent."""
+    return [w for w in (vector_lanes, 2 * vector_lanes, 4 * vector_lanes) if extent % w == 0]
+
+
+def _band_block_product(sch, name, spec, vector_lanes, knobs, bounded):
+    """A [band, block] product reduced over the feature axis: register tile of band
+    rows x block vector(s), the reduction outside the tile."""
+    blk = sch.get_sblock(name)
+    r_l, b_l, c_l = sch.get_loops(blk)[-3:]
+    widths = _widths(spec.block_q, vector_lanes)
+    if not (bounded and widths):
+        sch.reorder(c_l, b_l)
+        return
+    r_in = knobs.tile(sch, r_l, band_width(spec.block_q, spec.left, spec.right), 4, 8)
+    ro, ri = sch.split(r_l, factors=[None, r_in])
+    bo, bi = sch.split(b_l, factors=[None, knobs.choice(sch, widths, widths[min(1, len(widths) - 1)])])
+    sch.reorder(ro, bo, c_l, ri, bi)
+    sch.unroll(ri)
+    sch.vectorize(bi)
+    sch.decompose_reduction(blk, c_l)
+
+
+def _block_feature_product(sch, name, spec, vector_lanes, knobs):
+    """[block, D] = sum over the band of [band, block] x [band, D]: register tile of
+    block rows x feature vector(s), the reduction over the band outside the tile."""
+    blk = sch.get_sblock(name)
+    q_l, c_l, kr = sch.get_loops(blk)[-3:]
+    qo, qi_in = sch.split(q_l, factors=[None, knobs.tile(sch, q_l, spec.block_q, 2, 4)])
+    widths = _widths(spec.head_dim, vector_lanes)
+    if widths:
+        co, ci = sch.split(c_l, factors=[None, knobs.choice(sch, widths, widths[-1])])
+        sch.reorder(qo, co, kr, qi_in, ci)
+        sch.vectorize(ci)
+    else:
+        sch.reorder(qo, kr, qi_in, c_l)
+    sch.unroll(qi_in)
+    sch.decompose_reduction(blk, kr)
+
+
+def _items(sch, roots, per_item, knobs, depth: int = 3):
+    """Merge the item loops (the ``depth`` outer loops: batch x head x item) of
+    ``roots`` (in program order: the merged loop lands where the last one was, and merge
+    does not check dataflow), compute every stage of ``per_item`` at it (innermost
+    consumer first), parallel."""
+    item = None
+    for r in roots:
+        loops = sch.get_loops(sch.get_sblock(r))
+        fused = sch.fuse(*loops[:depth])
+        item = fused if item is None else sch.merge(item, fused)
+    for name in per_item:
+        if _has(sch, name):
+            sch.compute_at(sch.get_sblock(name), item, preserve_unit_loops=True)
+    sch.parallel(item)
+    sch.annotate(item, "pragma_auto_unroll_max_step", knobs.choice(sch, UNROLL_STEPS, 0))
+    sch.annotate(item, "pragma_unroll_explicit", 1)
+    return item
+
+
+def _gather_back(sch, names, spec, vector_lanes):
+    """The final [B,H,T,D] gathers, merged into one parallel loop over rows."""
+    row = None
+    for name in names:
+        loops = sch.get_loops(sch.get_sblock(name))
+        if spec.head_dim % vector_lanes == 0:
+            _vectorize_inner(sch, loops[-1], vector_lanes)
+        fused = sch.fuse(*loops[:3])
+        row = fused if row is None else sch.merge(row, fused)
+    sch.parallel(row)
+
+
+def _vectorize_block_axis(sch, names, block: int, vector_lanes):
+    if block % vector_lanes:
+        return
+    for name in names:
+        if _has(sch, name):
+            _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1], vector_lanes)
+
+
+def schedule_local_dq(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
+    knobs = knobs or Defaults()
+    bounded = spec.left >= 0 and spec.right >= 0
+    _gather_back(sch, ["dq"], spec, vector_lanes)
+    per_item = ["dqx", "dqw", "xds", "ds", "xarg", "arg", "krange", "xdp", "xscore", "dp", "score"]
+    per_item += ["rstat", "dblk_t", "qblk_t"]
+    # Key and value rows are read straight from k and v (contiguous rows), not copied.
+    for name in ("kband", "vband"):
+        sch.compute_inline(sch.get_sblock(name))
+    _items(sch, ["dq_blk"], per_item, knobs)
+    if spec.head_dim % vector_lanes == 0:
+        _vectorize_inner(sch, sch.get_loops(sch.get_sblock("dq_blk"))[-1], vector_lanes)
+    for name in ("score", "dp"):
+        _band_block_product(sch, name, spec, vector_lanes, knobs, bounded)
+    _vectorize_block_axis(sch, ["arg", "ds", "xarg", "xds"], spec.block_q, vector_lanes)
+    _block_feature_product(sch, "dqw", spec, vector_lanes, knobs)
+    if _has(sch, "dqx"):
+        _block_feature_product(sch, "dqx", spec, vector_lanes, knobs)
+        for name in ("xscore", "xdp"):
+            blk = sch.get_sblock(name)
+            qi, c = sch.get_loops(blk)[-2:]
+            sch.reorder(c, qi)
+
+
+def schedule_local_dkv(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
+    knobs = knobs or Defaults()
+    bounded = spec.left >= 0 and spec.right >= 0
+    _gather_back(sch, ["dk", "dv"], spec, vector_lanes)
+    per_item = ["ds", "prob", "arg", "krange", "dp", "score", "bstat", "vblk_t", "kblk_t"]
+    # Query and output-gradient rows are read straight from q and dout, not copied.
+    for name in ("qband", "dband"):
+        sch.compute_inline(sch.get_sblock(name))
+    _items(sch, ["dv_blk", "dk_blk"], per_item, knobs)
+    for name in ("score", "dp"):
+        _band_block_product(sch, name, spec, vector_lanes, knobs, bounded)
+    _vectorize_block_axis(sch, ["arg", "prob", "ds"], spec.block_q, vector_lanes)
+    for name in ("dv_blk", "dk_blk"):
+        _block_feature_product(sch, name, spec, vector_lanes, knobs)
+
+
+def _per_head(sch, roots, per_head, knobs):
+    """Merge the (batch x head) loops of ``roots``, compute ``per_head`` at it, parallel.
+    ``roots`` go in program order: the merged loop lands where the last one was."""
+    bh = None
+    for r in roots:
+        loops = sch.get_loops(sch.get_sblock(r))
+        fused = sch.fuse(*loops[:2])
+        bh = fused if bh is None else sch.merge(bh, fused)
+    for name in per_head:
+        sch.compute_at(sch.get_sblock(name), bh, preserve_unit_loops=True)
+    sch.parallel(bh)
+    sch.annotate(bh, "pragma_auto_unroll_max_step", knobs.choice(sch, UNROLL_STEPS, 0))
+    sch.annotate(bh, "pragma_unroll_explicit", 1)
+
+
+def _row_reduce_product(sch, name, spec, vector_lanes):
+    """[rows, D] = sum over r of [r, rows] x [r, D] with a runtime-length r: the
+    feature axis vectorized innermost, the reduction outside it."""
+    blk = sch.get_sblock(name)
+    _, c_l, r_l = sch.get_loops(blk)[-3:]
+    sch.reorder(r_l, c_l)
+    if spec.head_dim % vector_lanes == 0:
+        _vectorize_inner(sch, c_l, vector_lanes)
+    sch.decompose_reduction(blk, r_l)
+
+
+def schedule_local_dx(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
+    knobs = knobs or Defaults()
+    per_head = ["dv_extra_acc", "dk_extra_acc", "ds", "prob", "arg", "dp", "score", "xv_t", "xk_t"]
+    _per_head(sch, ["dk_extra", "dv_extra"], per_head, knobs)
+    for name in ("dv_extra_acc", "dk_extra_acc"):
+        _row_reduce_product(sch, name, spec, vector_lanes)
+    for name in ("score", "dp"):
+        blk = sch.get_sblock(name)
+        e, c = sch.get_loops(blk)[-2:]
+        sch.reorder(c, e)
+
+
+def schedule_global_bwd(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
+    knobs = knobs or Defaults()
+    per_head = ["dq_global_acc", "dk_global_acc", "dv_global_acc", "gds", "gprob", "garg", "gdp", "gscore", "dg_t", "qg_t"]
+    _per_head(sch, ["dq_global", "dk_global", "dv_global"], per_head, knobs)
+    for name in ("dq_global_acc", "dk_global_acc", "dv_global_acc"):
+        _row_reduce_product(sch, name, spec, vector_lanes)
+    for name in ("gscore", "gdp"):
+        blk = sch.get_sblock(name)
+        g, c = sch.get_loops(blk)[-2:]
+        sch.reorder(c, g)
+
+
+# --------------------------------------------------------------- after any schedule
+
+
+def _guard_key_loop(func, block: str, key_axis: int, span_of):
+    """Wrap the body of the outermost loop that walks band keys of ``block`` in a test
+    that the keys of that iteration meet the item's span (``span_of(iter_values)`` ->
+    (first, last)); iterations whose keys no row sees are skipped. The keys of one
+    iteration are ``iter_values[key_axis]`` over the loops inside it, a contiguous
+    range for the splits these schedules make (bounds from the analyzer)."""
+    from tvm import tirx
+    from tvm.s_tir.stmt import SBlockRealize
+    from tvm.sym import Analyzer, IntervalSet
+
+    found = {}
+
+    def find(stmt, loops):
+        if isinstance(stmt, tirx.SeqStmt):
+            for x in stmt.seq:
+                find(x, loops)
+        elif isinstance(stmt, tirx.For):
+            find(stmt.body, loops + [stmt])
+        elif isinstance(stmt, SBlockRealize):
+            if stmt.block.name_hint == block:
+                found["loops"], found["iv"] = loops, list(stmt.iter_values)
+            else:
+                find(stmt.block.body, loops)
+
+    find(func.body, [])
+    if not found:
+        raise ValueError(f"no block {block!r} in the scheduled kernel to guard")
+    key = found["iv"][key_axis]
+    used = tirx.analysis.undefined_vars(key)
+    key_loops = [lp for lp in found["loops"] if any(lp.loop_var.same_as(v) for v in used)]
+    if not key_loops:
+        raise ValueError(f"block {block!r}: no loop walks its key axis")
+    outer, inner = key_loops[0], key_loops[1:]
+    dom = {lp.loop_var: IntervalSet(lp.min, lp.min + lp.extent - 1) for lp in inner}
+    keys = Analyzer().int_set(key, dom)
+    first, last = span_of(found["iv"])
+    live = tirx.all(keys.max_value >= first, keys.min_value <= last)
+
+    def guard(loop, body):
+        return tirx.IfThenElse(live, body, None) if loop.same_as(outer) else body
+
+    return func.with_body(_rebuild(func.body, loop_body=guard))
+
+
+def skip_dead_keys(func, spec: KernelSpec):
+    """A scheduled local kernel (default or replayed record) that skips band keys no row
+    of the item sees: before position 0 or past the end, up to left/(left + block_q)
+    of a band at the start of a sequence. The score product and P·V test once per
+    iteration of their outer key loop. Exact: those scores are masked to -inf by a
+    select (an unwritten score is never used) and their probabilities are 0."""
+    from swa_tvm.compute.forward import i64, item_key_span
+
+    q = next(p for p in func.params if p.name == "q")
+    dil = next(p for p in func.params if p.name == "dilation")
+
+    def span_of(iv):  # iter values: b, h, beta, ...
+        return item_key_span(spec.left, spec.right, spec.block_q, q.shape[2], i64(dil[iv[1]]), iv[2])
+
+    func = _guard_key_loop(func, "score_update", 3, span_of)  # b, h, beta, kj, qi, c
+    return _guard_key_loop(func, "wacc_update", 5, span_of)  # b, h, beta, qi, cc, kr
+
+
+def _always_true(cond, loops: dict, analyzer) -> bool:
+    """``cond`` is ``x // d < n`` where x is below n * d: a loop over [0, n * d), or
+    ``y % (n * d)``. What fusing a loop of symbolic extent n (the batch, or the heads
+    when the batch is fused above them too) with inner loops of product d leaves."""
+    from tvm import tirx
+
+    if not (isinstance(cond, tirx.LT) and isinstance(cond.a, tirx.FloorDiv)):
+        return False
+    x, bound = cond.a.a, cond.b * cond.a.b
+    if isinstance(x, tirx.FloorMod):
+        return analyzer.can_prove_equal(x.b, bound)
+    loop = loops.get(x) if isinstance(x, tirx.Var) else None
+    return loop is not None and analyzer.can_prove_equal(loop.min, 0) and analyzer.can_prove_equal(loop.extent, bound)
+
+
+def drop_fused_bound_predicates(func):
+    """A scheduled kernel (default or replayed record) without the block predicates
+    ``fused // (H * blocks) < B`` (and ``fused % (H * rest) // rest < H``) that fusing
+    the symbolic batch and head loops into the item and row loops leaves on every block
+    computed there. The analyzer cannot prove them from the fused extent B * H * blocks,
+    so they stay, evaluated in the inner loops: the causal W=512 forward ran 1.56x
+    slower with them (19.5 against 12.5 ms at T=2048, H=8, AVX-512, 2026-12-05;
+    tools/experiments/symbolic_shape_gap.py). True by the loop's extent, so dropping them changes
+    no result. Conjuncts not of that form stay."""
+    from tvm import tirx
+    from tvm.sym import Analyzer
+
+    analyzer = Analyzer()
+
+    def conjuncts(e):
+        return conjuncts(e.a) + conjuncts(e.b) if isinstance(e, tirx.And) else [e]
+
+    def predicate(realize, loops):
+        kept = [c for c in conjuncts(realize.predicate) if not _always_true(c, loops, analyzer)]
+        return tirx.all(*kept) if kept else tirx.const(True, "bool")
+
+    return func.with_body(_rebuild(func.body, predicate=predicate))
+
+
+def _rebuild(stmt, loops=None, loop_body=None, predicate=None):
+    """A scheduled body rebuilt with ``loop_body(loop, new_body)`` as each loop's body
+    and ``predicate(realize, loops)`` as each block's predicate (``loops``: the
+    enclosing loops by loop var)."""
+    from tvm import tirx
+    from tvm.s_tir.stmt import SBlock, SBlockRealize
+
+    loops = loops or {}
+    if isinstance(stmt, tirx.SeqStmt):
+        return tirx.SeqStmt([_rebuild(x, loops, loop_body, predicate) for x in stmt.seq])
+    if isinstance(stmt, tirx.For):
+        body = _rebuild(stmt.body, {**loops, stmt.loop_var: stmt}, loop_body, predicate)
+        body = loop_body(stmt, body) if loop_body else body
+        return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body, stmt.thread_binding, stmt.annotations)
+    if isinstance(stmt, tirx.IfThenElse):
+        other = stmt.else_case and _rebuild(stmt.else_case, loops, loop_body, predicate)
+        return tirx.IfThenElse(stmt.condition, _rebuild(stmt.then_case, loops, loop_body, predicate), other)
+    if isinstance(stmt, SBlockRealize):
+        blk = stmt.block
+        blk = SBlock(blk.iter_vars, blk.reads, blk.writes, blk.name_hint, _rebuild(blk.body, loops, loop_body, predicate),
+                     blk.init, blk.alloc_buffers, blk.match_buffers, blk.annotations)
+        return SBlockRealize(stmt.iter_values, predicate(stmt, loops) if predicate else stmt.predicate, blk)
+    return stmt
+
+
+SCHEDULES = {
+    "local": schedule_local,
+    "global": schedule_global,
+    "local_dq": schedule_local_dq,
+    "local_dkv": schedule_local_dkv,
+    "local_dx": schedule_local_dx,
+    "global_bwd": schedule_global_bwd,
+}
+
+
+def schedule(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
+    """Apply the schedule for ``spec`` to ``sch`` (working on spec.name): the default
+    one, or with ``knobs=Sampled()`` one point of the MetaSchedule search space."""
+    SCHEDULES[spec.kind](sch, spec, vector_lanes, knobs)

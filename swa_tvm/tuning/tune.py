@@ -1,0 +1,432 @@
+"""MetaSchedule tuning: the search space, measuring, and the search that writes records
+into the tuning logs (swa_tvm.compiler.records reads them back).
+
+What is tuned. A record is measured on a *tuning workload*
+(``records.tuning_workload``): the kernel's PrimFunc at a concrete shape with the scale
+folded to a constant. The search space is the target's schedule (``schedules/cpu.py``,
+``schedules/cuda.py``) run with ``Sampled`` knobs; it samples only loops whose extent the
+spec fixes, so a record's trace replays unchanged on the symbolic-T kernel.
+
+CUDA. A CUDA kernel without a record is a fused kernel (``build.default_schedule``), not
+the TE this space schedules, so a CUDA record applies only where it measured faster than
+that fused kernel at the tuning shape, on the same GPU: ``baselines.json`` beside the
+records holds the fused kernels' measured times (written by ``swa_tvm.tuning.batch``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+
+from swa_tvm.compiler.records import (
+    _best_in,
+    default_point,
+    log_dir,
+    open_log,
+    preload_tensor_intrin,
+    read_baselines,
+    tuning_workload,
+    tvm_target_of,
+    workload_flops,
+)
+from swa_tvm.spec import KernelSpec
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def input_fills(args_info) -> list[dict]:
+    """How each tensor argument ``("TENSOR", dtype, shape)`` of a kernel is filled to
+    measure it, the one rule for MetaSchedule's runner here (``tuning_inputs``) and the
+    GPU batch runner (``measure_batch``, from ``tuning_batch``'s annotations): floats
+    random normal; the [H] int table (dilation) ones; the [B, E] int tables (extra and
+    global positions) distinct and sorted below T, the longest third dim of the 4-D
+    tensors (q_global's is G), so every index is in range and global rows see the
+    sequence."""
+    T = max(shape[2] for _, _, shape in args_info if len(shape) == 4)
+    fills = []
+    for _, dtype, shape in args_info:
+        if not dtype.startswith("int"):
+            fills.append({"fill": "normal"})
+        elif len(shape) == 2:
+            fills.append({"fill": "positions", "high": T})
+        else:
+            fills.append({"fill": "ones"})
+    return fills
+
+
+def tuning_inputs(args_info) -> list[np.ndarray]:
+    """A kernel's tuning inputs, filled by ``input_fills``."""
+    rng = np.random.default_rng(0)
+    out = []
+    for (_, dtype, shape), fill in zip(args_info, input_fills(args_info)):
+        if fill["fill"] == "positions":
+            rows = [np.sort(rng.permutation(fill["high"])[: shape[1]]) for _ in range(shape[0])]
+            out.append(np.stack(rows).astype(dtype))
+        elif fill["fill"] == "ones":
+            out.append(np.ones(shape, dtype=dtype))
+        else:
+            out.append(rng.standard_normal(shape).astype(dtype))
+    return out
+
+
+def alloc_args_local(device, args_info, alloc_repeat):
+    import tvm
+
+    return [[tvm.runtime.tensor(a, device=device) for a in tuning_inputs(args_info)] for _ in range(alloc_repeat)]
+
+
+def alloc_args_local_threads(threads, device, args_info, alloc_repeat):
+    """``alloc_args_local`` that first sizes the runner worker's TVM thread pool like the
+    op's (library.configure_cpu_threads). It runs in the worker process before the
+    worker's first kernel call creates the pool, so the setting stays in the worker: the
+    tuner's own process (and a caller of ``tune``) keeps its environment."""
+    from swa_tvm.runtime.library import default_tvm_threads
+
+    default_tvm_threads(threads)
+    return alloc_args_local(device, args_info, alloc_repeat)
+
+
+def alloc_args_rpc(session, device, args_info, alloc_repeat):
+    return alloc_args_local(device, args_info, alloc_repeat)
+
+
+def _evaluator():
+    from tvm.s_tir.meta_schedule.runner import EvaluatorConfig
+
+    # Each candidate runs tens of ms at the tuning shape: three timed runs are enough.
+    return EvaluatorConfig(number=1, repeat=3, min_repeat_ms=0, enable_cpu_cache_flush=False)
+
+
+def parse_rpc_tracker(rpc_tracker: str, rpc_key: str | None) -> tuple[str, int]:
+    """HOST:PORT of an RPC tracker, which needs a device key."""
+    host, _, port = rpc_tracker.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"rpc_tracker {rpc_tracker!r}: expected HOST:PORT")
+    if not rpc_key:
+        raise ValueError("rpc_key is required with rpc_tracker")
+    return host, int(port)
+
+
+def check_tune_arguments(trials: int, rpc_tracker: str | None, rpc_key: str | None) -> None:
+    """The checks of ``tune``'s own arguments, before anything costs time (importing the
+    tensor intrinsics, the logs, the search): a mistyped command fails at once."""
+    if trials < 1:
+        raise ValueError(f"trials must be >= 1, got {trials}")
+    if rpc_tracker:
+        parse_rpc_tracker(rpc_tracker, rpc_key)
+
+
+def make_runner(
+    rpc_tracker: str | None = None, rpc_key: str | None = None, timeout_s: float = 120.0, threads: int | None = None
+):
+    """MetaSchedule's runner: local (candidates measured on ``threads`` threads, default
+    the usable cores), or the devices of an RPC tracker (which use their own setting)."""
+    from tvm.s_tir.meta_schedule.runner import LocalRunner, RPCConfig, RPCRunner
+
+    if not rpc_tracker:
+        threads = threads or len(os.sched_getaffinity(0))
+        alloc = functools.partial(alloc_args_local_threads, threads)
+        return LocalRunner(timeout_sec=timeout_s, evaluator_config=_evaluator(), f_alloc_argument=alloc)
+    host, port = parse_rpc_tracker(rpc_tracker, rpc_key)
+    config = RPCConfig(tracker_host=host, tracker_port=port, tracker_key=rpc_key, session_timeout_sec=int(timeout_s))
+    servers = config.count_num_servers(allow_missing=False)
+    return RPCRunner(
+        rpc_config=config,
+        evaluator_config=_evaluator(),
+        f_alloc_argument=alloc_args_rpc,
+        max_workers=servers,
+    )
+
+
+# --------------------------------------------------------------------------- tuning
+
+
+@dataclass
+class TuneResult:
+    spec: KernelSpec
+    trials: int  # measured this run
+    records: int  # in the log for this kernel after the run
+    best_ms: float | None
+    best_gflops: float | None
+
+
+def _progress_callback(specs, bar):
+    from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
+    from tvm.ir.utils import derived_object
+
+    @derived_object
+    class Progress(PyMeasureCallback):
+        def __init__(self):
+            super().__init__()
+            self.done = 0
+            self.best = {}
+            self.start = time.time()
+
+        def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results):
+            spec = specs[task_id]
+            for res in runner_results:
+                self.done += 1
+                if res.run_secs:
+                    secs = float(np.mean([float(s) for s in res.run_secs]))
+                    if secs > 0:
+                        g = workload_flops(spec) / secs / 1e9
+                        self.best[spec.name] = max(self.best.get(spec.name, 0.0), g)
+            if bar is not None:
+                bar.update(len(runner_results))
+                bar.set_postfix_str(f"{spec.name}: best {self.best.get(spec.name, 0.0):.1f} GFLOP/s")
+
+    return Progress()
+
+
+def _measure_default_points(specs, db, builder, runner, tvm_target, lanes) -> None:
+    """Measure each kernel's default point, unless its log already holds it, and commit
+    it as an ordinary record. The evolutionary search seeds its population from the
+    best records, so it starts at the default instead of random points only (32 random
+    trials of the backward kernels' spaces all lost to the default)."""
+    from tvm.s_tir import meta_schedule as ms
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+
+    todo = []
+    for spec in specs:
+        sch = default_point(spec, lanes)
+        mod = tuning_workload(spec)
+        if any(str(r.trace) == str(sch.trace) for r in db.records_for(mod)):
+            continue
+        todo.append((spec, sch, mod))
+    if not todo:
+        return
+    built = builder.build([ms.builder.BuilderInput(sch.mod, tvm_target) for _, sch, _ in todo])
+    inputs, kept = [], []
+    for (spec, sch, mod), b in zip(todo, built):
+        if b.error_msg:
+            raise RuntimeError(f"the default schedule of {spec.name} failed to build: {b.error_msg[:500]}")
+        args = ArgInfo.from_prim_func(sch.mod["main"])
+        device = "cpu" if tvm_target.kind.name == "llvm" else tvm_target.kind.name
+        inputs.append(ms.runner.RunnerInput(b.artifact_path, device, args))
+        kept.append((spec, sch, mod, args))
+    for (spec, sch, mod, args), fut in zip(kept, runner.run(inputs)):
+        res = fut.result()
+        if res.error_msg:
+            raise RuntimeError(f"the default schedule of {spec.name} failed to run: {res.error_msg[:500]}")
+        db.commit_tuning_record(
+            ms.database.TuningRecord(sch.trace, db.commit_workload(mod), res.run_secs, tvm_target, args)
+        )
+
+
+def space_generator(spec: KernelSpec, tvm_target):
+    """MetaSchedule's design space for ``spec``: the target's schedule with Sampled knobs.
+    CUDA candidates that exceed the GPU's limits (threads, shared memory) are dropped
+    before building."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from swa_tvm.schedules import cpu as cpu_schedules
+    from swa_tvm.schedules import cuda as cuda_schedules
+
+    if tvm_target.kind.name == "cuda":
+
+        def fn(sch):
+            # Two design spaces where tensor cores apply: the score product on tensor
+            # cores, and everything on CUDA cores.
+            spaces = []
+            if cuda_schedules.tensor_cores_apply(spec):
+                tc = sch.copy()
+                cuda_schedules.schedule(tc, spec, cpu_schedules.Sampled(), tensor_cores=True)
+                spaces.append(tc)
+            cuda_schedules.schedule(sch, spec, cpu_schedules.Sampled())
+            return spaces + [sch]
+
+        postprocs = [ms.postproc.VerifyGPUCode()]
+    else:
+        from swa_tvm.compiler.targets import _vector_lanes
+
+        lanes = _vector_lanes(tvm_target)
+
+        def fn(sch):
+            cpu_schedules.schedule(sch, spec, lanes, cpu_schedules.Sampled())
+            return sch
+
+        postprocs = []
+    return ms.space_generator.ScheduleFn(fn, sch_rules=[], postprocs=postprocs, mutator_probs="from-target")
+
+
+def export_shared_library(mod, target: dict | None = None) -> str:
+    """MetaSchedule builder export: a shared library (which the TVM runtime alone loads,
+    unlike the default tar, which needs a compiler to link on the measuring machine),
+    for CUDA with the device code compiled in (``cuda_pack.export_module``)."""
+    import tempfile
+
+    from swa_tvm.compiler.cuda_pack import export_module
+
+    path = os.path.join(tempfile.mkdtemp(prefix="swa_tvm_candidate_"), "candidate.so")
+    export_module(mod, path, target or {"kind": "llvm"})
+    return path
+
+
+def make_builder(target: dict, cores: int, shared_library: bool = False):
+    """A MetaSchedule builder for ``target`` whose workers persist across batches
+    (``tuning_builder.PooledBuilder``; ``close()`` it when done). ``shared_library``:
+    export .so files (for measuring with the runtime alone) instead of MetaSchedule's
+    tar; CUDA candidates always are."""
+    from swa_tvm.tuning.builder import PooledBuilder
+
+    export = shared_library or target.get("kind") == "cuda"
+    return PooledBuilder(
+        max_workers=cores,
+        timeout_sec=300,
+        f_export=functools.partial(export_shared_library, target=dict(target)) if export else None,
+    )
+
+
+def check_cuda_specs(specs) -> None:
+    """CUDA tuning covers the forward kernels only: the gradient kernels are fused TIR
+    kernels (schedules/cuda_flash_bwd.py) with no search space, and the batch runner
+    compares forward outputs."""
+    from swa_tvm.spec import BACKWARD_KINDS
+
+    if any(s.kind in BACKWARD_KINDS for s in specs):
+        raise ValueError("CUDA tuning covers the forward kernels only (the gradient kernels are fused, "
+                         "with no search space); tune with --kernels forward")
+
+
+def check_cuda_tuning(specs, rpc_tracker: str | None) -> None:
+    """CUDA tuning measures on a GPU: this machine's, or an RPC tracker's."""
+    check_cuda_specs(specs)
+    if rpc_tracker is None:
+        from swa_tvm.compiler.targets import local_cuda_arch
+
+        if local_cuda_arch() is None:
+            raise RuntimeError(
+                "tuning for CUDA measures candidates on a GPU and this machine has none: use "
+                "--rpc-tracker, or build a batch here and measure it on a GPU machine "
+                "(swa-tvm tune --batch-out DIR; see python -m swa_tvm.tuning.measure)"
+            )
+
+
+def tune(
+    specs: Iterable[KernelSpec],
+    target: dict,
+    trials: int,
+    logs_root: str,
+    work_dir: str,
+    *,
+    rpc_tracker: str | None = None,
+    rpc_key: str | None = None,
+    num_trials_per_iter: int = 32,
+    seed: int | None = None,
+    progress: bool = True,
+) -> list[TuneResult]:
+    """Tune every kernel of ``specs`` for ``trials`` more measured candidates each,
+    appending records to ``<logs_root>/<target-key>/``. The default schedule's point is
+    measured first (once per log); existing records seed the search, so a second run
+    continues where the first stopped."""
+    import logging
+
+    from tvm.s_tir import meta_schedule as ms
+    from tvm.s_tir.meta_schedule.logging import get_loggers_from_work_dir
+
+    from swa_tvm.compiler.targets import _vector_lanes
+
+    check_tune_arguments(trials, rpc_tracker, rpc_key)
+    specs = list(dict.fromkeys(specs))
+    kind = target.get("kind")
+    if kind not in ("llvm", "cuda"):
+        raise NotImplementedError(f"tuning for target kind {kind!r} is not supported")
+    if kind == "cuda":
+        check_cuda_tuning(specs, rpc_tracker)
+    cores = int(target.get("num-cores", len(os.sched_getaffinity(0)) or 1))
+    # The builder's workers start now, beside this process's tensor_intrin import.
+    builder = make_builder(target, cores)
+    try:
+        preload_tensor_intrin()
+        tvm_target = tvm_target_of(target)
+        folder = log_dir(logs_root, target)
+        db = open_log(folder)
+        os.makedirs(work_dir, exist_ok=True)
+
+        names = [s.name for s in specs]
+        loggers = get_loggers_from_work_dir(work_dir, names)
+        # MetaSchedule's console handler would print its tables through the progress bar;
+        # its full log still goes to <work_dir>/logs/.
+        ms_logger = logging.getLogger("tvm.s_tir.meta_schedule")
+        for h in list(ms_logger.handlers):
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+                ms_logger.removeHandler(h)
+
+        before = {s.name: len(db.records_for(tuning_workload(s, target_kind=kind))) for s in specs}
+        # Candidates are measured on as many threads as the target's cores, as the op runs
+        # them (library.configure_cpu_threads): TVM's own default is half the logical CPUs.
+        runner = make_runner(rpc_tracker, rpc_key, threads=cores)
+        if kind == "llvm":
+            _measure_default_points(specs, db, builder, runner, tvm_target, _vector_lanes(tvm_target))
+        else:
+            from swa_tvm.tuning.batch import measure_baselines
+
+            measure_baselines(specs, target, folder, builder, runner)
+
+        per_iter = max(1, min(num_trials_per_iter, trials))
+        strategy = ms.search_strategy.EvolutionarySearch(
+            population_size=max(64, 2 * per_iter), init_min_unmeasured=per_iter, genetic_num_iters=2
+        )
+        tasks = [
+            ms.TuneContext(
+                mod=tuning_workload(spec, target_kind=kind),
+                target=tvm_target,
+                space_generator=space_generator(spec, tvm_target),
+                search_strategy=strategy,
+                task_name=spec.name,
+                rand_state=-1 if seed is None else seed + i,
+                num_threads=cores,
+                logger=logger,
+            ).clone()
+            for i, (spec, logger) in enumerate(zip(specs, loggers))
+        ]
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=trials * len(specs), unit="trial", desc="tune", dynamic_ncols=True)
+        callbacks = ms.measure_callback.MeasureCallback.create("default") + [_progress_callback(specs, bar)]
+        try:
+            ms.tune.tune_tasks(
+                tasks=tasks,
+                task_weights=[1.0] * len(tasks),
+                work_dir=work_dir,
+                max_trials_global=trials * len(tasks),
+                max_trials_per_task=trials,
+                num_trials_per_iter=per_iter,
+                builder=builder,
+                runner=runner,
+                database=db,
+                cost_model=ms.cost_model.XGBModel(num_tuning_cores=cores),
+                measure_callbacks=callbacks,
+                task_scheduler="round-robin",
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+    finally:
+        builder.close()
+    results = []
+    baselines = read_baselines(folder)
+    for spec in specs:
+        best = _best_in(db, spec, target, baselines)  # the log in memory holds this run's records
+        records = len(db.records_for(tuning_workload(spec, target_kind=kind)))
+        results.append(
+            TuneResult(
+                spec,
+                records - before[spec.name],
+                records,
+                best.run_ms if best else None,
+                best.gflops if best else None,
+            )
+        )
+    return results
+
+
+__all__ = ["tune", "TuneResult", "make_builder", "make_runner", "space_generator"]

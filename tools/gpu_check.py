@@ -1,0 +1,720 @@
+"""The GPU check: run on a machine with an NVIDIA GPU and no TVM compiler.
+
+It loads the CUDA libraries built elsewhere (:mod:`tools.gpu_bundle`) through the TVM
+runtime only, then, in one process:
+
+1. correctness: every pattern (window causal and symmetric, uniform and per-head
+   dilation, globals with and without their own projections, sinks, learned sink
+   logits, GQA) in float16, bfloat16 and float32 against the float64 dense reference on
+   fresh random inputs, out, lse and the gradients of every float input (through
+   ``torch.autograd``: the backward kernels), with tolerances by dtype; a call on a side
+   stream and under ``torch.compile(fullgraph=True)``;
+2. timing (median of CUDA-event timed runs after warm-up) of ours against FlexAttention
+   (sliding-window block mask, compiled), SDPA with a banded boolean mask and SDPA causal
+   with no window, at bf16 B=1 H=32 H_kv=8 D=128 T=32768 causal W=4096, plain, dilation 2
+   and +64 global tokens; the bf16 matmul rate measured in the same run as the ceiling;
+3. scaling: our forward time at T = 8K ... 128K (as far as memory allows); training
+   (forward + backward) against FlexAttention and SDPA at the timing shape (causal);
+4. variants: the fused forward, dq and dk/dv kernels' tile configurations (tensor cores
+   and CUDA cores) timed against each other at the timing shape (``lib/variants``),
+   each checked against the default kernels; those never run on a GPU before (wgmma,
+   and the wgmma probes: one instruction against a matrix product) each in a child
+   process; ``swa-tvm import-tiles`` turns the rows into tile records (swa_tvm.compiler.tiles);
+5. tuning: the batch of MetaSchedule candidates built there (``tune_batch``), measured
+   by :mod:`swa_tvm.tuning.measure` into ``<out>/measured.json`` (import it there with
+   ``swa-tvm import-measurements``).
+
+Everything else goes to ``<out>/gpu_results.json``. Usage (tools/gpu_check.sh sets the
+environment): ``python3 -m tools.gpu_check --libs build/gpu/lib --out $OUT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+from swa_tvm.compiler.tiles import GRAD_TOLERANCE, TOLERANCE, best_variants
+from swa_tvm.tuning.measure import rel_err, time_calls
+
+
+
+# time.monotonic() past which nothing more is timed (main's --budget-s): the device
+# tool stops a run at its limit, and what a stage cut short had measured is kept.
+_deadline = float("inf")
+
+
+def _out_of_time() -> bool:
+    return time.monotonic() > _deadline
+
+
+OUT_OF_TIME = "skipped: the run's time budget was spent"
+VARIANT_SHAPE = (1, 32, 8, 32768)  # B, H, H_kv, T of the variants' timing
+
+# The float inputs of a call that have gradients (besides q, k, v).
+GRAD_INPUTS = ("q_global", "k_global", "v_global", "sink_logits")
+
+
+def sink_grad_err(got, want, sink, out, lse, d_out, d_lse) -> float:
+    """The sink logits' gradient error relative to the size of its terms (float64
+    reference ``out``, ``lse``): dsink_h = -sum_i p_sink,i (d_out_i . out_i - d_lse_i)
+    sums terms of both signs, each carrying out's rounding to the input dtype, so its
+    error is bounded by the terms' size, not by the possibly cancelling sum's (against
+    which a bf16 case failed about one run in 60)."""
+    p_sink = torch.exp(sink.detach().double().view(1, -1, 1) - lse.detach().double())
+    terms = (p_sink * ((d_out.double().abs() * out.detach().double().abs()).sum(-1) + d_lse.double().abs())).sum((0, 2))
+    return ((got.detach().double().cpu() - want.detach().double().cpu()).abs() / terms.cpu()).max().item()
+
+
+def check_patterns(results: dict, dev: torch.device) -> bool:
+    """Every pattern x dtype against the float64 reference, forward and gradients; True
+    when all pass."""
+    import swa_tvm
+    from swa_tvm.reference import sliding_window_attention_ref
+
+    B, H, Hkv, T, D = 2, 4, 2, 300, 64
+    cases = [
+        ("causal window", dict(window_size=(31, 0))),
+        ("causal window, dilation 2", dict(window_size=(31, 0), dilation=2)),
+        ("per-head dilation, globals, sinks", dict(window_size=(31, 0), dilation="per_head", globals=5, num_sinks=4)),
+        ("globals with own projections, sink logits", dict(window_size=(31, 0), globals=6, projections=True, sink_logits=True)),
+        ("symmetric window, dilation 2, globals", dict(window_size=(16, 16), dilation=2, globals=3)),
+        ("symmetric, per-head dilation, own projections", dict(window_size=(16, 16), dilation="per_head", globals=4, projections=True)),
+    ]
+    ok_all = True
+    rows = []
+    dtypes = (torch.float16, torch.bfloat16, torch.float32) if dev.type == "cuda" else (torch.float32,)
+    for dtype in dtypes:
+        tol_out, tol_lse = TOLERANCE[dtype]
+        for name, case in cases:
+            case = dict(case)
+            g = torch.Generator(device="cpu").manual_seed(hash((name, str(dtype))) % 2**31)
+            mk = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+            q, k, v = mk(B, H, T, D), mk(B, Hkv, T, D), mk(B, Hkv, T, D)
+            kw = {"window_size": case.pop("window_size")}
+            dil = case.pop("dilation", 1)
+            kw["dilation"] = torch.tensor([1, 2, 1, 2], dtype=torch.int32) if dil == "per_head" else dil
+            G = case.pop("globals", 0)
+            if G:
+                kw["global_idx"] = torch.stack([torch.randperm(T, generator=g)[:G] for _ in range(B)]).int()
+                if case.pop("projections", False):
+                    kw["q_global"], kw["k_global"], kw["v_global"] = mk(B, H, G, D), mk(B, Hkv, T, D), mk(B, Hkv, T, D)
+            kw["num_sinks"] = case.pop("num_sinks", 0)
+            if case.pop("sink_logits", False):
+                kw["sink_logits"] = torch.randn(H, generator=g)
+            entry = {"case": name, "dtype": str(dtype).replace("torch.", "")}
+            try:
+                # Gradients of <out, d_out> + <lse, d_lse> with respect to every float
+                # input, ours on the device against autograd through the reference.
+                inputs = {"q": q, "k": k, "v": v, **{n: kw.pop(n) for n in GRAD_INPUTS if n in kw}}
+                ours_in = {n: x.detach().to(dev).requires_grad_() for n, x in inputs.items()}  # own leaves, also
+                ref_in = {n: x.detach().double().requires_grad_() for n, x in inputs.items()}  # where .to is a no-op
+                to_dev = {n: (x.to(dev) if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
+                out, lse = swa_tvm.sliding_window_attention(**ours_in, **to_dev, return_lse=True)
+                ref_out, ref_lse = sliding_window_attention_ref(**ref_in, **kw)
+                entry["out_rel_err"] = rel_err(out.detach().cpu(), ref_out.detach())
+                entry["lse_max_abs_err"] = (lse.detach().cpu().double() - ref_lse.detach()).abs().max().item()
+                d_out = torch.randn(ref_out.shape, generator=g).to(dtype)
+                d_lse = torch.randn(ref_lse.shape, generator=g)
+                got = torch.autograd.grad((out * d_out.to(dev)).float().sum() + (lse * d_lse.to(dev)).sum(),
+                                          list(ours_in.values()))
+                want = torch.autograd.grad((ref_out * d_out.double()).sum() + (ref_lse * d_lse.double()).sum(),
+                                           list(ref_in.values()))
+                # (The sink logits' entry is relative to its terms: sink_grad_err.)
+                entry["grad_rel_err"] = {
+                    n: sink_grad_err(a, b, inputs[n], ref_out, ref_lse, d_out, d_lse) if n == "sink_logits"
+                    else rel_err(a.cpu(), b) for n, a, b in zip(inputs, got, want)
+                }
+                entry["ok"] = bool(entry["out_rel_err"] < tol_out and entry["lse_max_abs_err"] < tol_lse
+                                   and max(entry["grad_rel_err"].values()) < GRAD_TOLERANCE[dtype])
+            except Exception as e:  # noqa: BLE001 - record and go on to the next case
+                entry.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-2000:])
+            ok_all &= entry["ok"]
+            rows.append(entry)
+            print(f"  {entry['dtype']:9s} {name:48s} {'ok' if entry['ok'] else 'FAIL'} "
+                  f"{entry.get('out_rel_err', float('nan')):.1e} {entry.get('lse_max_abs_err', float('nan')):.1e} "
+                  f"grads {max(entry.get('grad_rel_err', {'': float('nan')}).values()):.1e}", flush=True)
+    results["correctness"] = rows
+
+    # Stream and compile: the same call on a side stream, and under torch.compile.
+    q = torch.randn(1, 4, 256, 64, device=dev, dtype=dtypes[0])
+    base = swa_tvm.sliding_window_attention(q, q, q, window_size=(31, 0))
+    extra = {}
+    if dev.type == "cuda":
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            side = swa_tvm.sliding_window_attention(q, q, q, window_size=(31, 0))
+        torch.cuda.current_stream().wait_stream(s)
+        extra["side_stream_equal"] = bool(torch.equal(side, base))
+    compiled = torch.compile(lambda a: swa_tvm.sliding_window_attention(a, a, a, window_size=(31, 0)), fullgraph=True)
+    try:
+        extra["compile_fullgraph_equal"] = bool(torch.equal(compiled(q), base))
+    except Exception as e:  # noqa: BLE001
+        extra["compile_fullgraph_equal"] = False
+        extra["compile_error"] = f"{type(e).__name__}: {e}"
+    results["stream_and_compile"] = extra
+    print(f"  stream and compile: {extra}")
+    return ok_all and all(v for k, v in extra.items() if k.endswith("_equal"))
+
+
+def _time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
+    """Median milliseconds of single calls: CUDA events on the GPU, ``perf_counter`` in
+    the CPU smoke run of this script."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return statistics.median(time_calls(fn, device, 1, reps, warmup)) * 1e3
+
+
+def matmul_rate(dev: torch.device, dtype) -> float:
+    """TFLOP/s of an 8192^3 torch.matmul on random data (bf16 on the GPU): the ceiling."""
+    n = 8192 if dev.type == "cuda" else 1024
+    a, b = (torch.randn(n, n, device=dev, dtype=dtype) for _ in range(2))
+    return 2 * n**3 / (_time_ms(lambda: a @ b) * 1e-3) / 1e12
+
+
+def l2_read_rate(dev: torch.device, mib: int = 16) -> float:
+    """TB/s of torch's sum over a ``mib`` MiB bf16 tensor read again and again, so that
+    it stays in L2 (H100/H200: 50 MiB): what L2 feeds the SMs at least (a reduction
+    need not reach L2's peak), beside which ``staged_bytes`` per second says how near
+    a variant runs to it."""
+    x = torch.randn(mib << 19, device=dev, dtype=torch.bfloat16)
+    return x.numel() * 2 / (_time_ms(lambda: x.sum(dtype=torch.float32), warmup=5, reps=20) * 1e-3) / 1e12
+
+
+def staged_bytes(entry: dict, spec: dict, shape) -> int | None:
+    """Bytes a tensor-core variant (``entry``: kind, warps, chunk, m_tiles) copies into
+    shared memory chunk by chunk at ``shape`` = B, H, H_kv, T under ``spec``'s window
+    with dilation 1: per block of 16 * warps * m_tiles rows, every chunk of the band
+    (aligned to its index 0, as ``cuda_flash.band_positions``) that holds a partner of
+    the rows' union (``compute.item_key_span``), a chunk being K's and V's rows for the
+    forward and dq (rows: queries), Q's and dO's with their lse and delta for dk/dv
+    (rows: keys, partners the queries that see them: the transposed band). Every block
+    loads its own, from L2 in the main: blocks of one head's consecutive rows share
+    most of their partners but seldom an SM at once. None for a CUDA-core kernel."""
+    kind = entry.get("kind", "local")
+    if kind not in ("local", "local_dq", "local_dkv") or "warps" not in entry:
+        return None
+    (B, H, _, T), D = shape, spec["head_dim"]
+    lo, hi = (spec["right"], spec["left"]) if kind == "local_dkv" else (spec["left"], spec["right"])
+    rows, chunk = 16 * entry["warps"] * entry.get("m_tiles", 1), entry["chunk"]
+    chunks = 0
+    for m0 in range(0, T, rows):
+        first = max(0, lo - m0) if lo >= 0 else 0
+        last = T - m0 + lo - 1 if lo >= 0 else T - 1
+        if hi >= 0:
+            last = min(last, rows - 1 + lo + hi if lo >= 0 else m0 + rows - 1 + hi)
+        chunks += last // chunk - first // chunk + 1 if last >= first else 0
+    column = 2 * D * getattr(torch, spec["dtype"]).itemsize + (2 * 4 if kind == "local_dkv" else 0)
+    return B * H * chunks * chunk * column
+
+
+def time_variants(results: dict, dev: torch.device, libs: str) -> None:
+    """Time the fused kernels' tile configurations (``lib/variants``, built by
+    gpu_bundle.build_variants: the forward, dq and dk/dv kernels, each on tensor cores
+    under several tiles and on CUDA cores) against each other at the issue's shape,
+    each checked first against the registered library's default (the forward's output;
+    autograd's dq, dk, dv): which configuration the default should be is a GPU
+    measurement."""
+    if not os.path.exists(os.path.join(libs, "variants", "variants.json")):
+        results["variants"] = "none built"
+        return
+    if dev.type != "cuda":
+        results["variants"] = "skipped: CUDA functions need a GPU"
+        return
+    meta, module = load_variants(libs)
+    # What ``swa-tvm import-tiles`` needs to turn the rows into tile records (swa_tvm.compiler.tiles).
+    commit = os.path.join(libs, os.pardir, "COMMIT")
+    results["variants_meta"] = {
+        "spec": meta["spec"], "arch": meta["arch"], "shape": list(VARIANT_SHAPE),
+        "bundle": open(commit).read().strip() if os.path.exists(commit) else None,
+    }
+    # Variants never run on a GPU before (wgmma) run last, each in a process of its own:
+    # an illegal instruction or address poisons the process's CUDA context, which would
+    # take every later row (and the other reading of wgmma's layout) with it.
+    risky = sorted((e for e in meta["variants"] if e.get("wgmma")), key=lambda e: e["kind"] != "wgmma_probe")
+    rows = variant_rows(module, dict(meta, variants=[e for e in meta["variants"] if not e.get("wgmma")]), dev)
+    results["variants"] = rows + [isolated_variant_row(entry, libs, dev.type) for entry in risky]
+    results["variant_best"] = best_variants(results["variants"], getattr(torch, meta["spec"]["dtype"]))
+    against_the_bars(results)
+
+
+def against_the_bars(results: dict) -> None:
+    """Each forward variant's time against the bench stage's FlexAttention at the same
+    shape (the causal row: the variants' shape and window) and its TFLOP/s against the
+    measured matmul rate: the issue's first two bars, per tile configuration, which
+    the default's numbers alone would not show for a variant that should become it."""
+    causal = next((t for t in results.get("timing") or [] if isinstance(t, dict) and t.get("config") == "causal"), None)
+    flex_ms, rate = (causal or {}).get("flex_attention_ms"), results.get("matmul_tflops")
+    for row in results.get("variants") or []:
+        if row.get("kind") == "local" and "ms" in row:
+            if flex_ms:
+                row["speedup_vs_flex_attention"] = flex_ms / row["ms"]
+            if rate:
+                row["fraction_of_matmul"] = row["tflops"] / rate
+    best = (results.get("variant_best") or {}).get("local")
+    if best and flex_ms:
+        best["speedup_vs_flex_attention"] = flex_ms / best["ms"]
+
+
+VARIANT_ROW = "VARIANT_ROW "
+
+
+def isolated_variant_row(entry: dict, libs: str, device: str = "cuda", shape=VARIANT_SHAPE) -> dict:
+    """``variant_rows``' row of one variant, from a child process (``main --variant``),
+    the libraries registered there again for the reference; the child's failure
+    (crash, CUDA error, time) is the row's error."""
+    if _out_of_time():
+        return dict(entry, error=OUT_OF_TIME)
+    left = max(30.0, _deadline - time.monotonic()) if _deadline != float("inf") else 600.0
+    cmd = [sys.executable, "-m", "tools.gpu_check", "--libs", libs, "--variant", entry["function"],
+           "--device", device, "--variant-shape", ",".join(map(str, shape)), "--budget-s", str(left)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
+    except subprocess.TimeoutExpired:
+        return dict(entry, error=f"child process: no result within {left:.0f} s")
+    for line in proc.stdout.splitlines():
+        if line.startswith(VARIANT_ROW):
+            row = json.loads(line[len(VARIANT_ROW):])
+            print(f"  variant {json.dumps(row)}", flush=True)
+            return row
+    tail = (proc.stdout + proc.stderr)[-600:]
+    print(f"  variant {entry['function']}: child rc {proc.returncode}\n{tail}", flush=True)
+    return dict(entry, error=f"child process rc {proc.returncode}: {tail}")
+
+
+def load_variants(libs: str):
+    """(variants.json's contents, the variants' module) of ``<libs>/variants``, loaded
+    through the TVM runtime alone (its CUDA part included)."""
+    import tvm_ffi
+
+    from swa_tvm.runtime import library
+
+    folder = os.path.join(libs, "variants")
+    with open(os.path.join(folder, "variants.json")) as f:
+        meta = json.load(f)
+    library._load_tvm_runtime()
+    library.cuda_unavailable_reason()  # also loads libtvm_runtime_cuda, which CUDA modules need
+    return meta, tvm_ffi.load_module(os.path.join(folder, meta["library"]))
+
+
+def probe_row(module, entry: dict, dev: torch.device) -> dict:
+    """One wgmma alone (gpu_bundle.WGMMA_PROBES, ``cuda_wgmma.probe``) against torch's
+    product of the same bf16 operands in fp32: ``agrees`` says whether the hardware
+    reads the tile as the descriptor is meant to."""
+    row = dict(entry)
+    try:
+        rows, cols, ks = entry["rows"], entry["cols"], entry["ks"]
+        a = torch.randn(64, 16, device=dev).to(torch.bfloat16)
+        m = torch.randn(rows, cols, device=dev).to(torch.bfloat16)
+        b = m[:, 16 * ks:16 * ks + 16].T if entry["operand"] == "nk" else m[16 * ks:16 * ks + 16, :]
+        d = torch.full((64, b.shape[1]), float("nan"), device=dev)
+        module[entry["function"]](a, m, d)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        row["rel_err"] = rel_err(d.double(), a.double() @ b.double())
+        row["agrees"] = row["rel_err"] < 1e-5
+    except Exception as e:  # noqa: BLE001 - the row says what happened
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    print(f"  probe {json.dumps(row)}", flush=True)
+    return row
+
+
+
+
+def variant_rows(module, meta: dict, dev: torch.device, shape=VARIANT_SHAPE) -> list[dict]:
+    """One row per entry of ``meta["variants"]`` (function ``module[entry["function"]]``
+    computing the kernel kind ``entry["kind"]`` of ``meta["spec"]``'s window): its
+    largest relative error against the registered library (forward output, or
+    autograd's dq, or dk and dv summed over the GQA groups), median ms and useful
+    TFLOP/s at ``shape`` = B, H, H_kv, T."""
+    import tvm_ffi
+
+    import swa_tvm
+    from swa_tvm.spec import KernelSpec
+
+    spec = KernelSpec.from_dict(meta["spec"])
+    (B, H, Hkv, T), D, W = shape, spec.head_dim, spec.left + 1
+    dtype = getattr(torch, spec.dtype)
+    q = torch.randn(B, H, T, D, device=dev, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, T, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
+    dout = torch.randn(B, H, T, D, device=dev, dtype=dtype)
+    dil = torch.ones(H, dtype=torch.int32, device=dev)
+    sink = torch.full((H,), float("-inf"), device=dev)
+    out, lse = swa_tvm.sliding_window_attention(q, k, v, window_size=(spec.left, spec.right), return_lse=True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    ref = {"local": (out.detach(),), "local_dq": (dq,), "local_dkv": (dk, dv)}
+    q, k, v, lse = q.detach(), k.detach(), v.detach(), lse.detach().float()
+    delta = (dout.float() * out.detach().float()).sum(-1)  # dout . out (no lse gradient)
+    # Useful FLOPs: 2 per multiply-add of each product over the band (causal: row i sees
+    # min(i + 1, W) keys): forward S and P V; dq S, dP, dS K; dk/dv S, dP, P^T dO, dS^T Q.
+    band = B * H * D * (W * T - W * (W - 1) // 2)
+    products = {"local": 2, "local_dq": 3, "local_dkv": 4}
+    per_head = lambda x: x.view(B, Hkv, H // Hkv, T, D).sum(2)  # noqa: E731 - dk/dv per query head -> GQA sum
+    # Looked up once, outside the timed calls (as before the gradient variants).
+    stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else None
+    rows = []
+    for entry in meta["variants"]:
+        row = dict(entry)
+        kind = entry.get("kind", "local")
+        if _out_of_time():
+            rows.append(dict(row, error=OUT_OF_TIME))
+            continue
+        try:
+            fn = module[entry["function"]]
+            if kind == "local":
+                outs = (torch.empty_like(q), torch.empty(B, H, T, device=dev))
+                args = (q, k, v, dil, sink, D**-0.5) + outs
+            else:
+                n = 1 if kind == "local_dq" else 2
+                outs = (torch.empty_like(q),) if n == 1 else tuple(torch.empty(B, H, T, D, device=dev) for _ in range(2))
+                args = (q, k, v, dil, dout, lse, delta, D**-0.5) + outs
+
+            def call(fn=fn, args=args):
+                if stream is None:
+                    fn(*args)
+                    return
+                with tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", dev.index or 0), stream):
+                    fn(*args)
+
+            call()
+            got = tuple(per_head(x) for x in outs) if kind == "local_dkv" else outs[:1]
+            row["rel_err_vs_default"] = max(rel_err(a.float(), b.float()) for a, b in zip(got, ref[kind]))
+            row["ms"] = _time_ms(call)
+            row["tflops"] = 2.0 * products[kind] * band / (row["ms"] * 1e-3) / 1e12
+            staged = staged_bytes(entry, meta["spec"], shape)
+            if staged:
+                row["staged_gb"], row["staged_tb_s"] = staged / 1e9, staged / (row["ms"] * 1e-3) / 1e12
+        except Exception as e:  # noqa: BLE001 - one failing variant must not hide the others
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(row)
+        print(f"  variant {json.dumps(row)}", flush=True)
+        _empty_cache()
+    return rows
+
+
+def measure_tune_batch(results: dict, dev: torch.device, batch: str, out: str) -> None:
+    """Measure the tuning batch (if one was built) into ``<out>/measured.json``."""
+    from swa_tvm.tuning import measure as measure_batch
+
+    if not os.path.exists(os.path.join(batch, "batch.json")):
+        results["tuning"] = "no batch built"
+        return
+    with open(os.path.join(batch, "batch.json")) as f:
+        built_for = json.load(f)["device"]
+    if built_for != dev.type:
+        results["tuning"] = f"skipped: the batch is for {built_for}, this run is on {dev.type}"
+        return
+    measured = measure_batch.measure(batch, dev.type, deadline=_deadline)
+    with open(os.path.join(out, measure_batch.MEASURED_FILE), "w") as f:
+        json.dump(measured, f, indent=1)
+    rows = measured["results"]
+    base = [r for r in rows if r["id"].endswith("-base")]
+    cands = [r for r in rows if not r["id"].endswith("-base")]
+    times = sorted(statistics.median(r["run_secs"]) * 1e3 for r in cands if "run_secs" in r)
+    results["tuning"] = {
+        "candidates": len(cands),
+        "measured": len(times),
+        "best_candidate_ms": times[0] if times else None,
+        "baseline_ms": [statistics.median(r["run_secs"]) * 1e3 for r in base if "run_secs" in r],
+        "errors": sorted({r["error"][:120] for r in rows if "error" in r}),
+    }
+    print(f"  tuning batch: {results['tuning']}", flush=True)
+
+
+def _empty_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _visible_mask(T, W, dilation, gidx, device):
+    """[T, T] bool: what a row sees (window of W dilated causal steps, plus globals)."""
+    i = torch.arange(T, device=device)[:, None]
+    j = torch.arange(T, device=device)[None, :]
+    off = i - j
+    m = (off >= 0) & (off % dilation == 0) & (off // dilation < W)
+    if gidx is not None:
+        g = torch.zeros(T, dtype=torch.bool, device=device)
+        g[gidx.long()] = True
+        m |= (g[None, :] | g[:, None]) & (off >= 0)
+    return m
+
+
+def bench(results: dict, dev: torch.device, quick: bool) -> None:
+    import swa_tvm
+
+    B, H, Hkv, D, T, W = 1, 32, 8, 128, 32768, 4096
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if quick:
+        T, W = 8192, 1024
+    if dev.type != "cuda":  # the CPU smoke run: the harness, not the numbers
+        H, Hkv, D, T, W = 4, 2, 64, 1024, 128
+    peak = matmul_rate(dev, dtype)
+    results["matmul_tflops"] = peak
+    if dev.type == "cuda":
+        results["l2_read_tb_s"] = l2_read_rate(dev)
+        print(f"  L2-resident read (torch sum of 16 MiB): {results['l2_read_tb_s']:.2f} TB/s", flush=True)
+    results["bench_dtype"] = str(dtype).replace("torch.", "")
+    print(f"  {results['bench_dtype']} matmul: {peak:.1f} TFLOP/s", flush=True)
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        flex = torch.compile(flex_attention, dynamic=False)
+    except Exception as e:  # noqa: BLE001
+        flex = None
+        results["flex_error"] = f"{type(e).__name__}: {e}"
+    configs = [("causal", 1, 0), ("dilation 2", 2, 0), ("64 globals", 1, 64)]
+    rows = []
+    for name, d, G in configs:
+        if _out_of_time():
+            rows.append({"config": name, "error": OUT_OF_TIME})
+            continue
+        q = torch.randn(B, H, T, D, device=dev, dtype=dtype)
+        k = torch.randn(B, Hkv, T, D, device=dev, dtype=dtype)
+        v = torch.randn(B, Hkv, T, D, device=dev, dtype=dtype)
+        gidx = torch.randperm(T, device=dev)[:G].sort().values.int() if G else None
+        mask = _visible_mask(T, W, d, gidx, dev)
+        visible = int(mask.sum())
+        flops = 4.0 * B * H * D * visible
+        row = {"config": name, "T": T, "W": W, "dilation": d, "globals": G, "useful_gflop": flops / 1e9}
+        kw = dict(window_size=(W - 1, 0), dilation=d)
+        if G:
+            kw["global_idx"] = gidx[None]
+        ours = lambda: swa_tvm.sliding_window_attention(q, k, v, **kw)  # noqa: E731
+        try:
+            out = ours()
+            row["ours_ms"] = _time_ms(ours)
+        except Exception as e:  # noqa: BLE001
+            row["ours_error"] = f"{type(e).__name__}: {e}"
+        peers = {}
+        if flex is not None:
+            gmask = None
+            if G:
+                gmask = torch.zeros(T, dtype=torch.bool, device=dev)
+                gmask[gidx.long()] = True
+
+            def mask_mod(b, h, qi, ki):
+                off = qi - ki
+                m = (off >= 0) & (off % d == 0) & (off // d < W)
+                if gmask is not None:
+                    m = m | ((gmask[ki] | gmask[qi]) & (off >= 0))
+                return m
+
+            try:
+                bm = create_block_mask(mask_mod, None, None, T, T, device=dev)
+                peers["flex_attention"] = lambda: flex(q, k, v, block_mask=bm, enable_gqa=True)  # noqa: E731
+            except Exception as e:  # noqa: BLE001
+                row["flex_attention_error"] = f"{type(e).__name__}: {e}"
+        kr, vr = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
+        peers["sdpa_banded_mask"] = lambda: torch.nn.functional.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)  # noqa: E731
+        peers["sdpa_causal_full"] = lambda: torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=True)  # noqa: E731
+        for pname, fn in peers.items():
+            if _out_of_time():
+                row[f"{pname}_error"] = OUT_OF_TIME
+                continue
+            try:
+                po = fn()
+                if pname != "sdpa_causal_full" and "ours_ms" in row:
+                    row[f"{pname}_vs_ours_rel_err"] = rel_err(po.float(), out.float())
+                row[f"{pname}_ms"] = _time_ms(fn)
+                if "ours_ms" in row:
+                    row[f"speedup_vs_{pname}"] = row[f"{pname}_ms"] / row["ours_ms"]
+            except Exception as e:  # noqa: BLE001
+                row[f"{pname}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            _empty_cache()
+        if "ours_ms" in row:
+            row["ours_tflops"] = flops / (row["ours_ms"] * 1e-3) / 1e12
+            row["ours_fraction_of_matmul"] = row["ours_tflops"] / peak
+        rows.append(row)
+        print(f"  {json.dumps(row)}", flush=True)
+        del q, k, v, kr, vr, mask, peers
+        _empty_cache()
+    results["timing"] = rows
+
+    scaling = []
+    for T2 in (8192, 16384, 32768, 65536, 131072):
+        if (quick or dev.type != "cuda") and T2 > 16384:
+            break
+        if _out_of_time():
+            scaling.append({"T": T2, "error": OUT_OF_TIME})
+            break
+        try:
+            q = torch.randn(B, H, T2, D, device=dev, dtype=dtype)
+            k = torch.randn(B, Hkv, T2, D, device=dev, dtype=dtype)
+            ms = _time_ms(lambda: swa_tvm.sliding_window_attention(q, k, k, window_size=(W - 1, 0)), warmup=1, reps=5)
+            scaling.append({"T": T2, "ours_ms": ms})
+        except Exception as e:  # noqa: BLE001 - out of memory ends the sweep
+            scaling.append({"T": T2, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            break
+        finally:
+            q = k = None
+            _empty_cache()
+        print(f"  scaling {scaling[-1]}", flush=True)
+    results["scaling"] = scaling
+    if dev.type == "cuda":
+        time_training(results, dev, flex, T, W)
+
+
+def time_training(results: dict, dev: torch.device, flex, T: int, W: int, shape=(1, 32, 8, 128),
+                  dtype=torch.bfloat16) -> None:
+    """Forward + backward (gradients of q, k, v) at the timing shape (causal window W;
+    ``shape`` = B, H, H_kv, D), ours against FlexAttention and SDPA with the banded
+    mask; dq/dk/dv compared with each peer's."""
+    import swa_tvm
+
+    B, H, Hkv, D = shape
+    q = torch.randn(B, H, T, D, device=dev, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, T, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
+    dout = torch.randn(B, H, T, D, device=dev, dtype=dtype)
+    mask = _visible_mask(T, W, 1, None, dev)
+    row = {"T": T, "W": W, "H": H, "H_kv": Hkv, "D": D, "dtype": str(dtype).replace("torch.", ""),
+           "useful_gflop_fwd_bwd": 4.0 * 3.5 * B * H * D * int(mask.sum()) / 1e9}  # bwd ~ 2.5x fwd FLOPs
+
+    def grads(fn):
+        return torch.autograd.grad(fn(), (q, k, v), dout)
+
+    runs = {"ours": lambda: swa_tvm.sliding_window_attention(q, k, v, window_size=(W - 1, 0))}
+    if flex is not None:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        bm = create_block_mask(lambda b, h, qi, ki: (qi >= ki) & (qi - ki < W), None, None, T, T, device=dev)
+        runs["flex_attention"] = lambda: flex(q, k, v, block_mask=bm, enable_gqa=True)
+    kr = lambda x: x.repeat_interleave(H // Hkv, 1)  # noqa: E731
+    runs["sdpa_banded_mask"] = lambda: torch.nn.functional.scaled_dot_product_attention(q, kr(k), kr(v), attn_mask=mask)
+    ours_grads = None
+    for name, fn in runs.items():
+        if _out_of_time():
+            row[f"{name}_error"] = OUT_OF_TIME
+            continue
+        try:
+            g = grads(fn)
+            if name == "ours":
+                ours_grads = g
+            elif ours_grads is not None:
+                row[f"{name}_grads_vs_ours_rel_err"] = max(rel_err(a.float(), b.float()) for a, b in zip(g, ours_grads))
+            row[f"{name}_fwd_ms"] = _time_ms(lambda: fn())
+            row[f"{name}_fwd_bwd_ms"] = _time_ms(lambda: grads(fn))
+        except Exception as e:  # noqa: BLE001 - out of memory or a peer's failure: keep the rest
+            row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        _empty_cache()
+    for name in runs:
+        if name != "ours" and f"{name}_fwd_bwd_ms" in row and "ours_fwd_bwd_ms" in row:
+            row[f"speedup_vs_{name}"] = row[f"{name}_fwd_bwd_ms"] / row["ours_fwd_bwd_ms"]
+    results["training"] = row
+    print(f"  training {json.dumps(row)}", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m tools.gpu_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--libs", default=os.path.join("build", "gpu", "lib"), help="folder of CUDA libraries to load")
+    p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_results.json")
+    p.add_argument("--quick", action="store_true", help="small timing shapes (a smoke run)")
+    p.add_argument("--skip-bench", action="store_true")
+    p.add_argument("--batch", default=os.path.join("build", "gpu", "tune_batch"),
+                   help="tuning batch to measure (skipped when absent)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="cpu: a smoke run of this harness with the CPU kernels (float32, tiny shapes)")
+    p.add_argument("--variant", help="only this function of lib/variants, its row printed (time_variants' child)")
+    p.add_argument("--variant-shape", default=",".join(map(str, VARIANT_SHAPE)), help="--variant's B,H,H_kv,T")
+    p.add_argument("--budget-s", type=float, default=480.0,
+                   help="seconds after which nothing more is timed (the stages left write what they skipped), "
+                        "so that the run ends inside the device tool's limit with its results written")
+    args = p.parse_args(argv)
+    global _deadline
+    _deadline = time.monotonic() + args.budget_s
+    try:
+        return _run(args)
+    finally:
+        _deadline = float("inf")  # the budget is this run's, not the next caller's of these functions
+
+
+def _run(args) -> int:
+    import swa_tvm
+
+    dev = torch.device(args.device)
+    results: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu (smoke run)",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "gpu_results.json")
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)
+
+    libs = sorted(glob.glob(os.path.join(args.libs, "*.so")))
+    results["libraries"] = []
+    ok = True
+    if args.variant:  # time_variants' child: one row (a kernel's: the libraries for the reference)
+        meta, module = load_variants(args.libs)
+        entries = [e for e in meta["variants"] if e["function"] == args.variant]
+        if not entries:
+            raise SystemExit(f"--variant {args.variant}: not in {args.libs}/variants/variants.json")
+        shape = tuple(int(x) for x in args.variant_shape.split(","))
+        if entries[0]["kind"] == "wgmma_probe":
+            row = probe_row(module, entries[0], dev)
+        else:
+            for lib in libs:
+                swa_tvm.load_library(lib)
+            (row,) = variant_rows(module, dict(meta, variants=entries), dev, shape)
+        print(VARIANT_ROW + json.dumps(row), flush=True)
+        return 0 if "error" not in row else 1
+    for lib in libs:
+        t0 = time.time()
+        try:
+            specs = swa_tvm.load_library(lib)
+        except Exception as e:  # noqa: BLE001 - the stages that need no library (variants, tuning) still run
+            ok = False
+            results["libraries"].append({"path": lib, "error": f"{type(e).__name__}: {e}"})
+            print(traceback.format_exc(), flush=True)
+            continue
+        entry = {"path": lib, "kernels": len(specs), "load_s": time.time() - t0}
+        try:  # which kernel each spec got (tensor-core flash, CUDA-core flash, TE default, tuned), which tiles
+            with open(lib + ".json") as f:
+                manifest_kernels = json.load(f)["kernels"]
+            entry["schedules"] = {k["name"]: k.get("schedule") for k in manifest_kernels}
+            entry["tiles"] = {k["name"]: k["tiles"] for k in manifest_kernels if "tiles" in k}
+        except (OSError, ValueError, KeyError):
+            pass
+        results["libraries"].append(entry)
+    print(f"loaded {sum('error' not in e for e in results['libraries'])} of {len(libs)} libraries", flush=True)
+    for stage, fn in (("correctness", lambda: check_patterns(results, dev)),
+                      ("bench", lambda: None if args.skip_bench else bench(results, dev, args.quick)),
+                      ("variants", lambda: None if args.skip_bench else time_variants(results, dev, args.libs)),
+                      ("tuning", lambda: measure_tune_batch(results, dev, args.batch, args.out))):
+        print(f"== {stage}", flush=True)
+        t0 = time.time()
+        if _out_of_time() and stage != "correctness":
+            results[stage] = OUT_OF_TIME
+            ok = False
+            continue
+        try:
+            r = fn()
+            if r is False:
+                ok = False
+        except Exception as e:  # noqa: BLE001 - keep what was measured
+            ok = False
+            results[f"{stage}_error"] = f"{type(e).__name__}: {e}"
+            results[f"{stage}_trace"] = traceback.format_exc()[-3000:]
+            print(traceback.format_exc(), flush=True)
+        results[f"{stage}_seconds"] = time.time() - t0
+        save()
+    results["ok"] = ok
+    save()
+    print(f"wrote {path}; {'all checks passed' if ok else 'SOME CHECKS FAILED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
