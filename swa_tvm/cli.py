@@ -1,4 +1,5 @@
-"""The ``swa-tvm`` command line: tune kernels, export a library, describe one, benchmark.
+"""The ``swa-tvm`` command line: tune kernels, export a library, describe one, import
+measurements made elsewhere.
 
 Exit codes: 0 success, 1 the command failed (message on stderr), 2 usage error,
 130 interrupted (tune keeps every record measured before the interrupt).
@@ -9,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+from swa_tvm.compiler.kernels import FUSED_KERNELS
 
 
 def _specs(args):
@@ -61,22 +64,19 @@ def _ptxas_text(r: dict) -> str:
     return f"{r['registers']} registers, {spills}, {r.get('smem', 0)} B static shared memory"
 
 
-def _fused_text(schedule) -> str | None:
-    from swa_tvm.compiler.kernels import fused_kernel
-
-    fused = fused_kernel(schedule)
-    return fused.description if fused is not None else None
+# What `info` says of each fused CUDA kernel (compiler/kernels.py's table).
+FUSED_TEXT = {k.name: k.description for k in FUSED_KERNELS}
 
 
 def _tuned_text(k) -> str:
     if not k["tuned"]:
-        text = _fused_text(k.get("schedule")) or "default schedule"
+        text = FUSED_TEXT.get(k.get("schedule"), "default schedule")
         tiles = ", ".join(f"{n}={v}" for n, v in k.get("tiles", {}).items())
         source = " (measured: tuning_logs tiles.json)" if k.get("tiles_from") == "measured" else ""
         return f"{text}, tiles {tiles}{source}" if tiles else text
     t = k.get("tuning", {})
-    if t.get("default_point") and _fused_text(k.get("schedule")):
-        return f"{_fused_text(k['schedule'])}: measured faster than its {t.get('records', '?')} tuning records"
+    if t.get("default_point") and k.get("schedule") in FUSED_TEXT:
+        return f"{FUSED_TEXT[k['schedule']]}: measured faster than its {t.get('records', '?')} tuning records"
     if t.get("default_point"):
         return f"tuned: the default schedule (no searched record beat it by the required margin; {t.get('records', '?')} records)"
     return f"tuned: {t.get('gflops', 0):.1f} GFLOP/s at the tuning shape, best of {t.get('records', '?')} records"
