@@ -14,6 +14,16 @@ import sys
 from swa_tvm.compiler.kernels import FUSED_KERNELS
 
 
+LOGS_HELP = "tuning log root (default: $SWA_TVM_TUNING_LOGS, else the package's swa_tvm/tuning_logs/)"
+
+
+def _default_logs() -> str:
+    """Where tune and the imports write: where export reads (records.default_logs_root)."""
+    from swa_tvm.compiler.records import default_logs_root
+
+    return default_logs_root()
+
+
 def _specs(args):
     from swa_tvm.spec import AttentionSpec
 
@@ -104,7 +114,7 @@ def _cmd_tune(args) -> int:
         from swa_tvm.spec import BACKWARD_KINDS
 
         specs = [k for k in specs if k.kind not in BACKWARD_KINDS]  # CUDA tuning covers the forward kernels
-    logs = args.logs or "tuning_logs"
+    logs = args.logs or _default_logs()
     if args.batch_out:
         from swa_tvm.tuning.batch import build_batch
 
@@ -166,7 +176,7 @@ def _cmd_tune(args) -> int:
 def _cmd_import(args) -> int:
     from swa_tvm.tuning.batch import import_measurements
 
-    logs = args.logs or "tuning_logs"
+    logs = args.logs or _default_logs()
     counts = import_measurements(args.batch, args.measured, logs, progress=lambda m: print(m, file=sys.stderr))
     print(f"imported {counts['records']} records and {counts['baselines']} baselines "
           f"({counts['failed']} not measured) into {logs}")
@@ -176,7 +186,7 @@ def _cmd_import(args) -> int:
 def _cmd_import_tiles(args) -> int:
     from swa_tvm.compiler.tiles import import_results
 
-    logs = args.logs or "tuning_logs"
+    logs = args.logs or _default_logs()
     for path in import_results(args.results, logs):
         with open(path) as f:
             recs = json.load(f)["records"]
@@ -225,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--spec", action="append", required=True, help=spec_help)
     t.add_argument("--target", default="llvm", help=target_help)
     t.add_argument("--trials", type=int, required=True, help="measured candidates per kernel, this run")
-    t.add_argument("--logs", help="tuning log root (default: ./tuning_logs)")
+    t.add_argument("--logs", help=LOGS_HELP)
     t.add_argument("--work-dir", help="MetaSchedule scratch and log folder (default: LOGS/.work/<target-key>)")
     t.add_argument("--rpc-tracker", metavar="HOST:PORT", help="measure on the devices of this TVM RPC tracker")
     t.add_argument("--rpc-key", help="device key registered with the RPC tracker")
@@ -243,20 +253,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="commit a batch measured elsewhere (swa_tvm.tuning.measure) as tuning records")
     m.add_argument("measured", help="the measured.json that python -m swa_tvm.tuning.measure wrote")
     m.add_argument("--batch", required=True, help="the batch folder it measured (tune --batch-out)")
-    m.add_argument("--logs", help="tuning log root (default: ./tuning_logs)")
+    m.add_argument("--logs", help=LOGS_HELP)
     m.set_defaults(func=_cmd_import)
 
     g = sub.add_parser("import-tiles",
                        help="commit the GPU check's timings of the fused kernels' tiles as tile records")
     g.add_argument("results", help="the gpu_results.json of python -m tools.gpu_check (its variant rows)")
-    g.add_argument("--logs", help="tuning log root (default: ./tuning_logs)")
+    g.add_argument("--logs", help=LOGS_HELP)
     g.set_defaults(func=_cmd_import_tiles)
 
     e = sub.add_parser("export", help="compile specs into a shared library with its manifest")
     e.add_argument("--spec", action="append", required=True, help=spec_help)
     e.add_argument("--target", default="llvm", help=target_help)
     e.add_argument("-o", "--output", required=True, help="path of the .so to write (manifest goes to PATH.json)")
-    e.add_argument("--logs", help="tuning log root (default: $SWA_TVM_TUNING_LOGS or the tuning logs shipped in swa_tvm/tuning_logs/)")
+    e.add_argument("--logs", help=LOGS_HELP)
     e.add_argument("--no-tuning", action="store_true", help="ignore tuning logs: default schedules only")
     e.set_defaults(func=_cmd_export)
 
