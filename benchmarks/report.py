@@ -53,13 +53,13 @@ NOTES = {
     ("llvm-znver3", "results_bfloat16.json"): (
         "This run (and the two training runs) ran on a Zen 4 class machine of the same pool "
         "(LLVM: znver4, AVX-512 with BF16). There were no bfloat16 tuning records, so \"tuned\" and "
-        "\"default\" are the same default schedules. Our kernels convert bfloat16 to float32 on load; "
+        "\"default\" are the same default schedules. swa_tvm's kernels convert bfloat16 to float32 on load; "
         "the peers get the bfloat16 tensors as they are. % of matmul is against the float32 matmul."
     ),
     ("llvm-znver3", "training.json"): "Ran on a Zen 4 class machine of the same pool (LLVM: znver4).",
     ("llvm-znver3", "training_bfloat16.json"): "Ran on a Zen 4 class machine of the same pool (LLVM: znver4).",
     ("llvm-rocketlake", "results_bfloat16.json"): (
-        "% of matmul is against the float32 matmul of the same run. Our kernels convert bfloat16 to "
+        "% of matmul is against the float32 matmul of the same run. swa_tvm's kernels convert bfloat16 to "
         "float32 on load; FlexAttention runs bfloat16 natively."
     ),
 }
@@ -246,7 +246,6 @@ def flex_over_ours(cell: dict) -> float | None:
 
 def forward_section(key: str, name: str, d: dict) -> list[str]:
     cells, methods = forward_rows(d)
-    dtype = d.get("shape", {}).get("dtype", "float32")
     out = [f"### {forward_title(key, d)}", ""]
     if (key, name) in NOTES:
         out += [NOTES[key, name], ""]
@@ -318,7 +317,6 @@ def best_peer_over_ours(cell: dict) -> float | None:
 
 def training_section(key: str, name: str, d: dict) -> list[str]:
     cells = training_cells(d)
-    dtype = d.get("shape", {}).get("dtype", "float32")
     out = [f"### {training_title(key, d)}", ""]
     if (key, name) in NOTES:
         out += [NOTES[key, name], ""]

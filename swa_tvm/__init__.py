@@ -20,7 +20,7 @@ def export_library(specs, path, target=None, logs="default", warn_untuned=True):
     """Compile specs (KernelSpec or AttentionSpec) into ``path`` plus ``path + '.json'``.
 
     Each kernel uses its best tuning record for the target's CPU class from ``logs``
-    (default: $SWA_TVM_TUNING_LOGS or the committed ``tuning_logs/``; None: no records),
+    (default: $SWA_TVM_TUNING_LOGS or the package's ``swa_tvm/tuning_logs/``; None: no records),
     else the default schedule, warning (UntunedKernelWarning) with the kernel's name.
     """
     from swa_tvm.compiler.build import export_library as _export
