@@ -24,11 +24,15 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import torch
 
+import swa_tvm
+from swa_tvm.compiler.targets import host_target, target_key
 from swa_tvm.runtime import library
+from swa_tvm.spec import AttentionSpec
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,8 +41,6 @@ def results_dir(out: str | None) -> str:
     """``out``, or benchmarks/results/<target-key> of this machine's CPU class."""
     if out:
         return out
-    from swa_tvm.compiler.targets import host_target, target_key
-
     return os.path.join(_REPO, "benchmarks", "results", target_key(host_target()))
 
 B, H, D = 1, 8, 64
@@ -205,8 +207,6 @@ def sliding_chunks(q, k, v, cfg: dict, gi: torch.Tensor | None):
 def make_method(name: str, T: int, cfg: dict, gi, libs: dict):
     """A no-argument callable computing attention on (q, k, v) for one method, or None
     where it does not apply (dense peers past DENSE_MAX_T)."""
-    import swa_tvm
-
     if name.startswith("swa_tvm"):
         # Both libraries hold the same kernel names; loading one (re)registers its kernels.
         swa_tvm.load_library(libs["tuned" if name.endswith("tuned") else "default"])
@@ -363,18 +363,14 @@ def memory_in_subprocess(method: str, config: str, T: int, libs: dict, timeout: 
 
 
 def _load_libs(libs: dict) -> None:
-    import swa_tvm
-
     for path in libs.values():
         swa_tvm.load_library(path)
 
 
 def build_libraries(out_dir: str, logs: str | None, reuse: bool = False, dtype: str = "float32") -> dict:
-    import warnings
-
-    import swa_tvm
+    # Lazy: the memory children import this module and run the libraries on the runtime
+    # alone; the compiler loads only where libraries are built.
     from swa_tvm.compiler.build import DEFAULT_LOGS, UntunedKernelWarning
-    from swa_tvm.spec import AttentionSpec
 
     specs = [AttentionSpec.parse(s) for s in spec_strings(dtype)]
     tag = "" if dtype == "float32" else f"_{dtype}"
@@ -546,8 +542,6 @@ def time_growth(config: str, small: int, large: int, libs: dict, runs: int, dtyp
 
 
 def _result(args, argv, libs_tuned, threads, peak, rows, memory, growth=()) -> dict:
-    import swa_tvm
-
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python -m benchmarks.forward", *argv]),
@@ -595,8 +589,6 @@ def growth_table(result: dict) -> str:
 def machine_info(threads: int) -> dict:
     """What a results file says of the machine; ``target_key`` is the class whose
     tuning logs a library exported here applies (``tuning_logs/<target_key>/``)."""
-    from swa_tvm.compiler.targets import host_target, target_key
-
     return {"cpu": _cpu_name(), "machine": platform.machine(), "target_key": target_key(host_target()),
             "threads": threads, "tvm_threads": library.tvm_pool_threads()}
 

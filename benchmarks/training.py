@@ -21,7 +21,10 @@ import warnings
 
 import torch
 
+import swa_tvm
 from benchmarks import forward as bench
+from swa_tvm.compiler.build import DEFAULT_LOGS, UntunedKernelWarning
+from swa_tvm.spec import AttentionSpec
 
 CONFIGS = ["causal W=512", "dilation 2, W=256", "W=512 + 16 globals"]
 METHODS = ["swa_tvm", "FlexAttention", "sliding chunks", "SDPA + mask"]
@@ -36,10 +39,6 @@ def spec_strings(configs=CONFIGS, dtype: str = "float32") -> list[str]:
 
 
 def build_library(out_dir: str, configs, logs: str | None, dtype: str = "float32") -> str:
-    import swa_tvm
-    from swa_tvm.compiler.build import DEFAULT_LOGS, UntunedKernelWarning
-    from swa_tvm.spec import AttentionSpec
-
     specs = [AttentionSpec.parse(s) for s in spec_strings(configs, dtype)]
     path = os.path.join(out_dir, "swa_bench_training.so" if dtype == "float32" else f"swa_bench_training_{dtype}.so")
     with warnings.catch_warnings(record=True) as caught:
@@ -52,8 +51,6 @@ def build_library(out_dir: str, configs, logs: str | None, dtype: str = "float32
 
 def make_method(name: str, T: int, cfg: dict, gi):
     if name == "swa_tvm":
-        import swa_tvm
-
         return lambda q, k, v: swa_tvm.sliding_window_attention(
             q, k, v, window_size=cfg["window"], dilation=cfg["dilation"], global_idx=gi
         )
@@ -84,9 +81,6 @@ def main(argv=None) -> int:
                    help="input dtype (as swa-tvm bench --dtype); results go to training_<dtype>.json")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
-
-    import swa_tvm
-
     args.out = bench.results_dir(args.out)
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
@@ -161,8 +155,6 @@ def main(argv=None) -> int:
 
 
 def _result(argv, rows, dtype: str = "float32") -> dict:
-    import swa_tvm
-
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python -m benchmarks.training", *(argv or [])]),

@@ -8,12 +8,11 @@ Public API::
     swa_tvm.load_library(path)               # check manifest, register kernels
 """
 
-__version__ = "0.1.0"
-
-from swa_tvm.functional import sliding_window_attention  # noqa: E402
-from swa_tvm.runtime.library import LibraryError, load_library  # noqa: E402
-from swa_tvm.spec import AttentionSpec, KernelSpec  # noqa: E402
-from swa_tvm import ops  # noqa: E402,F401  (registers torch.ops.swa_tvm.*)
+from swa_tvm import ops  # noqa: F401  (registers torch.ops.swa_tvm.*)
+from swa_tvm.functional import sliding_window_attention
+from swa_tvm.runtime.library import LibraryError, load_library
+from swa_tvm.spec import AttentionSpec, KernelSpec
+from swa_tvm.version import __version__
 
 
 def export_library(specs, path, target=None, logs="default", warn_untuned=True):

@@ -43,8 +43,16 @@ barrier it cannot tell apart from a redundant one).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
+
+import tvm
+import tvm_ffi
+
+from swa_tvm.compiler.build import cuda_source, schedule_spec
+from swa_tvm.schedules import cuda_flash_tc
+from swa_tvm.spec import AttentionSpec
 
 SYNC = "__syncthreads();"
 WAIT = re.compile(r"\bswa_cp_async_wait_all\(\)")
@@ -260,25 +268,17 @@ class source_only:
     wanted (``build.cuda_source``), not device code."""
 
     def __enter__(self):
-        import tvm_ffi
-
         self.previous = tvm_ffi.get_global_func("tvm_callback_cuda_compile", allow_missing=True)
         tvm_ffi.register_global_func("tvm_callback_cuda_compile", lambda code: bytearray(b"\0"), override=True)
         return self
 
     def __exit__(self, *exc):
-        import tvm_ffi
-
         if self.previous is not None:
             tvm_ffi.register_global_func("tvm_callback_cuda_compile", self.previous, override=True)
 
 
 def generated_source(funcs: dict, arch: str = "sm_90") -> str:
     """The CUDA source TVM generates for PrimFuncs ``funcs`` ({name: func}), no nvcc."""
-    import tvm
-
-    from swa_tvm.compiler.build import cuda_source
-
     with source_only():
         module = tvm.compile(tvm.IRModule(funcs), target=tvm.target.Target({"kind": "cuda", "arch": arch}))
         return cuda_source(module.mod)
@@ -295,14 +295,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     sources = [open(path).read() for path in args.source]
     if args.spec:
-        import dataclasses
-
-        import tvm
-
-        from swa_tvm.compiler.build import schedule_spec
-        from swa_tvm.schedules import cuda_flash_tc
-        from swa_tvm.spec import AttentionSpec
-
         target = tvm.target.Target({"kind": "cuda", "arch": args.arch})
         funcs = {}
         for text in args.spec:

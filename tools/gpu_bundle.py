@@ -18,12 +18,35 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import os
 import shutil
 import subprocess
 import sys
 import time
 import warnings
+
+import tvm
+
+from swa_tvm.compiler.build import UntunedKernelWarning, cuda_source, export_library
+from swa_tvm.compiler.cuda_pack import (
+    export_module,
+    fatbin_cubin,
+    library_blob,
+    read_cuda_modules,
+)
+from swa_tvm.compiler.records import default_logs_root
+from swa_tvm.compiler.targets import normalize_target
+from swa_tvm.schedules import (
+    cuda_flash,
+    cuda_flash_bwd,
+    cuda_flash_bwd_tc,
+    cuda_flash_tc,
+    cuda_wgmma,
+)
+from swa_tvm.spec import AttentionSpec
+from swa_tvm.tuning.batch import build_batch
+from tools import sass
 
 # Correctness libraries: every pattern in every dtype, at a head dim and windows small
 # enough for a dense float64 reference.
@@ -43,10 +66,6 @@ BENCH_SPECS = (
 
 
 def build_libraries(out: str, arch: str) -> list[str]:
-    from swa_tvm.compiler.build import UntunedKernelWarning, export_library
-    from swa_tvm.compiler.targets import normalize_target
-    from swa_tvm.spec import AttentionSpec
-
     target = normalize_target(f"cuda -arch={arch}")
     os.makedirs(os.path.join(out, "lib"), exist_ok=True)
     jobs = [(f"check_{dt}", [AttentionSpec.parse(f"{s},dtype={dt}") for s in CHECK_SPECS]) for dt in CHECK_DTYPES]
@@ -118,16 +137,6 @@ def build_variants(out: str, arch: str) -> str:
     (``<kernel>__tc_w4_c64``, ``<kernel>__cores``), and ``variants.json`` naming them
     (with the kernel kind each computes). It lives in ``lib/variants/``, away from the
     libraries the check registers: same kernels, so the registry could hold only one."""
-    import json
-
-    import tvm
-
-    from swa_tvm.compiler.build import cuda_source
-    from swa_tvm.compiler.targets import normalize_target
-    from swa_tvm.compiler.cuda_pack import export_module, fatbin_cubin, library_blob, read_cuda_modules
-    from swa_tvm.schedules import cuda_flash, cuda_flash_bwd, cuda_flash_bwd_tc, cuda_flash_tc
-    from swa_tvm.spec import AttentionSpec
-
     kernels = {k.kind: k for k in AttentionSpec.parse(VARIANT_SPEC).kernels()}
     funcs, entries = {}, []
     # wgmma needs the arch-specific sm_90a (whose code runs on sm_90 GPUs only).
@@ -169,8 +178,6 @@ def build_variants(out: str, arch: str) -> str:
         make = cores.flash if kind == "local" else cores.flash_bwd
         add(spec, "cores", make(spec), kernel=cores.__name__.rsplit(".", 1)[1], config=str(cores.default_config(spec)))
     if hopper:
-        from swa_tvm.schedules import cuda_wgmma
-
         for operand, rows, cols, ks, swap in WGMMA_PROBES:
             name = f"wgmma_probe_{operand}_r{rows}_c{cols}_k{ks}" + ("_swapped" if swap else "")
             funcs[name] = cuda_wgmma.probe(kernels["local"].dtype, operand, rows, cols, ks, swap).with_attr(
@@ -188,8 +195,6 @@ def build_variants(out: str, arch: str) -> str:
     for entry in entries:  # registers and spills: part of what a timing means
         entry["ptxas"] = resources.get(f"{entry['function']}_kernel")
     # And each one's hot loop, statically (tools.sass; skipped without nvdisasm).
-    from tools import sass
-
     if sass.nvdisasm() is not None:
         # The library's own machine code (nvcc's second run for a cubin took as long as
         # its first, ~28 s for these kernels).
@@ -214,11 +219,6 @@ TUNE_TRIALS = 16
 
 
 def build_tune_batch(out: str, arch: str, trials: int = TUNE_TRIALS) -> str:
-    from swa_tvm.compiler.targets import normalize_target
-    from swa_tvm.spec import AttentionSpec
-    from swa_tvm.compiler.records import default_logs_root
-    from swa_tvm.tuning.batch import build_batch
-
     folder = os.path.join(out, "tune_batch")
     shutil.rmtree(folder, ignore_errors=True)
     t0 = time.time()
@@ -231,8 +231,6 @@ def build_tune_batch(out: str, arch: str, trials: int = TUNE_TRIALS) -> str:
 
 
 def copy_runtime(out: str) -> None:
-    import tvm
-
     src = os.path.join(os.path.dirname(tvm.__file__), "lib")
     dst = os.path.join(out, "runtime")
     os.makedirs(dst, exist_ok=True)

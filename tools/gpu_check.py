@@ -43,10 +43,14 @@ import traceback
 
 import torch
 
+# Modules the TVM runtime alone serves: this machine has no TVM compiler.
+import swa_tvm
 from swa_tvm.compiler.tiles import GRAD_TOLERANCE, TOLERANCE, best_variants
+from swa_tvm.reference import sliding_window_attention_ref
+from swa_tvm.runtime import library
+from swa_tvm.spec import KernelSpec
+from swa_tvm.tuning import measure as measure_batch
 from swa_tvm.tuning.measure import rel_err, time_calls
-
-
 
 # time.monotonic() past which nothing more is timed (main's --budget-s): the device
 # tool stops a run at its limit, and what a stage cut short had measured is kept.
@@ -78,9 +82,6 @@ def sink_grad_err(got, want, sink, out, lse, d_out, d_lse) -> float:
 def check_patterns(results: dict, dev: torch.device) -> bool:
     """Every pattern x dtype against the float64 reference, forward and gradients; True
     when all pass."""
-    import swa_tvm
-    from swa_tvm.reference import sliding_window_attention_ref
-
     B, H, Hkv, T, D = 2, 4, 2, 300, 64
     cases = [
         ("causal window", dict(window_size=(31, 0))),
@@ -296,8 +297,6 @@ def load_variants(libs: str):
     through the TVM runtime alone (its CUDA part included)."""
     import tvm_ffi
 
-    from swa_tvm.runtime import library
-
     folder = os.path.join(libs, "variants")
     with open(os.path.join(folder, "variants.json")) as f:
         meta = json.load(f)
@@ -337,9 +336,6 @@ def variant_rows(module, meta: dict, dev: torch.device, shape=VARIANT_SHAPE) -> 
     autograd's dq, or dk and dv summed over the GQA groups), median ms and useful
     TFLOP/s at ``shape`` = B, H, H_kv, T."""
     import tvm_ffi
-
-    import swa_tvm
-    from swa_tvm.spec import KernelSpec
 
     spec = KernelSpec.from_dict(meta["spec"])
     (B, H, Hkv, T), D, W = shape, spec.head_dim, spec.left + 1
@@ -403,8 +399,6 @@ def variant_rows(module, meta: dict, dev: torch.device, shape=VARIANT_SHAPE) -> 
 
 def measure_tune_batch(results: dict, dev: torch.device, batch: str, out: str) -> None:
     """Measure the tuning batch (if one was built) into ``<out>/measured.json``."""
-    from swa_tvm.tuning import measure as measure_batch
-
     if not os.path.exists(os.path.join(batch, "batch.json")):
         results["tuning"] = "no batch built"
         return
@@ -449,8 +443,6 @@ def _visible_mask(T, W, dilation, gidx, device):
 
 
 def bench(results: dict, dev: torch.device, quick: bool) -> None:
-    import swa_tvm
-
     B, H, Hkv, D, T, W = 1, 32, 8, 128, 32768, 4096
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if quick:
@@ -488,7 +480,7 @@ def bench(results: dict, dev: torch.device, quick: bool) -> None:
         kw = dict(window_size=(W - 1, 0), dilation=d)
         if G:
             kw["global_idx"] = gidx[None]
-        ours = lambda: swa_tvm.sliding_window_attention(q, k, v, **kw)  # noqa: E731
+        ours = lambda: swa_tvm.sliding_window_attention(q, k, v, **kw)  # noqa: E731, F821
         try:
             out = ours()
             row["ours_ms"] = _time_ms(ours)
@@ -510,12 +502,12 @@ def bench(results: dict, dev: torch.device, quick: bool) -> None:
 
             try:
                 bm = create_block_mask(mask_mod, None, None, T, T, device=dev)
-                peers["flex_attention"] = lambda: flex(q, k, v, block_mask=bm, enable_gqa=True)  # noqa: E731
+                peers["flex_attention"] = lambda: flex(q, k, v, block_mask=bm, enable_gqa=True)  # noqa: E731, F821
             except Exception as e:  # noqa: BLE001
                 row["flex_attention_error"] = f"{type(e).__name__}: {e}"
         kr, vr = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
-        peers["sdpa_banded_mask"] = lambda: torch.nn.functional.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)  # noqa: E731
-        peers["sdpa_causal_full"] = lambda: torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=True)  # noqa: E731
+        peers["sdpa_banded_mask"] = lambda: torch.nn.functional.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)  # noqa: E731, F821
+        peers["sdpa_causal_full"] = lambda: torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=True)  # noqa: E731, F821
         for pname, fn in peers.items():
             if _out_of_time():
                 row[f"{pname}_error"] = OUT_OF_TIME
@@ -535,6 +527,7 @@ def bench(results: dict, dev: torch.device, quick: bool) -> None:
             row["ours_fraction_of_matmul"] = row["ours_tflops"] / peak
         rows.append(row)
         print(f"  {json.dumps(row)}", flush=True)
+        # The lambdas above have run (ruff reads their names as the ones deleted here: F821).
         del q, k, v, kr, vr, mask, peers
         _empty_cache()
     results["timing"] = rows
@@ -568,8 +561,6 @@ def time_training(results: dict, dev: torch.device, flex, T: int, W: int, shape=
     """Forward + backward (gradients of q, k, v) at the timing shape (causal window W;
     ``shape`` = B, H, H_kv, D), ours against FlexAttention and SDPA with the banded
     mask; dq/dk/dv compared with each peer's."""
-    import swa_tvm
-
     B, H, Hkv, D = shape
     q = torch.randn(B, H, T, D, device=dev, dtype=dtype, requires_grad=True)
     k, v = (torch.randn(B, Hkv, T, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
@@ -637,8 +628,6 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
-    import swa_tvm
-
     dev = torch.device(args.device)
     results: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),

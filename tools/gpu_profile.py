@@ -14,6 +14,9 @@ import os
 
 import torch
 
+from swa_tvm.spec import KernelSpec
+from tools.gpu_check import load_variants
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m tools.gpu_profile", description=__doc__.split("\n\n")[0])
@@ -24,9 +27,6 @@ def main(argv=None) -> int:
     p.add_argument("--T", type=int, default=32768)
     args = p.parse_args(argv)
     import tvm_ffi
-
-    from tools.gpu_check import load_variants
-    from swa_tvm.spec import KernelSpec
 
     meta, module = load_variants(args.libs)
     spec = KernelSpec.from_dict(meta["spec"])

@@ -21,12 +21,21 @@ import argparse
 import collections
 import glob
 import importlib.util
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+
+import tvm
+
+from swa_tvm.compiler.build import schedule_spec
+from swa_tvm.compiler.cuda_pack import nvcc_compile, ptxas_resources
+from swa_tvm.schedules import cuda_flash_bwd_tc, cuda_flash_tc
+from swa_tvm.spec import AttentionSpec
+from tools.cuda_races import generated_source
 
 # A tensor-core product: HMMA on sm_80/sm_90 (mma.sync m16n8k16), HGMMA on sm_90a (wgmma
 # m64nNk16, which each of the warpgroup's 4 warps issues: a warp's share, 16 rows, is the
@@ -174,16 +183,12 @@ def summarize(insts, labels) -> dict:
 def analyze(funcs: dict, arch: str = "sm_90") -> dict[str, dict]:
     """{kernel: ptxas's registers/spills + ``summarize``} for PrimFuncs ``funcs`` ({name:
     func}) built for ``arch``."""
-    from tools.cuda_races import generated_source
-
     return analyze_source(generated_source(funcs, arch), arch)
 
 
 def analyze_source(code: str, arch: str = "sm_90") -> dict[str, dict]:
     """``analyze`` of CUDA source TVM generated (``build.cuda_source`` of a compiled
     module: lowering it again would cost what its first lowering did)."""
-    from swa_tvm.compiler.cuda_pack import nvcc_compile, ptxas_resources
-
     cubin, report = nvcc_compile(code, arch, "cubin")
     return analyze_cubin(cubin, ptxas_resources(report))
 
@@ -208,13 +213,6 @@ def main(argv=None) -> int:
                    "(4,32,1,1: wgmma, with --arch sm_90a; 4,32,1,0,2: two chunk stages)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)
-    import json
-
-    import tvm
-
-    from swa_tvm.compiler.build import schedule_spec
-    from swa_tvm.schedules import cuda_flash_bwd_tc, cuda_flash_tc
-    from swa_tvm.spec import AttentionSpec
 
     def fields(text):
         return (None if x == "none" else int(x) for x in text.split(","))

@@ -18,13 +18,24 @@ import tvm
 from tvm import s_tir
 
 from swa_tvm.compiler import cuda_pack, kernels
-from swa_tvm.compiler.records import apply_record
-from swa_tvm.schedules import cpu as cpu_schedules
-from swa_tvm.schedules import cuda as cuda_schedules
-from swa_tvm.compiler.targets import _cpu_features, _vector_lanes, normalize_target, target_key
+from swa_tvm.compiler import tiles as tile_records
+from swa_tvm.compiler.records import (
+    apply_record,
+    best_records,
+    default_logs_root,
+    log_dir,
+)
+from swa_tvm.compiler.targets import (
+    _cpu_features,
+    _vector_lanes,
+    normalize_target,
+    target_key,
+)
 from swa_tvm.compute import prim_func
 from swa_tvm.runtime import library
 from swa_tvm.runtime.library import MANIFEST_FORMAT, sha256_file
+from swa_tvm.schedules import cpu as cpu_schedules
+from swa_tvm.schedules import cuda as cuda_schedules
 from swa_tvm.spec import KernelSpec
 
 
@@ -89,8 +100,6 @@ DEFAULT_LOGS = "default"
 
 def find_records(specs: Iterable[KernelSpec], target: dict, logs: str | None = DEFAULT_LOGS) -> dict:
     """The best tuning record of each spec for ``target`` (None where there is none)."""
-    from swa_tvm.compiler.records import apply_record, best_records, default_logs_root
-
     specs = list(specs)
     root = default_logs_root() if logs == DEFAULT_LOGS else logs
     found = best_records(specs, target, root)  # reads the log folder once
@@ -115,9 +124,6 @@ def find_records(specs: Iterable[KernelSpec], target: dict, logs: str | None = D
 def find_tiles(specs: Iterable[KernelSpec], target: dict, logs: str | None = DEFAULT_LOGS) -> dict:
     """{spec name: tile config} of the specs whose fused CUDA kernel has a measured tile
     record for ``target``'s class under ``logs`` (``tiles.json``, swa_tvm.compiler.tiles)."""
-    from swa_tvm.compiler import tiles as tile_records
-    from swa_tvm.compiler.records import default_logs_root
-
     root = default_logs_root() if logs == DEFAULT_LOGS else logs
     recs = tile_records.read(root, target)
     found = {}
@@ -136,8 +142,6 @@ def compile_specs(specs: Iterable[KernelSpec], target: str | dict | None = None,
     get the default schedule. ``tiles`` maps spec names to fused kernels' tile configs
     (``find_tiles``). A CUDA module holds its generated source until exported
     (``cuda_pack.export_module`` compiles it with nvcc then)."""
-    import tvm
-
     target = normalize_target(target)
     tvm_target = tvm.target.Target(target)
     specs = list(dict.fromkeys(specs))  # dedupe, keep order
@@ -172,10 +176,6 @@ def export_library(
     TVM version, target (and its class key), the CPU features the code needs, the
     kernel specs and whether each is tuned, and the sha256 of the library. Returns it.
     """
-    import tvm
-
-    from swa_tvm.compiler.records import default_logs_root, log_dir
-
     specs = list(dict.fromkeys(specs))
     target = normalize_target(target)
     records = find_records(specs, target, logs) if logs is not None else {}

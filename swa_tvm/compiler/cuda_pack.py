@@ -24,6 +24,9 @@ import struct
 import subprocess
 import tempfile
 
+from tvm.runtime import _ffi_api
+from tvm.support import nvcc
+
 BLOB_SYMBOL = "__tvm_ffi__library_bin"
 FATBIN_MAGIC = struct.pack("<I", 0xBA55ED50)
 
@@ -38,8 +41,6 @@ def nvcc_fatbin(code: str, arch: str) -> tuple[bytes, str]:
 def nvcc_compile(code: str, arch: str, output: str) -> tuple[bytes, str]:
     """``nvcc_fatbin``'s command, for output "fatbin" or "cubin" (the machine code
     alone, as ``tools.sass`` disassembles it)."""
-    from tvm.support import nvcc
-
     num = arch[3:]
     with tempfile.TemporaryDirectory(prefix="swa_tvm_nvcc_") as tmp:
         src, out = os.path.join(tmp, "kernels.cu"), os.path.join(tmp, f"kernels.{output}")
@@ -224,8 +225,6 @@ def export_module(module, path: str, target: dict) -> dict:
     if target.get("kind") != "cuda":
         module.export_library(path)
         return {}
-    from tvm.runtime import _ffi_api
-
     resources: dict = {}
 
     def pack(mod, is_system_lib, prefix, workspace_dir):

@@ -3,18 +3,24 @@ disk cache ($SWA_TVM_CACHE, default ~/.cache/swa_tvm) and registered."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import tempfile
 import threading
 
 import filelock
 
+from swa_tvm import compute, schedules
+from swa_tvm import spec as spec_module
+from swa_tvm.compiler import build, cuda_pack, kernels
 from swa_tvm.compiler.build import export_library, find_records, find_tiles
 from swa_tvm.compiler.targets import normalize_target, target_key
 from swa_tvm.runtime import library
 from swa_tvm.runtime.library import Kernel
 from swa_tvm.spec import KernelSpec
+from swa_tvm.version import __version__
 
 
 def cache_dir() -> str:
@@ -28,10 +34,7 @@ _JIT_LOCK = threading.Lock()
 def kernel_code_files() -> list[str]:
     """The sources that decide what a kernel computes and how it is built: the TE, every
     schedule, the spec's parameters, this build and nvcc's packing."""
-    from swa_tvm import compute, schedules, spec
-    from swa_tvm.compiler import build, cuda_pack, kernels
-
-    files = [m.__file__ for m in (build, cuda_pack, kernels, spec)]
+    files = [m.__file__ for m in (build, cuda_pack, kernels, spec_module)]
     for package in (compute, schedules):
         folder = os.path.dirname(package.__file__)
         files += sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".py"))
@@ -41,8 +44,6 @@ def kernel_code_files() -> list[str]:
 def _kernel_code_digest() -> str:
     """Hash of ``kernel_code_files``, so an edited checkout never reuses a cached build
     of older code."""
-    import hashlib
-
     h = hashlib.sha256()
     for name in kernel_code_files():
         with open(name, "rb") as f:
@@ -50,14 +51,29 @@ def _kernel_code_digest() -> str:
     return h.hexdigest()[:16]
 
 
+logger = logging.getLogger("swa_tvm")
+_COMPILED_ONCE = False
+
+
+def _say_compiling(spec: KernelSpec, key: str, folder: str) -> None:
+    """Name the kernel a first-use compile builds and where it is cached: the first
+    compile of a process as a warning (it takes seconds, and a user should know why),
+    later ones as info."""
+    global _COMPILED_ONCE
+    level = logging.INFO if _COMPILED_ONCE else logging.WARNING
+    _COMPILED_ONCE = True
+    logger.log(
+        level,
+        "compiling kernel %s for %s on first use (seconds; cached in %s, $SWA_TVM_CACHE moves it; "
+        "swa_tvm.export_library builds ahead of time)",
+        spec.name, key, folder,
+    )
+
+
 def get_or_build_kernel(spec: KernelSpec, target: str | dict | None = None) -> Kernel:
     """A registered kernel for ``spec``: from memory, else from the disk cache, else
     compiled now and cached. The cache key is the full spec, the target and TVM version,
     so a changed CPU, TVM or spec never reuses a stale build."""
-    import hashlib
-
-    from swa_tvm import __version__
-
     target = normalize_target(target)
     device = library.device_of_target(target)
     with _JIT_LOCK:
@@ -92,6 +108,7 @@ def get_or_build_kernel(spec: KernelSpec, target: str | dict | None = None) -> K
                     return library.REGISTRY.find(spec, device)
                 except library.LibraryError:
                     pass  # corrupt or foreign entry: rebuild below
+            _say_compiling(spec, target_key(target), folder)
             with tempfile.TemporaryDirectory(dir=folder) as tmpd:
                 tmp = os.path.join(tmpd, os.path.basename(path))
                 export_library([spec], tmp, target, warn_untuned=False)

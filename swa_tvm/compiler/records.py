@@ -25,11 +25,24 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
+import tvm
+from tvm import s_tir, tirx
+from tvm.ir.utils import derived_object
+from tvm.s_tir.meta_schedule.database import (
+    MemoryDatabase,
+    PyDatabase,
+    TuningRecord,
+    Workload,
+)
 
-from swa_tvm.compiler.targets import target_key
+from swa_tvm.compiler.targets import _vector_lanes, target_key
 from swa_tvm.compute import flops, prim_func
-from swa_tvm.spec import KernelSpec, accum_dtype
+from swa_tvm.schedules import cpu as cpu_schedules
+from swa_tvm.schedules.cuda import register_intrinsics
 
+# Also importable from here, where it was before (tests and tools call it so).
+from swa_tvm.schedules.intrinsics import preload_tensor_intrin as preload_tensor_intrin
+from swa_tvm.spec import KernelSpec, accum_dtype
 
 WORKLOAD_FILE = "database_workload.json"
 
@@ -59,8 +72,6 @@ def tune_shapes(spec: KernelSpec, shapes: dict | None = None) -> dict:
 
 def tuning_workload(spec: KernelSpec, shapes: dict | None = None, target_kind: str = "llvm"):
     """The IRModule MetaSchedule tunes for ``spec``: concrete shapes, constant scale."""
-    import tvm
-
     func = fold_scale(prim_func(spec, tune_shapes(spec, shapes), target_kind=target_kind), spec)
     return tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
 
@@ -68,8 +79,6 @@ def tuning_workload(spec: KernelSpec, shapes: dict | None = None, target_kind: s
 def fold_scale(func, spec: KernelSpec):
     """``func`` (a kernel of ``spec``) with its ``scale`` parameter fixed to 1/sqrt(D), as
     a tuning measurement calls it."""
-    from tvm import tirx
-
     scale = next(p for p in func.params if p.name == "scale")
     return func.specialize({scale: tirx.const(1.0 / spec.head_dim**0.5, accum_dtype(spec.dtype))})
 
@@ -78,52 +87,10 @@ def tvm_target_of(target: dict):
     """The TVM Target tuning builds for. CUDA targets get the limits of an sm_80/sm_90
     class GPU that MetaSchedule's GPU checks read (1024 threads and 64K registers per
     block, 48 KiB of static shared memory); the code is the same as without them."""
-    import tvm
-
     if target.get("kind") == "cuda":
         target = dict(target, **{"max_threads_per_block": 1024, "max_num_threads": 1024, "thread_warp_size": 32,
                                  "max_shared_memory_per_block": 48 * 1024, "registers_per_block": 65536})
     return tvm.target.Target(target)
-
-
-def preload_tensor_intrin() -> None:
-    """Import ``tvm.s_tir.tensor_intrin`` quickly.
-
-    MetaSchedule imports it in every process that tunes or builds. It parses hundreds
-    of TVMScript functions, and the parser calls ``inspect.stack()``, which resolves a
-    source file for every frame of the (deep, import-machinery) stack by scanning
-    ``sys.modules``: 80 s per process on this 2-core machine. The parser only reads the
-    source line of the third frame (``is_defined_in_class``), so while importing, every
-    frame gets its file name from the code object, and the first three their source
-    line from ``linecache`` (``inspect.getframeinfo`` scanned ``sys.modules`` for each:
-    the import took about 10 s with it, 7 s without, 2026-12-05).
-    """
-    import inspect
-    import linecache
-    import sys
-
-    if "tvm.s_tir.tensor_intrin" in sys.modules:
-        return
-    original = inspect.stack
-
-    def stack(context: int = 1):
-        frames = []
-        frame = sys._getframe(1)
-        while frame is not None:
-            code, lines, index = frame.f_code, None, None
-            if len(frames) < 3:
-                lines, index = [linecache.getline(code.co_filename, frame.f_lineno, frame.f_globals)], 0
-            frames.append(
-                inspect.FrameInfo(frame, code.co_filename, frame.f_lineno, code.co_name, lines, index, positions=None)
-            )
-            frame = frame.f_back
-        return frames
-
-    inspect.stack = stack
-    try:
-        import tvm.s_tir.tensor_intrin  # noqa: F401
-    finally:
-        inspect.stack = original
 
 
 def default_logs_root() -> str | None:
@@ -160,9 +127,6 @@ def _read_lines(path: str) -> list:
 
 
 def _make_tuning_log_class():
-    from tvm.s_tir.meta_schedule.database import MemoryDatabase, PyDatabase, TuningRecord, Workload
-    from tvm.ir.utils import derived_object
-
     @derived_object
     class TuningLog(PyDatabase):
         """A MetaSchedule database over the two JSON files of one target-class folder.
@@ -182,8 +146,6 @@ def _make_tuning_log_class():
             if os.path.basename(os.path.normpath(folder)).startswith("cuda"):
                 # A tensor-core bf16 record names our wmma intrinsics, which decoding it
                 # looks up: without them any bf16 CUDA export failed in a fresh process.
-                from swa_tvm.schedules.cuda import register_intrinsics
-
                 register_intrinsics()
             # Decoding a record into TVM objects costs ~15 ms (its trace), so a lookup
             # (``only``: the workload keys wanted) decodes just those workloads' records;
@@ -272,8 +234,6 @@ def open_log(folder: str, readonly: bool = False, only: set | None = None):
 
 def workload_key(mod) -> str:
     """The key a log's workload table stores for ``mod`` (its structural hash)."""
-    from tvm.s_tir.meta_schedule.database import Workload
-
     return Workload(mod).as_json()[0]
 
 
@@ -329,10 +289,6 @@ def _best_in(db, spec: KernelSpec, target: dict, baselines: dict | None = None, 
         return None
     best, is_default = mine[0], False
     if kind == "llvm":
-        import tvm
-
-        from swa_tvm.compiler.targets import _vector_lanes
-
         trace = str(default_point(spec, _vector_lanes(tvm.target.Target(target))).trace)
         default = next((r for r in mine if str(r.trace) == trace), None)
         if default is not None and (default is best or _secs(best.run_secs) > (1 - DEFAULT_MARGIN) * _secs(default.run_secs)):
@@ -372,12 +328,7 @@ def best_record(spec: KernelSpec, target: dict, logs_root: str | None) -> BestRe
 
 def apply_record(spec: KernelSpec, trace, target_kind: str = "llvm"):
     """Replay a tuned trace on the symbolic-T kernel; returns the scheduled PrimFunc."""
-    import tvm
-    from tvm import s_tir
-
     if target_kind == "cuda":
-        from swa_tvm.schedules.cuda import register_intrinsics
-
         register_intrinsics()  # a tensor-core record names the bfloat16 wmma intrinsics
     sch = s_tir.Schedule(tvm.IRModule({"main": prim_func(spec, target_kind=target_kind)}))
     trace.apply_to_schedule(sch, remove_postproc=True)
@@ -401,10 +352,6 @@ def workload_flops(spec: KernelSpec, shapes: dict | None = None) -> float:
 def default_point(spec: KernelSpec, lanes: int):
     """The schedule of the default knobs, as a point of the search space (its trace has
     the space's sampling instructions with the defaults as decisions)."""
-    from tvm import s_tir
-
-    from swa_tvm.schedules import cpu as cpu_schedules
-
     sch = s_tir.Schedule(tuning_workload(spec))
     cpu_schedules.schedule(sch, spec, lanes, cpu_schedules.DefaultPoint())
     return sch

@@ -10,6 +10,9 @@ import re
 
 from swa_tvm.runtime.library import X86_FEATURES
 
+# tvm is imported inside the functions that use it: tiles and kernels import this module
+# on the GPU machine, which has no TVM (tools/gpu_check.py).
+
 
 def host_target(num_cores: int | None = None) -> dict:
     """The llvm target of this machine: detected -mcpu, all usable cores."""

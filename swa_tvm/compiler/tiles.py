@@ -63,6 +63,7 @@ def find(spec, schedule: str, records: list[dict], arch: str | None = None):
     """The config of the record for ``spec`` under ``schedule`` (None: no record, or one
     whose config this spec or ``arch`` cannot take: shared memory past the block's
     limit, wgmma off sm_90a)."""
+    # Lazy: the schedules import tvm, and tools/gpu_check.py imports this module without it.
     from swa_tvm.schedules.cuda_flash_tc import tile_scope
 
     for rec in records:

@@ -25,9 +25,18 @@ The extras' and global rows' gradients run one parallel loop per (batch, head).
 
 from __future__ import annotations
 
-from tvm import s_tir
+from tvm import s_tir, tirx
+from tvm.s_tir.stmt import SBlock, SBlockRealize
+from tvm.sym import Analyzer, IntervalSet
 
-from swa_tvm.compute.forward import EXTRA_TILE, band_width
+from swa_tvm.compute.forward import (
+    EXTRA_TILE,
+    GLOBAL_BLOCK,
+    GLOBAL_CHUNK,
+    band_width,
+    i64,
+    item_key_span,
+)
 from swa_tvm.spec import KernelSpec
 
 # Candidate values of the categorical knobs. Unroll steps feed
@@ -244,8 +253,6 @@ def schedule_global(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8
     an item at the item loop, tiled as the local kernel's (key rows x block-row vectors
     for the scores, block rows x feature vectors for P·V, vertical max and sum); then
     the per-block combine over chunks, then the gathers back to [B, H, G, ...]."""
-    from swa_tvm.compute.forward import GLOBAL_BLOCK, GLOBAL_CHUNK
-
     knobs = knobs or Defaults()
     out = sch.get_sblock("out")
     b, h, g, cc = sch.get_loops(out)
@@ -452,10 +459,6 @@ def _guard_key_loop(func, block: str, key_axis: int, span_of):
     (first, last)); iterations whose keys no row sees are skipped. The keys of one
     iteration are ``iter_values[key_axis]`` over the loops inside it, a contiguous
     range for the splits these schedules make (bounds from the analyzer)."""
-    from tvm import tirx
-    from tvm.s_tir.stmt import SBlockRealize
-    from tvm.sym import Analyzer, IntervalSet
-
     found = {}
 
     def find(stmt, loops):
@@ -496,8 +499,6 @@ def skip_dead_keys(func, spec: KernelSpec):
     of a band at the start of a sequence. The score product and P·V test once per
     iteration of their outer key loop. Exact: those scores are masked to -inf by a
     select (an unwritten score is never used) and their probabilities are 0."""
-    from swa_tvm.compute.forward import i64, item_key_span
-
     q = next(p for p in func.params if p.name == "q")
     dil = next(p for p in func.params if p.name == "dilation")
 
@@ -512,8 +513,6 @@ def _always_true(cond, loops: dict, analyzer) -> bool:
     """``cond`` is ``x // d < n`` where x is below n * d: a loop over [0, n * d), or
     ``y % (n * d)``. What fusing a loop of symbolic extent n (the batch, or the heads
     when the batch is fused above them too) with inner loops of product d leaves."""
-    from tvm import tirx
-
     if not (isinstance(cond, tirx.LT) and isinstance(cond.a, tirx.FloorDiv)):
         return False
     x, bound = cond.a.a, cond.b * cond.a.b
@@ -532,9 +531,6 @@ def drop_fused_bound_predicates(func):
     slower with them (19.5 against 12.5 ms at T=2048, H=8, AVX-512, 2026-12-05;
     tools/experiments/symbolic_shape_gap.py). True by the loop's extent, so dropping them changes
     no result. Conjuncts not of that form stay."""
-    from tvm import tirx
-    from tvm.sym import Analyzer
-
     analyzer = Analyzer()
 
     def conjuncts(e):
@@ -551,9 +547,6 @@ def _rebuild(stmt, loops=None, loop_body=None, predicate=None):
     """A scheduled body rebuilt with ``loop_body(loop, new_body)`` as each loop's body
     and ``predicate(realize, loops)`` as each block's predicate (``loops``: the
     enclosing loops by loop var)."""
-    from tvm import tirx
-    from tvm.s_tir.stmt import SBlock, SBlockRealize
-
     loops = loops or {}
     if isinstance(stmt, tirx.SeqStmt):
         return tirx.SeqStmt([_rebuild(x, loops, loop_body, predicate) for x in stmt.seq])

@@ -40,9 +40,12 @@ Blocks follow TE names; ``schedule`` dispatches on the kernel kind.
 
 from __future__ import annotations
 
-from tvm import s_tir
+from tvm import s_tir, tirx
+from tvm.s_tir import TensorIntrin
 
+from swa_tvm.compute.forward import band_width
 from swa_tvm.schedules.cpu import Defaults, _has
+from swa_tvm.schedules.intrinsics import preload_tensor_intrin
 from swa_tvm.spec import KernelSpec
 
 # Threads of the one-thread-per-output stages (default, and the tuner's choices).
@@ -84,8 +87,6 @@ def _one_thread_per_output(sch, block, threads) -> None:
     blockIdx.y and batch and heads (fused) to blockIdx.z: fused with the items, TVM's
     region analysis cannot lower the split of that symbolic extent. Such a stage is
     O(T^2) in work; its grid bounds items (T / block_q) and B x H at 65535."""
-    from tvm import tirx
-
     spatial = sch.get_loops(block)[: _spatial_count(sch, block)]
     n = _batch_heads(sch, spatial)
     lead, rest = spatial[:n], spatial[n:]
@@ -190,11 +191,9 @@ WMMA_FILL, WMMA_STORE = "wmma_fill_16x16x16_f32", "wmma_store_16x16x16_f32_globa
 
 def register_intrinsics() -> None:
     """Register the bfloat16 wmma intrinsics (once per process; TVM's own module first,
-    imported the fast way: ``tuning.preload_tensor_intrin``)."""
-    from swa_tvm.compiler.records import preload_tensor_intrin
-
+    imported the fast way: ``intrinsics.preload_tensor_intrin``)."""
     preload_tensor_intrin()
-    from tvm.s_tir import TensorIntrin
+    # Lazy, after the preload: imported plainly, tensor_intrin takes ~80 s.
     from tvm.s_tir.tensor_intrin import cuda as intrin
 
     load_a, load_b, sync = WMMA["bfloat16"]
@@ -211,8 +210,6 @@ def register_intrinsics() -> None:
 def tensor_cores_apply(spec: KernelSpec) -> bool:
     """Whether the search space has a tensor-core design space for ``spec``: a half
     dtype, a bounded band, and every extent of the score product a multiple of 16."""
-    from swa_tvm.compute.forward import band_width
-
     if spec.kind != "local" or spec.dtype not in WMMA or spec.left < 0 or spec.right < 0:
         return False
     kw = band_width(spec.block_q, spec.left, spec.right)
@@ -283,8 +280,6 @@ def _tiles16(sch, block):
 
 def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, knobs=None, tensor_cores: bool = False,
                    tensorize: bool = True) -> None:
-    from swa_tvm.compute.forward import band_width
-
     knobs = knobs or Defaults()
     bounded = spec.left >= 0 and spec.right >= 0
     _inline(sch, "masked", "xmasked", "blk_out", "blk_lse")
@@ -318,8 +313,6 @@ def schedule_local_dq(sch: s_tir.Schedule, spec: KernelSpec, knobs=None) -> None
     """dq of the local kernel (``compute_backward.local_dq``): scores and dP = dO V^T of an
     item as tiled products, dS (computed from them) straight into the shared tiles of
     dq = dS^T K_band; the extras and the gather back one thread per output."""
-    from swa_tvm.compute.forward import band_width
-
     knobs = knobs or Defaults()
     _inline(sch, "arg", "dq_blk")
     if spec.left >= 0 and spec.right >= 0:
@@ -334,8 +327,6 @@ def schedule_local_dkv(sch: s_tir.Schedule, spec: KernelSpec, knobs=None) -> Non
     """dk, dv of the local kernel's window (``compute_backward.local_dkv``), key-major:
     S^T and dP^T of a key block against its query band, dv = P^T dO and dk = dS^T Q as
     tiled products (dS computed straight into the last one's shared tile)."""
-    from swa_tvm.compute.forward import band_width
-
     knobs = knobs or Defaults()
     _inline(sch, "arg")
     if spec.left >= 0 and spec.right >= 0:

@@ -45,8 +45,6 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from swa_tvm.compute.forward import extra_visible, row_key_range
-from swa_tvm.spec import KernelSpec
-
 from swa_tvm.schedules.cuda_flash import (
     ITEM_SCALARS,
     band_positions,
@@ -67,7 +65,15 @@ from swa_tvm.schedules.cuda_flash_bwd import (
     stat_rows,
     stats_loader,
 )
-from swa_tvm.schedules.cuda_flash_tc import (
+from swa_tvm.schedules.cuda_flash_tc import tile_scope
+from swa_tvm.schedules.cuda_wgmma import (
+    a_packer,
+    packed_a,
+    sync_macros,
+    wgmma_macro,
+    wgmma_ss_macro,
+)
+from swa_tvm.schedules.ptx import (
     CP_ASYNC_SOURCE,
     PTX_TYPE,
     TileLayout,
@@ -80,10 +86,9 @@ from swa_tvm.schedules.cuda_flash_tc import (
     mma_macro,
     nk_loader,
     pair_loader,
-    tile_scope,
     two_stage_ring,
 )
-from swa_tvm.schedules.cuda_wgmma import a_packer, packed_a, sync_macros, wgmma_macro, wgmma_ss_macro
+from swa_tvm.spec import KernelSpec
 
 
 class Frags(NamedTuple):

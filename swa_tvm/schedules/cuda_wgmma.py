@@ -43,17 +43,19 @@ hardware reads as CUTLASS documents is ``probe``'s question for a GPU.
 
 from __future__ import annotations
 
+from tvm import tirx
 from tvm.script import tirx as T
 
-# Core matrices are 8 rows of 16 bytes (8 16-bit values).
-CORE = 8
-
-
-def core_offset(row, col, rows: int):
-    """Element offset of (row, col) of a shared tile of ``rows`` rows (a multiple of 8)
-    laid out as core matrices: core (row // 8, col // 8) is 64 contiguous values, row
-    by row, cores down the rows first. Takes ints or index expressions."""
-    return ((col // CORE) * (rows // CORE) + row // CORE) * (CORE * CORE) + (row % CORE) * CORE + col % CORE
+from swa_tvm.schedules.ptx import (
+    COMMON_SOURCE,
+    CORE,
+    PTX_TYPE,
+    a_lane,
+    a_pos,
+    c_lane,
+    c_pos,
+    core_offset,
+)
 
 
 def descriptor_fields(operand: str, rows: int, ks: int, el_bytes: int = 2) -> tuple[int, int, int]:
@@ -89,42 +91,11 @@ def canonical_address(start: int, lbo: int, sbo: int, major: str, mn: int, k: in
     raise ValueError(f"major {major!r}: expected 'K' or 'MN'")
 
 
-# Guarded: each wgmma macro's source carries it, and the sources are emitted one by one.
-COMMON_SOURCE = r"""
-#ifndef SWA_WGMMA_COMMON
-#define SWA_WGMMA_COMMON
-__device__ __forceinline__ unsigned long long swa_gmma_desc(const void* p, unsigned lbo, unsigned sbo) {
-  // PTX ISA "Matrix Descriptor Format": start address, LBO and SBO in 16-byte units at
-  // bits 0, 16 and 32; base offset 0 and swizzle mode 0 (none) above them.
-  unsigned a = (unsigned)__cvta_generic_to_shared(p);
-  return (unsigned long long)((a & 0x3FFFF) >> 4) | ((unsigned long long)((lbo & 0x3FFFF) >> 4) << 16)
-       | ((unsigned long long)((sbo & 0x3FFFF) >> 4) << 32);
-}
-#define swa_wgmma_fence() asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory")
-#define swa_wgmma_commit_wait0() \
-  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory")
-#define swa_wgmma_commit() asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory")
-#define swa_wgmma_wait0() asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory")
-#define swa_wgmma_wait1() asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory")
-// An empty asm that "modifies" a register: code writing it stays before, code reading it after.
-#define swa_reg_fence_f(x) asm volatile("" : "+f"(x) :: "memory")
-#define swa_reg_fence_r(x) asm volatile("" : "+r"(x) :: "memory")
-// Two 16-bit values into one 32-bit operand register, the first in the low half (the
-// A/B fragments of mma.sync and wgmma alike).
-#define swa_pack_bf16(x, y) ((unsigned)__bfloat16_as_ushort(x) | ((unsigned)__bfloat16_as_ushort(y) << 16))
-#define swa_pack_f16(x, y) ((unsigned)__half_as_ushort(x) | ((unsigned)__half_as_ushort(y) << 16))
-#define swa_fence_proxy_async() asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory")
-#endif
-"""
-
-
 def wgmma_source(name: str, n: int, dtype: str, trans_b: int, lbo: int, sbo: int) -> str:
     """A C macro ``name(a0..a3, ptr, d0..d{n/2-1})``: D[64 x n] += A[64 x 16] B[16 x n],
     A from registers (the mma A fragment's eight 16-bit values packed in four 32-bit
     registers, ``a_packer``), B the shared tile at ``ptr`` with LBO/SBO (bytes), D the
     thread's n/2 fp32 accumulators. scale-d is 1 (always accumulate: the caller zeroes D)."""
-    from swa_tvm.schedules.cuda_flash_tc import PTX_TYPE
-
     half = n // 2
     d = ",".join(f"%{i}" for i in range(half))
     a = ",".join(f"%{half + i}" for i in range(4))
@@ -147,8 +118,6 @@ def wgmma_ss_source(name: str, n: int, dtype: str, a_fields: tuple[int, int], b_
     """A C macro ``name(aptr, bptr, d0..d{n/2-1})``: D[64 x n] += A[64 x 16] B[16 x n], both
     from shared memory, K-major (``imm-trans-a``/``-b`` 0), at ``aptr``/``bptr`` with
     (LBO, SBO) ``a_fields``/``b_fields`` (bytes); scale-d 1, as ``wgmma_source``."""
-    from swa_tvm.schedules.cuda_flash_tc import PTX_TYPE
-
     half, ptx = n // 2, PTX_TYPE[dtype]
     d = ",".join(f"%{i}" for i in range(half))
     params = ", ".join(["aptr", "bptr"] + [f"d{i}" for i in range(half)])
@@ -170,8 +139,6 @@ def emulated_product(warps: int, n: int):
     warpgroup, lane by lane: in every warp w, C[16w + row][j] += A[row][k] B[k][j] over
     the k-step's 16 values, A[row][k] = ``a_of(w, row, k)``, B[k][j] = ``b_of(k, j)``, C
     in ``cfrag`` as mma's C tiles of 8 columns side by side (the accumulator layout)."""
-    from swa_tvm.schedules.cuda_flash_tc import c_lane
-
     @T.macro
     def product(cfrag, a_of, b_of):
         for w, row, j in T.grid(warps, 16, n):
@@ -189,8 +156,6 @@ def wgmma_ss_macro(warps: int, dtype: str, n: int, a_rows: int, emulate: bool):
     ``a_rows`` rows: A[m][k] = atile[64g + m][16*ks + k]), B = ``btile``'s k-step read as
     "nk" (B[k][j] = btile[j][16*ks + k], its n rows), both K-major from shared memory; C
     as ``wgmma_macro``'s. Emulated, both read where ``canonical_address`` says."""
-    from swa_tvm.schedules.cuda_flash_tc import PTX_TYPE
-
     nt = 32 * warps
     name = f"swa_wgmma_ss_{PTX_TYPE[dtype]}_n{n}_a{a_rows}"
     _, a_lbo, a_sbo = descriptor_fields("nk", a_rows, 0)
@@ -233,8 +198,6 @@ def wgmma_macro(warps: int, dtype: str, operand: str, n: int, rows: int, emulate
     Emulated, B is read where ``canonical_address`` says the hardware reads it under
     the descriptor: what the tile's loaders wrote only if the two layouts agree.
     ``swap``: LBO and SBO exchanged (``probe``'s other reading of the layout)."""
-    from swa_tvm.schedules.cuda_flash_tc import PTX_TYPE, a_lane  # the m16n8k16 fragment map, shared with mma
-
     nt = 32 * warps
     name = f"swa_wgmma_{PTX_TYPE[dtype]}_{operand}_n{n}_r{rows}" + ("_swapped" if swap else "")
     _, lbo, sbo = descriptor_fields(operand, rows, 0)
@@ -279,8 +242,6 @@ def a_packer(threads: int, dtype: str, emulate: bool):
     apk[tx, p0 .. p0 + 4*steps - 1] (``packed_a``), each then pinned before any later
     wgmma.fence (the compiler otherwise packs next to each wgmma, after the fence).
     Emulated: a copy (apk holds 16-bit values, 2*p0 onwards)."""
-    from swa_tvm.schedules.cuda_flash_tc import PTX_TYPE
-
     name = f"swa_pack_{PTX_TYPE[dtype]}"
 
     @T.macro
@@ -372,10 +333,6 @@ def probe(dtype: str, operand: str, rows: int, cols: int, ks: int, swap: bool = 
     tiles, one wgmma. Against a plain matrix product on the GPU it says whether the
     descriptor's reading of the tiles is the hardware's, apart from everything else the
     forward does; ``swap`` builds the other reading (LBO and SBO exchanged)."""
-    from tvm import tirx
-
-    from swa_tvm.schedules.cuda_flash_tc import a_pos, c_pos
-
     n = rows if operand == "nk" else cols
     steps = -(-rows * cols // 128)
     wgmma = wgmma_macro(4, dtype, operand, n, rows, emulate, swap)

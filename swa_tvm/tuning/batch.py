@@ -32,7 +32,36 @@ import shutil
 import uuid
 from typing import Iterable
 
+import tvm
+from tvm import s_tir
+from tvm.runtime import convert
+from tvm.s_tir import meta_schedule as ms
+from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+from tvm.s_tir.meta_schedule.database import TuningRecord, Workload
+
+from swa_tvm.compiler.build import default_schedule, schedule_spec
+from swa_tvm.compiler.records import (
+    BASELINE_FILE,
+    fold_scale,
+    log_dir,
+    open_log,
+    read_baselines,
+    tuning_workload,
+    tvm_target_of,
+    workload_key,
+)
+from swa_tvm.compiler.targets import normalize_target, target_key
+from swa_tvm.compute import prim_func
+from swa_tvm.runtime.library import sha256_file, tvm_version
+from swa_tvm.schedules.cuda import register_intrinsics
+from swa_tvm.schedules.intrinsics import preload_tensor_intrin
 from swa_tvm.spec import KernelSpec
+from swa_tvm.tuning.candidates import (
+    check_cuda_specs,
+    input_fills,
+    make_builder,
+    space_generator,
+)
 
 BATCH_FORMAT = 1
 IMPORTED_FILE = "imported_batches.json"
@@ -42,9 +71,6 @@ def _fills(spec: KernelSpec, target_kind: str, args: list) -> list:
     """Annotate call arguments with how the measuring side fills them
     (``tuning.input_fills``: the rule MetaSchedule's runner here follows too), their
     names, and which are outputs (compared against the baseline)."""
-    from swa_tvm.compute import prim_func
-    from swa_tvm.tuning.tune import input_fills
-
     names = [p.name for p in prim_func(spec, target_kind=target_kind).params if p.name != "scale"]
     tensors = [arg for arg in args if arg[0] == "TENSOR"]
     fills = iter(input_fills(tensors))
@@ -65,11 +91,6 @@ def baseline_module(spec: KernelSpec, target: dict):
     """The kernel a library uses for ``spec`` without a record, as an IRModule whose
     "main" takes a tuning candidate's arguments (scale folded; T stays symbolic and
     binds to the tensors passed)."""
-    import tvm
-
-    from swa_tvm.compiler.build import schedule_spec
-    from swa_tvm.compiler.records import fold_scale
-
     func = fold_scale(schedule_spec(spec, tvm.target.Target(target), record=None), spec)
     return tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
 
@@ -88,10 +109,6 @@ def _candidates(ctx, db, cost_model, trials: int):
 def _memory_copy(folder: str, mods: list):
     """A MemoryDatabase holding the log's records of these workloads (the search reads
     and may add workloads; the log itself is only written by an import)."""
-    from tvm.s_tir import meta_schedule as ms
-
-    from swa_tvm.compiler.records import open_log, workload_key
-
     mem = ms.database.MemoryDatabase(module_equality="structural")
     if not os.path.exists(folder):
         return mem
@@ -104,9 +121,6 @@ def _memory_copy(folder: str, mods: list):
 
 def _trained_cost_model(ctx, db, mod, cores: int):
     """XGBoost cost model trained on the measured records of ``mod`` (untrained without)."""
-    from tvm import s_tir
-    from tvm.s_tir import meta_schedule as ms
-
     model = ms.cost_model.XGBModel(num_tuning_cores=cores)
     if not db.has_workload(mod):
         return model
@@ -139,17 +153,6 @@ def build_batch(
 ) -> dict:
     """Build ``trials`` candidates per kernel (fewer where the space has fewer new points)
     plus each kernel's baseline into ``out_dir``; returns the batch description."""
-    from tvm.s_tir import meta_schedule as ms
-    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
-    from tvm.s_tir.meta_schedule.database import TuningRecord
-
-    from swa_tvm.compiler.build import default_schedule
-    from swa_tvm.compiler.targets import normalize_target, target_key
-    from swa_tvm.runtime.library import sha256_file, tvm_version
-    from swa_tvm.tuning.tune import check_cuda_specs, make_builder, space_generator
-    from swa_tvm.compiler.records import log_dir, preload_tensor_intrin
-    from swa_tvm.compiler.records import tuning_workload, tvm_target_of
-
     preload_tensor_intrin()
     target = normalize_target(target)
     kind = target["kind"]
@@ -229,11 +232,6 @@ def import_measurements(batch_dir: str, measured_path: str, logs_root: str, prog
     ``baselines.json``) in ``logs_root``'s folder for the batch's target. Refuses a
     measurement of another batch, of another device kind, of a file that is not the one
     built, or of a batch already imported. Returns counts."""
-    from tvm.runtime import convert
-    from tvm.s_tir.meta_schedule.database import TuningRecord, Workload
-
-    from swa_tvm.compiler.records import log_dir, open_log
-
     with open(os.path.join(batch_dir, "batch.json")) as f:
         batch = json.load(f)
     with open(os.path.join(batch_dir, "records.json")) as f:
@@ -274,8 +272,6 @@ def import_measurements(batch_dir: str, measured_path: str, logs_root: str, prog
         measured_rows.append((task, entry, run_secs))
     counts = {"records": 0, "baselines": 0, "failed": len(measured["results"]) - len(measured_rows)}
     if batch["device"] == "cuda":
-        from swa_tvm.schedules.cuda import register_intrinsics
-
         register_intrinsics()  # a tensor-core record names the bfloat16 wmma intrinsics
     # Every record is decoded before anything is written: one that cannot be read leaves
     # the log as it was.
@@ -309,14 +305,6 @@ def measure_baselines(specs, target: dict, folder: str, builder, runner) -> None
     """Where MetaSchedule's runner reaches the device (``swa-tvm tune --target cuda`` on
     the GPU's machine or through an RPC tracker): build each kernel's baseline and
     measure it with that runner, into ``baselines.json``."""
-    import datetime as dt
-
-    from tvm.s_tir import meta_schedule as ms
-    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
-
-    from swa_tvm.compiler.build import default_schedule
-    from swa_tvm.compiler.records import tuning_workload, tvm_target_of, workload_key
-
     tvm_target = tvm_target_of(target)
     kind = target["kind"]
     specs = list(specs)
@@ -334,15 +322,14 @@ def measure_baselines(specs, target: dict, folder: str, builder, runner) -> None
             raise RuntimeError(f"the baseline of {spec.name} failed to run: {res.error_msg[:500]}")
         entries[workload_key(tuning_workload(spec, target_kind=kind))] = {
             "spec": spec.name, "schedule": default_schedule(spec, kind), "run_secs": [float(x) for x in res.run_secs],
-            "device": "MetaSchedule runner", "measured": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "device": "MetaSchedule runner",
+            "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
     update_baselines(folder, entries)
 
 
 def update_baselines(folder: str, entries: dict) -> None:
     """Merge measured baselines into ``baselines.json``, keeping each kernel's fastest."""
-    from swa_tvm.compiler.records import BASELINE_FILE, read_baselines
-
     def mean(e):
         return sum(e["run_secs"]) / len(e["run_secs"])
 

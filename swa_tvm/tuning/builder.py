@@ -10,25 +10,23 @@ held 436-439 MiB over 64 builds of D=64 W=256 kernels, 2026-12-05. The recycling
 what was not measured, CUDA candidates among it.) Candidates arrive scheduled,
 tensorized where their schedule tensorizes, so a worker needs the compiler only: it
 never imports ``tensor_intrin``.
-
-Imported lazily (``tuning.make_builder``): this module loads TVM.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from tvm import get_global_func
+from tvm.driver import build
 from tvm.ir.utils import derived_object
 from tvm.s_tir.meta_schedule.builder import BuilderInput, BuilderResult, PyBuilder
+from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
 
 
 def build_candidate(mod, target):
     """Compile one scheduled candidate, as MetaSchedule's ``default_build`` does minus
     its ``tensor_intrin`` import."""
-    from tvm.driver import build
-    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
-
     return build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
 
 
@@ -38,15 +36,12 @@ DEFAULT_EXPORT = "s_tir.meta_schedule.builder.default_export"
 
 
 def _warm_up() -> None:
-    """Import what a build needs, so that the first batch does not wait for it."""
-    import tvm.driver  # noqa: F401
-    import tvm.s_tir.transform  # noqa: F401
+    """Nothing: calling it in a worker imports this module there, and with it what a
+    build needs, so that the first batch does not wait for it."""
 
 
 def _build_and_export(f_export: Callable | str, mod, target) -> str:
     if isinstance(f_export, str):
-        from tvm import get_global_func
-
         f_export = get_global_func(f_export)
     return f_export(build_candidate(mod, target))
 

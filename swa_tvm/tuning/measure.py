@@ -30,6 +30,12 @@ import traceback
 
 import torch
 
+from swa_tvm.runtime.library import (
+    _load_tvm_runtime,
+    cuda_unavailable_reason,
+    sha256_file,
+)
+
 MEASURED_FILE = "measured.json"
 # Largest relative output difference from the baseline a candidate may have.
 TOLERANCE = {"float16": 1e-2, "bfloat16": 3e-2, "float32": 1e-4, "float64": 1e-9}
@@ -97,8 +103,6 @@ def measure(batch_dir: str, device: str = "cuda", number: int = 3, repeat: int =
     first, candidates checked against it); past ``deadline`` (a ``time.monotonic()``
     value) the rest are rows with an error, never timed."""
     import tvm_ffi
-
-    from swa_tvm.runtime.library import _load_tvm_runtime, cuda_unavailable_reason, sha256_file
 
     with open(os.path.join(batch_dir, "batch.json")) as f:
         batch = json.load(f)

@@ -1,5 +1,6 @@
-"""MetaSchedule tuning: the search space, measuring, and the search that writes records
-into the tuning logs (swa_tvm.compiler.records reads them back).
+"""MetaSchedule tuning: measuring, and the search that writes records into the tuning
+logs (swa_tvm.compiler.records reads them back); the search space and the candidates'
+builder are ``candidates``'s.
 
 What is tuned. A record is measured on a *tuning workload*
 (``records.tuning_workload``): the kernel's PrimFunc at a concrete shape with the scale
@@ -16,48 +17,49 @@ records holds the fused kernels' measured times (written by ``swa_tvm.tuning.bat
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import time
 from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
+import tvm
+from tvm.ir.utils import derived_object
+from tvm.s_tir import meta_schedule as ms
+from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+from tvm.s_tir.meta_schedule.logging import get_loggers_from_work_dir
+from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
+from tvm.s_tir.meta_schedule.runner import (
+    EvaluatorConfig,
+    LocalRunner,
+    RPCConfig,
+    RPCRunner,
+)
 
 from swa_tvm.compiler.records import (
     _best_in,
     default_point,
     log_dir,
     open_log,
-    preload_tensor_intrin,
     read_baselines,
     tuning_workload,
     tvm_target_of,
     workload_flops,
 )
+from swa_tvm.compiler.targets import _vector_lanes, local_cuda_arch
+from swa_tvm.runtime.library import default_tvm_threads
+from swa_tvm.schedules.intrinsics import preload_tensor_intrin
 from swa_tvm.spec import KernelSpec
-
+from swa_tvm.tuning.batch import measure_baselines
+from swa_tvm.tuning.candidates import (
+    check_cuda_specs,
+    input_fills,
+    make_builder,
+    space_generator,
+)
 
 # --------------------------------------------------------------------------- measuring
-
-
-def input_fills(args_info) -> list[dict]:
-    """How each tensor argument ``("TENSOR", dtype, shape)`` of a kernel is filled to
-    measure it, the one rule for MetaSchedule's runner here (``tuning_inputs``) and the
-    GPU batch runner (``measure_batch``, from ``tuning_batch``'s annotations): floats
-    random normal; the [H] int table (dilation) ones; the [B, E] int tables (extra and
-    global positions) distinct and sorted below T, the longest third dim of the 4-D
-    tensors (q_global's is G), so every index is in range and global rows see the
-    sequence."""
-    T = max(shape[2] for _, _, shape in args_info if len(shape) == 4)
-    fills = []
-    for _, dtype, shape in args_info:
-        if not dtype.startswith("int"):
-            fills.append({"fill": "normal"})
-        elif len(shape) == 2:
-            fills.append({"fill": "positions", "high": T})
-        else:
-            fills.append({"fill": "ones"})
-    return fills
 
 
 def tuning_inputs(args_info) -> list[np.ndarray]:
@@ -76,8 +78,6 @@ def tuning_inputs(args_info) -> list[np.ndarray]:
 
 
 def alloc_args_local(device, args_info, alloc_repeat):
-    import tvm
-
     return [[tvm.runtime.tensor(a, device=device) for a in tuning_inputs(args_info)] for _ in range(alloc_repeat)]
 
 
@@ -86,8 +86,6 @@ def alloc_args_local_threads(threads, device, args_info, alloc_repeat):
     op's (library.configure_cpu_threads). It runs in the worker process before the
     worker's first kernel call creates the pool, so the setting stays in the worker: the
     tuner's own process (and a caller of ``tune``) keeps its environment."""
-    from swa_tvm.runtime.library import default_tvm_threads
-
     default_tvm_threads(threads)
     return alloc_args_local(device, args_info, alloc_repeat)
 
@@ -97,8 +95,6 @@ def alloc_args_rpc(session, device, args_info, alloc_repeat):
 
 
 def _evaluator():
-    from tvm.s_tir.meta_schedule.runner import EvaluatorConfig
-
     # Each candidate runs tens of ms at the tuning shape: three timed runs are enough.
     return EvaluatorConfig(number=1, repeat=3, min_repeat_ms=0, enable_cpu_cache_flush=False)
 
@@ -127,8 +123,6 @@ def make_runner(
 ):
     """MetaSchedule's runner: local (candidates measured on ``threads`` threads, default
     the usable cores), or the devices of an RPC tracker (which use their own setting)."""
-    from tvm.s_tir.meta_schedule.runner import LocalRunner, RPCConfig, RPCRunner
-
     if not rpc_tracker:
         threads = threads or len(os.sched_getaffinity(0))
         alloc = functools.partial(alloc_args_local_threads, threads)
@@ -157,9 +151,6 @@ class TuneResult:
 
 
 def _progress_callback(specs, bar):
-    from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
-    from tvm.ir.utils import derived_object
-
     @derived_object
     class Progress(PyMeasureCallback):
         def __init__(self):
@@ -189,9 +180,6 @@ def _measure_default_points(specs, db, builder, runner, tvm_target, lanes) -> No
     it as an ordinary record. The evolutionary search seeds its population from the
     best records, so it starts at the default instead of random points only (32 random
     trials of the backward kernels' spaces all lost to the default)."""
-    from tvm.s_tir import meta_schedule as ms
-    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
-
     todo = []
     for spec in specs:
         sch = default_point(spec, lanes)
@@ -219,87 +207,10 @@ def _measure_default_points(specs, db, builder, runner, tvm_target, lanes) -> No
         )
 
 
-def space_generator(spec: KernelSpec, tvm_target):
-    """MetaSchedule's design space for ``spec``: the target's schedule with Sampled knobs.
-    CUDA candidates that exceed the GPU's limits (threads, shared memory) are dropped
-    before building."""
-    from tvm.s_tir import meta_schedule as ms
-
-    from swa_tvm.schedules import cpu as cpu_schedules
-    from swa_tvm.schedules import cuda as cuda_schedules
-
-    if tvm_target.kind.name == "cuda":
-
-        def fn(sch):
-            # Two design spaces where tensor cores apply: the score product on tensor
-            # cores, and everything on CUDA cores.
-            spaces = []
-            if cuda_schedules.tensor_cores_apply(spec):
-                tc = sch.copy()
-                cuda_schedules.schedule(tc, spec, cpu_schedules.Sampled(), tensor_cores=True)
-                spaces.append(tc)
-            cuda_schedules.schedule(sch, spec, cpu_schedules.Sampled())
-            return spaces + [sch]
-
-        postprocs = [ms.postproc.VerifyGPUCode()]
-    else:
-        from swa_tvm.compiler.targets import _vector_lanes
-
-        lanes = _vector_lanes(tvm_target)
-
-        def fn(sch):
-            cpu_schedules.schedule(sch, spec, lanes, cpu_schedules.Sampled())
-            return sch
-
-        postprocs = []
-    return ms.space_generator.ScheduleFn(fn, sch_rules=[], postprocs=postprocs, mutator_probs="from-target")
-
-
-def export_shared_library(mod, target: dict | None = None) -> str:
-    """MetaSchedule builder export: a shared library (which the TVM runtime alone loads,
-    unlike the default tar, which needs a compiler to link on the measuring machine),
-    for CUDA with the device code compiled in (``cuda_pack.export_module``)."""
-    import tempfile
-
-    from swa_tvm.compiler.cuda_pack import export_module
-
-    path = os.path.join(tempfile.mkdtemp(prefix="swa_tvm_candidate_"), "candidate.so")
-    export_module(mod, path, target or {"kind": "llvm"})
-    return path
-
-
-def make_builder(target: dict, cores: int, shared_library: bool = False):
-    """A MetaSchedule builder for ``target`` whose workers persist across batches
-    (``tuning_builder.PooledBuilder``; ``close()`` it when done). ``shared_library``:
-    export .so files (for measuring with the runtime alone) instead of MetaSchedule's
-    tar; CUDA candidates always are."""
-    from swa_tvm.tuning.builder import PooledBuilder
-
-    export = shared_library or target.get("kind") == "cuda"
-    return PooledBuilder(
-        max_workers=cores,
-        timeout_sec=300,
-        f_export=functools.partial(export_shared_library, target=dict(target)) if export else None,
-    )
-
-
-def check_cuda_specs(specs) -> None:
-    """CUDA tuning covers the forward kernels only: the gradient kernels are fused TIR
-    kernels (schedules/cuda_flash_bwd.py) with no search space, and the batch runner
-    compares forward outputs."""
-    from swa_tvm.spec import BACKWARD_KINDS
-
-    if any(s.kind in BACKWARD_KINDS for s in specs):
-        raise ValueError("CUDA tuning covers the forward kernels only (the gradient kernels are fused, "
-                         "with no search space); tune with --kernels forward")
-
-
 def check_cuda_tuning(specs, rpc_tracker: str | None) -> None:
     """CUDA tuning measures on a GPU: this machine's, or an RPC tracker's."""
     check_cuda_specs(specs)
     if rpc_tracker is None:
-        from swa_tvm.compiler.targets import local_cuda_arch
-
         if local_cuda_arch() is None:
             raise RuntimeError(
                 "tuning for CUDA measures candidates on a GPU and this machine has none: use "
@@ -325,13 +236,6 @@ def tune(
     appending records to ``<logs_root>/<target-key>/``. The default schedule's point is
     measured first (once per log); existing records seed the search, so a second run
     continues where the first stopped."""
-    import logging
-
-    from tvm.s_tir import meta_schedule as ms
-    from tvm.s_tir.meta_schedule.logging import get_loggers_from_work_dir
-
-    from swa_tvm.compiler.targets import _vector_lanes
-
     check_tune_arguments(trials, rpc_tracker, rpc_key)
     specs = list(dict.fromkeys(specs))
     kind = target.get("kind")
@@ -365,8 +269,6 @@ def tune(
         if kind == "llvm":
             _measure_default_points(specs, db, builder, runner, tvm_target, _vector_lanes(tvm_target))
         else:
-            from swa_tvm.tuning.batch import measure_baselines
-
             measure_baselines(specs, target, folder, builder, runner)
 
         per_iter = max(1, min(num_trials_per_iter, trials))

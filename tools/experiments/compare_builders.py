@@ -1,5 +1,5 @@
 """Tune one kernel with MetaSchedule's LocalBuilder, then with swa_tvm's pooled builder
-(swa_tvm/tuning_builder.py), and print each run's wall time; then the pooled builder's
+(swa_tvm/tuning/builder.py), and print each run's wall time; then the pooled builder's
 worker memory over repeated batches. Usage:
 
     python -m tools.experiments.compare_builders local     # tune with LocalBuilder
@@ -11,17 +11,21 @@ import sys
 import tempfile
 import time
 
+import tvm
+from tvm import s_tir
+from tvm.s_tir import meta_schedule as ms
+
 from swa_tvm.compiler import records
-from swa_tvm.tuning import tune
-from swa_tvm.compiler.targets import host_target
+from swa_tvm.compiler.targets import _vector_lanes, host_target
+from swa_tvm.schedules import cpu
 from swa_tvm.spec import AttentionSpec, KernelSpec
+from swa_tvm.tuning import tune
+from swa_tvm.tuning.builder import PooledBuilder
 
 
 def tune_with(kind: str) -> None:
     if kind == "local":
         def make_builder(target, cores, shared_library=False):
-            from tvm.s_tir import meta_schedule as ms
-
             b = ms.builder.LocalBuilder(max_workers=cores, timeout_sec=300, initializer=records.preload_tensor_intrin)
             b.close = lambda: None
             return b
@@ -49,14 +53,6 @@ def worker_rss_mib() -> list[int]:
 
 
 def memory(batches: int) -> None:
-    import tvm
-    from tvm import s_tir
-    from tvm.s_tir import meta_schedule as ms
-
-    from swa_tvm.compiler.targets import _vector_lanes
-    from swa_tvm.schedules import cpu
-    from swa_tvm.tuning.builder import PooledBuilder
-
     spec = KernelSpec("local", 64, "float32", 255, 0)
     target = tvm.target.Target(host_target())
     mods = []

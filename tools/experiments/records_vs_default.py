@@ -19,13 +19,13 @@ import sys
 import tempfile
 import warnings
 
+import torch
+
+import swa_tvm
+from benchmarks import forward as bench
+
 
 def _time(lib: str, window: tuple[int, int], dilation: int, T: int, runs: int = 5) -> float:
-    import torch
-
-    import swa_tvm
-    from benchmarks import forward as bench
-
     swa_tvm.load_library(lib)
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 8, T, 64, requires_grad=True) for _ in range(3))
@@ -52,8 +52,6 @@ def main(argv=None) -> int:
         return 0
     if not a.spec:
         p.error("--spec is required (unless --time-lib)")
-
-    import swa_tvm
 
     with tempfile.TemporaryDirectory() as tmp:
         libs = {"records": os.path.join(tmp, "records.so"), "default": os.path.join(tmp, "default.so")}
