@@ -9,9 +9,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
+import time
+import warnings
 
 from swa_tvm.compiler.kernels import FUSED_KERNELS
+from swa_tvm.runtime.library import check_manifest, read_manifest
+from swa_tvm.spec import BACKWARD_KINDS, AttentionSpec
+
+# The commands import the compiler and the tuner when they run, not here: `swa-tvm info`
+# and `--help` work on the TVM runtime alone.
 
 
 LOGS_HELP = "tuning log root (default: $SWA_TVM_TUNING_LOGS, else the package's swa_tvm/tuning_logs/)"
@@ -25,8 +34,6 @@ def _default_logs() -> str:
 
 
 def _specs(args):
-    from swa_tvm.spec import AttentionSpec
-
     return [AttentionSpec.parse(s) for s in args.spec]
 
 
@@ -43,8 +50,6 @@ def _logs_arg(args):
 
 
 def _cmd_export(args) -> int:
-    import warnings
-
     from swa_tvm import export_library
     from swa_tvm.compiler.build import UntunedKernelWarning
 
@@ -93,10 +98,6 @@ def _tuned_text(k) -> str:
 
 
 def _cmd_tune(args) -> int:
-    import os
-    import signal
-    import time
-
     from swa_tvm.compiler.targets import normalize_target, target_key
     from swa_tvm.tuning.tune import check_tune_arguments, tune
     from swa_tvm.compiler.records import log_dir
@@ -105,13 +106,11 @@ def _cmd_tune(args) -> int:
     target = normalize_target(args.target)
     specs = _kernel_specs(args)
     if args.kernels != "all":
-        from swa_tvm.spec import BACKWARD_KINDS
 
         specs = [k for k in specs if (k.kind in BACKWARD_KINDS) == (args.kernels == "backward")]
         if not specs:
             raise ValueError(f"--kernels {args.kernels}: the specs have no such kernels (add ',backward' to a spec)")
     if target.get("kind") == "cuda" and args.kernels == "all":
-        from swa_tvm.spec import BACKWARD_KINDS
 
         specs = [k for k in specs if k.kind not in BACKWARD_KINDS]  # CUDA tuning covers the forward kernels
     logs = args.logs or _default_logs()
@@ -198,8 +197,6 @@ def _cmd_import_tiles(args) -> int:
 
 
 def _cmd_info(args) -> int:
-    from swa_tvm.runtime.library import check_manifest, read_manifest
-
     manifest = read_manifest(args.library)
     if args.json:
         print(json.dumps(manifest, indent=2))
