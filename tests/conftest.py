@@ -47,32 +47,17 @@ def run_cli(capsys, *argv):
     return rc, captured.out, captured.err
 
 
-def _registry_state():
-    from swa_tvm.runtime import library
-
-    reg = library.REGISTRY
-    return dict(reg._kernels), list(reg._libraries), list(reg._modules)
-
-
-def _restore_registry(state):
-    from swa_tvm.runtime import library
-
-    reg = library.REGISTRY
-    reg.clear()
-    reg._kernels.update(state[0])
-    reg._libraries.extend(state[1])
-    reg._modules.extend(state[2])
-
-
 @pytest.fixture(autouse=True)
 def _libraries_unloaded_after_each_test():
     """A library a test loads leaves with the test: loaded libraries serve every later
     call in the process (pytest-xdist runs other modules' tests after it on the same
     worker), and one with other head dims would refuse them."""
-    saved = _registry_state()
+    from swa_tvm.runtime import library
+
+    saved = library.REGISTRY.snapshot()
     yield
-    if _registry_state()[1] != saved[1]:
-        _restore_registry(saved)
+    if library.REGISTRY.libraries != list(saved.libraries):
+        library.REGISTRY.restore(saved)
 
 
 @pytest.fixture
@@ -80,10 +65,10 @@ def fresh_registry():
     """Isolate tests that load libraries: the registry is process-global."""
     from swa_tvm.runtime import library
 
-    saved = _registry_state()
+    saved = library.REGISTRY.snapshot()
     library.REGISTRY.clear()
     yield library.REGISTRY
-    _restore_registry(saved)
+    library.REGISTRY.restore(saved)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups

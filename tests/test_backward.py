@@ -92,6 +92,7 @@ def test_gradcheck(name):
     assert torch.autograd.gradcheck(fn, tuple(qkv) + tuple(float_kw.values()), fast_mode=True)
 
 
+@pytest.mark.slow  # compiles float32 kernel sets of its own
 def test_float32_larger_shapes():
     # fp32 kernels on longer rows, against the float64 reference's gradients.
     for name, window in (("globals", (3, 1)), ("causal", (2, 0))):
@@ -105,6 +106,7 @@ def test_float32_larger_shapes():
 HALF_CASES = ("everything", "dilation_per_head", "causal_gqa", "unbounded")
 
 
+@pytest.mark.slow  # a bf16 and an fp16 kernel set per case
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", HALF_CASES)
 def test_half_precision_on_cpu(name, dtype):
@@ -175,6 +177,7 @@ def test_torch_compile_fullgraph_backward():
         assert rel_err(a, b) < 1e-10
 
 
+@pytest.mark.slow  # points of the tuning search space, compiled
 def test_sampled_backward_schedules_replay_and_are_correct(fresh_registry):
     """Random points of the backward kernels' search spaces, sampled on the concrete
     tuning workload and replayed on the symbolic-T kernels (as export does with a
@@ -187,6 +190,7 @@ def test_sampled_backward_schedules_replay_and_are_correct(fresh_registry):
     from swa_tvm.runtime import library
     from swa_tvm.compiler.targets import _vector_lanes, host_target
     from swa_tvm.compiler.build import compile_specs
+    from swa_tvm.compiler.records import tuning_workload
     from swa_tvm.schedules import cpu
     from swa_tvm.spec import AttentionSpec
 
@@ -194,7 +198,7 @@ def test_sampled_backward_schedules_replay_and_are_correct(fresh_registry):
     lanes = _vector_lanes(tvm.target.Target(host_target()))
     records = {}
     for spec in specs:
-        sch = s_tir.Schedule(records.tuning_workload(spec), seed=7)
+        sch = s_tir.Schedule(tuning_workload(spec), seed=7)
         cpu.schedule(sch, spec, lanes, cpu.Sampled())
         records[spec.name] = types.SimpleNamespace(trace=sch.trace)
     module, _ = compile_specs(specs, host_target(), records)
@@ -212,7 +216,7 @@ def test_library_without_backward_kernels_says_so(fresh_registry):
     fwd = get_or_build_kernel(KernelSpec("local", D64, "float64", 3, 1, 4, False))
     fresh_registry.clear()
     fresh_registry.add(library.Kernel(fwd.spec, fwd.func, "cpu", "forward_only.so"))
-    fresh_registry._libraries.append("forward_only.so")  # as if that library were loaded
+    fresh_registry.add_library("forward_only.so")  # as if that library were loaded
     out = swa_tvm.sliding_window_attention(*qkv, **kw)  # the forward is served
     with pytest.raises(ValueError, match="export with 'backward' in the spec"):
         out.sum().backward()

@@ -23,6 +23,7 @@ def test_visible_pairs_matches_reference_mask(config, T):
     assert bench.visible_pairs(T, cfg) == int(mask.sum())
 
 
+@pytest.mark.slow  # T=1100 through every peer
 @pytest.mark.parametrize("config", list(bench.CONFIGS))
 def test_peers_compute_the_pattern(config):
     """sliding chunks, SDPA's mask and FlexAttention's mask_mod all mean our pattern."""
@@ -55,14 +56,34 @@ def test_spec_strings_cover_every_config():
     assert all(t.backward and t.dtype == "bfloat16" for t in train) and len(train) == len(bench_train.CONFIGS)
 
 
+def test_shipped_specs_are_the_benchmarks_specs():
+    """swa_tvm/tuning_logs/shipped_specs.txt (what `make tune` tunes and the wheel
+    ships records for) is the set of specs the benchmarks export: the forward's and the
+    training's (comment lines aside)."""
+    import pathlib
+
+    from benchmarks import training as bench_train
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "swa_tvm" / "tuning_logs" / "shipped_specs.txt"
+    shipped = [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    assert sorted(shipped) == sorted(bench.spec_strings() + bench_train.spec_strings())
+    assert len(set(shipped)) == len(shipped)
+
+
+@pytest.mark.slow  # a process of its own
 def test_cli_bench_help():
+    """The benchmark's command line (``python -m benchmarks.forward``, `make bench`;
+    `swa-tvm bench` before benchmarks/ left the package)."""
+    import pathlib
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "swa_tvm.cli", "bench", "--help"], capture_output=True, text=True)
+    root = pathlib.Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-m", "benchmarks.forward", "--help"], capture_output=True, text=True, cwd=root)
     assert r.returncode == 0 and "--reuse-libs" in r.stdout and "--T" in r.stdout and "--dtype" in r.stdout
 
 
+@pytest.mark.slow  # float64 autograd at T=700
 @pytest.mark.parametrize("config", ["causal W=512", "W=512 + 16 globals"])
 def test_training_peers_give_reference_gradients(config):
     """The training benchmark's torch peers (autograd through sliding chunks and SDPA
@@ -82,6 +103,7 @@ def test_training_peers_give_reference_gradients(config):
             assert rel_err(a, b) < 1e-10, method
 
 
+@pytest.mark.slow  # sleeps to be timed
 def test_median_ms_repeats_short_calls():
     """At least ``runs`` timed calls; short ones repeated until they span min_seconds."""
     import time
@@ -102,6 +124,7 @@ def test_median_ms_repeats_short_calls():
     assert 10 < len(calls) <= 51 and 0.9 < ms < 5  # sleep(1 ms) lasts at least 1 ms
 
 
+@pytest.mark.slow  # sleeps to be timed
 def test_interleaved_medians_time_every_method_round_robin():
     import time
 
@@ -122,6 +145,7 @@ def test_interleaved_medians_time_every_method_round_robin():
     assert 19 < got["a"] < 60 and 0.9 < got["b"] < 5
 
 
+@pytest.mark.slow  # sleeps to be timed
 def test_time_growth_times_both_lengths_round_robin(monkeypatch):
     """The linearity check times the kernel at both lengths in one round-robin, and its
     ratio is large over small (a fake kernel whose time is linear in T reads ~4)."""

@@ -88,6 +88,7 @@ print(tvm_ffi.get_global_func("runtime.NumThreads")())
 """
 
 
+@pytest.mark.slow  # a process per thread count
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_cpu_kernels_use_torchs_thread_count(lib, threads):
     # TVM alone would use hardware_concurrency / 2 threads on x86 (one of this machine's
@@ -101,6 +102,7 @@ def test_cpu_kernels_use_torchs_thread_count(lib, threads):
     assert int(r.stdout.split()[-1]) == min(threads, cpus)
 
 
+@pytest.mark.slow  # a process of its own
 def test_tvm_num_threads_wins_over_torchs(lib):
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env["TVM_NUM_THREADS"] = "1"
@@ -167,6 +169,7 @@ def test_loaded_library_missing_window_is_an_error(lib, fresh_registry):
         swa_tvm.sliding_window_attention(q, q, q, window_size=(5, 0))
 
 
+@pytest.mark.slow  # three CLI processes
 def test_cli_info_and_errors(lib):
     r = subprocess.run([sys.executable, "-m", "swa_tvm.cli", "info", str(lib)], capture_output=True, text=True)
     assert r.returncode == 0 and "loadable     yes" in r.stdout and "swa_local_d32" in r.stdout
@@ -209,6 +212,7 @@ def test_x86_level_library_needs_only_its_level(level, needs, tmp_path, fresh_re
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.slow  # exports bf16 forward and gradient kernels
 def test_half_precision_cpu_library(tmp_path, fresh_registry):
     """A bfloat16 CPU library (float32 accumulation): exported, loaded through its
     manifest, serving the forward and the gradients against the float64 reference."""
@@ -233,11 +237,12 @@ def test_half_precision_cpu_library(tmp_path, fresh_registry):
         swa_tvm.sliding_window_attention(q.detach().float(), k.detach().float(), v.detach().float(), window_size=(5, 0))
 
 
+@pytest.mark.slow  # two processes, each compiling or loading
 def test_jit_disk_cache_is_reused(tmp_path):
     """A second process finds the kernel compiled by the first on disk."""
     env = dict(os.environ, SWA_TVM_CACHE=str(tmp_path))
     code = (
-        "import sys, torch, swa_tvm, swa_tvm.build as b\n"
+        "import sys, torch, swa_tvm, swa_tvm.compiler.jit as b\n"
         "if sys.argv[1] == 'forbid':\n"
         "    b.export_library = lambda *a, **k: (_ for _ in ()).throw(AssertionError('recompiled'))\n"
         "q = torch.randn(1, 1, 20, 16)\n"
@@ -252,13 +257,14 @@ def test_jit_disk_cache_is_reused(tmp_path):
     assert sorted(p.name for p in tmp_path.rglob("*.so")) == files
 
 
+@pytest.mark.slow  # two processes racing to compile
 def test_jit_cache_builds_once_for_concurrent_processes(tmp_path):
     """Two processes asking for the same uncached kernel at once: one compiles, the
     other waits for it and loads its entry. Both meet after their imports, and each
     build logs a line and takes a second longer, so without the lock both would build."""
     env = dict(os.environ, SWA_TVM_CACHE=str(tmp_path / "cache"))
     code = (
-        "import os, sys, time, torch, swa_tvm, swa_tvm.build as b\n"
+        "import os, sys, time, torch, swa_tvm, swa_tvm.compiler.jit as b\n"
         "from swa_tvm.reference import sliding_window_attention_ref\n"
         "folder, me = sys.argv[1], sys.argv[2]\n"
         "export = b.export_library\n"
@@ -334,3 +340,29 @@ def test_cuda_kernels_refuse_a_device_their_code_does_not_run_on(monkeypatch, ar
     with pytest.raises(Exception) as e:
         eager._launch(kern, torch.device("cuda", 0))
     assert "built for" not in str(e.value)
+
+
+def test_registry_snapshot_and_restore():
+    """Registry.snapshot / restore (what the tests' fixtures isolate themselves with, and
+    code that loads libraries for a while can use): restore puts back exactly the
+    kernels, libraries and kept modules of the snapshot, whatever came or went since."""
+    from swa_tvm.spec import KernelSpec
+
+    reg = library.Registry()
+    before = library.Kernel(KernelSpec("local", 16, "float32", 3, 0), print, "cpu", "a.so")
+    after = library.Kernel(KernelSpec("local", 16, "float32", 5, 0), print, "cpu", "b.so")
+    reg.add(before, module="module a")
+    reg.add_library("a.so")
+    reg.add_library("a.so")  # once
+    saved = reg.snapshot()
+    reg.add(after, module="module b")
+    reg.add_library("b.so")
+    assert reg.libraries == ["a.so", "b.so"] and len(reg.kernels()) == 2
+    reg.restore(saved)
+    assert reg.libraries == ["a.so"] and reg.kernels() == [before] and reg.find(after.spec, "cpu") is None
+    assert reg.snapshot() == saved and list(saved.modules) == ["module a"]
+    reg.clear()
+    reg.restore(saved)  # a snapshot stays valid after the registry changes
+    assert reg.kernels() == [before]
+    with pytest.raises(TypeError, match="snapshot"):
+        reg.restore((dict(), [], []))

@@ -122,6 +122,7 @@ def test_custom_scale_and_repeated_calls():
     assert torch.equal(out1, out2)
 
 
+@pytest.mark.slow  # D=64, T=1500: not a small shape
 def test_realistic_size_everything_at_once():
     """D=64, T=1500 (47 blocks, several residues per head), GQA 8/2, per-head dilation,
     globals with their own projections, sinks and sink logits together."""

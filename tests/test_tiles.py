@@ -97,6 +97,7 @@ def test_records_apply_to_their_kernels_only(tmp_path):
         tiles.read(str(tmp_path / "bad"), {"kind": "cuda", "arch": "sm_90"})
 
 
+@pytest.mark.slow  # compiles CUDA kernels
 def test_export_builds_with_the_measured_tiles(tmp_path):
     """A CUDA export (compiled here with nvcc, no GPU) takes the record's tiles: the
     manifest says which and where from, and the code has them (cp.async for sm_90's

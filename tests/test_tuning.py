@@ -30,6 +30,9 @@ SPEC = AttentionSpec.parse(SPEC_STR)
 KSPEC = SPEC.kernels()[0]
 CLI = [sys.executable, "-m", "swa_tvm.cli"]
 
+# MetaSchedule runs, subprocesses and an RPC tracker: `make test`, not `make check`.
+pytestmark = pytest.mark.slow
+
 
 def _compile_one(func):
     import tvm

@@ -28,6 +28,9 @@ SPEC_STR = "head_dim=16,window=7:0"
 KSPEC = AttentionSpec.parse(SPEC_STR).kernels()[0]
 CLI = [sys.executable, "-m", "swa_tvm.cli"]
 
+# Tuning batches built and measured in subprocesses: `make test`, not `make check`.
+pytestmark = pytest.mark.slow
+
 # Measures a batch in a process that never imports the TVM compiler, as on a GPU
 # machine that has only torch, tvm-ffi and libtvm_runtime.
 MEASURE_RUNTIME_ONLY = r"""
@@ -51,7 +54,7 @@ def cpu_batch(tmp_path_factory):
     batch, out = root / "batch", root / "out"
     r = _run(CLI + ["tune", "--spec", SPEC_STR, "--trials", "2", "--seed", "3", "--logs", str(root / "unused"),
                     "--batch-out", str(batch)])
-    assert "measure_batch" in r.stdout
+    assert "swa_tvm.tuning.measure" in r.stdout
     _run([sys.executable, "-c", MEASURE_RUNTIME_ONLY, str(batch), str(out)])
     return batch, out / "measured.json"
 
@@ -300,10 +303,10 @@ def test_committed_bf16_cuda_records_read_in_a_fresh_process():
 
     assert os.path.exists(os.path.join(default_logs_root(), "cuda-sm_90"))
     code = (
-        "from swa_tvm import build\n"
+        "from swa_tvm.compiler import build, targets\n"
         "from swa_tvm.spec import AttentionSpec\n"
         "specs = [k for k in AttentionSpec.parse('head_dim=128,window=4095:0,dtype=bfloat16').kernels() if k.kind == 'local']\n"
-        "found = build.find_records(specs, build.normalize_target('cuda -arch=sm_90'))\n"
+        "found = build.find_records(specs, targets.normalize_target('cuda -arch=sm_90'))\n"
         "print(sorted(k for k, v in found.items() if v is not None))\n"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)

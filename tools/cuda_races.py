@@ -5,7 +5,7 @@ not nvcc nor a GPU:
     python -m tools.cuda_races --spec head_dim=128,window=4095:0,globals,backward,dtype=bfloat16 \
         --async-forward --deletions
 
-The serial CPU runs of the CUDA kernels (tests/test_cuda.py) check their arithmetic in
+The serial CPU runs of the CUDA kernels (tests/test_cuda_emulated.py) check their arithmetic in
 the GPU's phase order but cannot see a missing barrier. This walks a kernel's statements in
 program order with every loop body taken twice (so what one iteration leaves is what the
 next meets) and every branch taken, and tracks per shared buffer what happened since the

@@ -258,6 +258,43 @@ class Registry:
             self._libraries.clear()
             self._modules.clear()
 
+    def add_library(self, path: str) -> None:
+        """Count ``path`` among the loaded libraries (``libraries``; once), as
+        ``load_library`` does after registering its kernels. With a library loaded, a
+        call no loaded kernel serves is an error instead of a JIT compilation."""
+        with self._lock:
+            if path not in self._libraries:
+                self._libraries.append(path)
+
+    @dataclass(frozen=True)
+    class Snapshot:
+        """What ``Registry.snapshot`` saw: the kernels by name, the loaded libraries, and
+        the modules kept alive for them. Opaque; pass it to ``Registry.restore``."""
+
+        kernels: tuple
+        libraries: tuple
+        modules: tuple
+
+    def snapshot(self) -> Registry.Snapshot:
+        """The registry's contents now, to put back later with ``restore``.
+
+        For tests (a library a test loads leaves with it) and for code that loads
+        libraries temporarily: ``saved = REGISTRY.snapshot(); load_library(...); ...;
+        REGISTRY.restore(saved)``. Kernels registered in between are dropped on restore;
+        the snapshot keeps the modules of its own kernels alive."""
+        with self._lock:
+            return Registry.Snapshot(tuple(self._kernels.items()), tuple(self._libraries), tuple(self._modules))
+
+    def restore(self, snapshot: Registry.Snapshot) -> None:
+        """Make the registry hold exactly what ``snapshot`` (from ``snapshot()``) saw."""
+        if not isinstance(snapshot, Registry.Snapshot):
+            raise TypeError(f"restore takes a Registry.snapshot(), not {type(snapshot).__name__}")
+        with self._lock:
+            self._kernels.clear()
+            self._kernels.update(snapshot.kernels)
+            self._libraries[:] = snapshot.libraries
+            self._modules[:] = snapshot.modules
+
 
 REGISTRY = Registry()
 
@@ -346,9 +383,7 @@ def load_library(path: str | os.PathLike, *, _jit_cache: bool = False) -> list[K
         REGISTRY.add(Kernel(spec, func, device, origin, arch, entry.get("workspace"), entry.get("schedule")), module)
         specs.append(spec)
     if not _jit_cache:  # JIT cache entries do not count as user libraries
-        with REGISTRY._lock:
-            if path not in REGISTRY._libraries:
-                REGISTRY._libraries.append(path)
+        REGISTRY.add_library(path)
     return specs
 
 

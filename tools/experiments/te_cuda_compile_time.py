@@ -5,7 +5,7 @@ kernel fits, and every candidate of `swa-tvm tune --target cuda`. No GPU needed.
     python -m tools.experiments.te_cuda_compile_time              # the cases below
     python -m tools.experiments.te_cuda_compile_time --records 3  # and the first 3 committed records
 
-Cases: a sampled point of the search space (the seed-1 point of tests/test_cuda.py),
+Cases: a sampled point of the search space (the seed-1 point of tests/test_cuda_emulated.py),
 and the default schedule of a float32 forward with a window unbounded on the right and
 of a bfloat16 dq kernel. ``--records N`` also replays the first N records of
 tuning_logs/cuda-sm_90 (the issue's bf16 D=128 causal W=4096 kernel, measured on an

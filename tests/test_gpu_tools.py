@@ -1,0 +1,325 @@
+"""The GPU harness in tools/ before it costs GPU time: tools.gpu_check's stages on the
+CPU kernels (correctness, training timing, tile variants, its traffic model, the wgmma
+probes), tools.gpu_bundle's variant library, and tools.sass's reading of nvdisasm's
+listing."""
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+from cuda_helpers import needs_nvcc, serial_on_cpu
+
+from swa_tvm.spec import AttentionSpec, KernelSpec
+
+# Builds and runs kernels, child processes and nvcc: `make test`, not `make check`.
+pytestmark = pytest.mark.slow
+
+
+def test_gpu_check_harness_on_cpu(tmp_path, fresh_registry):
+    """The GPU check's correctness stage, run on the CPU kernels: the harness itself
+    (cases, reference, tolerances, results file) works before it costs GPU time."""
+    from tools import gpu_check
+
+    # A library that does not load (here: no manifest) is recorded and fails the run,
+    # and the stages still run.
+    (tmp_path / "libs").mkdir()
+    (tmp_path / "libs" / "broken.so").write_bytes(b"not a library")
+    # A spent time budget (0 s) skips every stage after correctness, and says so.
+    rc = gpu_check.main(["--device", "cpu", "--libs", str(tmp_path / "libs"), "--out", str(tmp_path), "--skip-bench",
+                         "--budget-s", "0"])
+    results = json.load(open(tmp_path / "gpu_results.json"))
+    assert rc == 1 and results["ok"] is False
+    assert [results[s] for s in ("bench", "variants", "tuning")] == [gpu_check.OUT_OF_TIME] * 3
+    [broken] = results["libraries"]
+    assert broken["path"].endswith("broken.so") and "broken.so" in broken["error"], broken
+    assert len(results["correctness"]) == 6 and all(r["ok"] and r["out_rel_err"] < 1e-5 for r in results["correctness"])
+    # Gradients of every float input, the own projections' and sink logits' included.
+    grads = {r["case"]: r["grad_rel_err"] for r in results["correctness"]}
+    assert set(grads["globals with own projections, sink logits"]) == {"q", "k", "v", "q_global", "k_global",
+                                                                       "v_global", "sink_logits"}
+    assert all(e < 1e-4 for g in grads.values() for e in g.values()), grads
+    assert results["stream_and_compile"] == {"compile_fullgraph_equal": True}
+
+
+def test_gpu_check_training_timing_on_cpu():
+    """The GPU check's training stage (GPU-only there), run on the CPU kernels at a tiny
+    shape: it times ours and the banded-mask SDPA, and their gradients agree."""
+    from tools import gpu_check
+
+    results = {}
+    gpu_check.time_training(results, torch.device("cpu"), None, 64, 8, shape=(1, 4, 2, 16), dtype=torch.float32)
+    row = results["training"]
+    assert not [k for k in row if k.endswith("_error")], row
+    assert row["ours_fwd_bwd_ms"] > 0 and row["speedup_vs_sdpa_banded_mask"] > 0
+    assert row["sdpa_banded_mask_grads_vs_ours_rel_err"] < 1e-4
+
+
+@pytest.mark.parametrize("left,right", [(5, 0), (5, 3), (16, 0), (7, 9), (-1, 0), (3, -1), (-1, -1), (40, 0)])
+@pytest.mark.parametrize("warps,m_tiles,chunk", [(1, 1, 16), (2, 2, 32), (4, 1, 16)])
+def test_staged_bytes_counts_the_chunks_a_dense_mask_touches(left, right, warps, m_tiles, chunk):
+    """The GPU check's traffic model of a tensor-core variant: per block of rows, the
+    band chunks (aligned to the block's band index 0: partner m0 - left, or 0 with no
+    left bound) holding a partner some row of the block sees in the dense mask; for the
+    forward and dq the rows are queries and a chunk K's and V's rows, for dk/dv the rows
+    are keys, the mask transposed, and a chunk Q's and dO's rows with lse and delta."""
+    from tools import gpu_check
+    from swa_tvm.reference import window_mask
+
+    B, H, T, D = 2, 3, 50, 8
+    spec = {"head_dim": D, "left": left, "right": right, "dtype": "bfloat16"}
+    for kind, m in (("local", m_tiles), ("local_dq", 1), ("local_dkv", 1)):
+        mask, origin_of = window_mask(T, left, right, 1), lambda m0: m0 - left if left >= 0 else 0
+        if kind == "local_dkv":
+            mask, origin_of = mask.T, lambda m0: m0 - right if right >= 0 else 0
+        rows, blocks_chunks = 16 * warps * m, 0
+        for m0 in range(0, T, rows):
+            partners = mask[m0:m0 + rows].any(0).nonzero().flatten().tolist()
+            blocks_chunks += len({(p - origin_of(m0)) // chunk for p in partners})
+        column = D * 2 * 2 + (8 if kind == "local_dkv" else 0)
+        entry = {"kind": kind, "warps": warps, "m_tiles": m, "chunk": chunk}
+        assert gpu_check.staged_bytes(entry, spec, (B, H, 1, T)) == B * H * blocks_chunks * chunk * column, kind
+        assert gpu_check.staged_bytes({"kind": kind, "config": "cores"}, spec, (B, H, 1, T)) is None
+
+
+def test_gpu_check_variant_rows_on_cpu(monkeypatch, tmp_path):
+    """The GPU check's variant stage (GPU-only there) on CPU kernels: each variant's
+    arguments (forward; dq; dk/dv per query head) and its comparison with the default
+    kernels' output and autograd's gradients; a failing variant gets an error row and
+    the rest are still measured; the same from a child process."""
+    import tvm
+
+    from tools import gpu_check
+    from swa_tvm.compiler.targets import host_target
+    from swa_tvm.compiler.build import schedule_spec
+
+    kernels = {k.kind: k for k in AttentionSpec.parse("head_dim=16,window=7:0,backward").kernels()}
+    target = tvm.target.Target(host_target())
+    funcs, entries = {}, []
+    for kind in ("local", "local_dq", "local_dkv"):
+        name = f"{kernels[kind].name}__te"
+        funcs[name] = schedule_spec(kernels[kind], target).with_attr("global_symbol", name)
+        entries.append({"function": name, "kind": kind})
+    entries.insert(1, {"function": "absent__x", "kind": "local_dq"})
+    # Written as the bundle writes lib/variants, and read back by the GPU check's loader.
+    folder = tmp_path / "variants"
+    folder.mkdir()
+    tvm.compile(tvm.IRModule(funcs), target=target).mod.export_library(str(folder / "variants_cpu.so"))
+    (folder / "variants.json").write_text(json.dumps(
+        {"spec": kernels["local"].to_dict(), "library": "variants_cpu.so", "variants": entries}))
+    meta, module = gpu_check.load_variants(str(tmp_path))
+    assert meta["variants"] == entries
+    rows = gpu_check.variant_rows(module, meta, torch.device("cpu"), shape=(1, 4, 2, 50))
+    assert [r["kind"] for r in rows] == ["local", "local_dq", "local_dq", "local_dkv"]
+    assert "error" in rows[1] and "ms" not in rows[1]
+    for r in rows[:1] + rows[2:]:
+        assert r["rel_err_vs_default"] < 1e-5 and r["ms"] > 0 and r["tflops"] > 0, r
+    # The summary the defaults are set from: per kind the fastest variant that agreed,
+    # never one that failed or disagreed.
+    rows += [dict(rows[0], function="fast_but_wrong", ms=rows[0]["ms"] / 10, rel_err_vs_default=0.5),
+             dict(rows[0], function="faster", ms=rows[0]["ms"] / 2, default=False)]
+    rows[0]["default"] = True
+    best = gpu_check.best_variants(rows, torch.float32)
+    assert set(best) == {"local", "local_dq", "local_dkv"}
+    assert best["local"]["function"] == "faster" and best["local"]["speedup_vs_default"] == pytest.approx(2.0)
+    assert best["local_dq"]["function"] == rows[2]["function"] and best["local_dq"]["default_ms"] is None
+    # A variant in a process of its own (the wgmma ones, whose failure could poison the
+    # CUDA context): its row as in process; a child that fails is the row's error.
+    child = gpu_check.isolated_variant_row(entries[0], str(tmp_path), "cpu", (1, 4, 2, 50))
+    assert child["function"] == entries[0]["function"] and child["rel_err_vs_default"] < 1e-5 and child["ms"] > 0
+    lost = gpu_check.isolated_variant_row({"function": "unlisted__y", "kind": "local"}, str(tmp_path), "cpu", (1, 4, 2, 50))
+    assert "ms" not in lost and "child process rc 1" in lost["error"] and "unlisted__y: not in" in lost["error"], lost
+    # Against the bars: each forward variant's speed against the bench stage's
+    # FlexAttention (its causal row) and the matmul rate.
+    bars = {"timing": [{"config": "dilation 2", "flex_attention_ms": 1.0},
+                       {"config": "causal", "flex_attention_ms": rows[0]["ms"] * 3}],
+            "matmul_tflops": rows[0]["tflops"] * 4, "variants": [dict(r) for r in rows],
+            "variant_best": {"local": dict(best["local"])}}
+    gpu_check.against_the_bars(bars)
+    first = bars["variants"][0]
+    assert first["speedup_vs_flex_attention"] == pytest.approx(3.0) and first["fraction_of_matmul"] == pytest.approx(0.25)
+    assert "speedup_vs_flex_attention" not in bars["variants"][1]  # a failed row
+    assert bars["variant_best"]["local"]["speedup_vs_flex_attention"] == pytest.approx(6.0)  # "faster": half the time
+    # Past the run's time budget no variant is called: each says it was skipped.
+    monkeypatch.setattr(gpu_check, "_deadline", 0.0)
+    late = gpu_check.variant_rows(module, meta, torch.device("cpu"), shape=(1, 4, 2, 50))
+    assert [r["error"] for r in late] == [gpu_check.OUT_OF_TIME] * 4 and not any("ms" in r for r in late)
+
+
+def test_wgmma_probe_tells_the_layout_readings_apart():
+    """The GPU check's wgmma probes (one instruction against a matrix product), emulated
+    on the CPU with B read where the descriptor says (``canonical_address``): K's tile
+    and V's tile and V's transposed agree with torch's product; V's tile under the other
+    reading (LBO and SBO exchanged) does not, so on the GPU the probes name the reading
+    the hardware has."""
+    from tools import gpu_check
+    from tools import gpu_bundle
+    from swa_tvm.schedules import cuda_wgmma
+
+    rows = []
+    for operand, r, c, ks, swap in gpu_bundle.WGMMA_PROBES:
+        entry = {"function": "probe", "kind": "wgmma_probe", "operand": operand, "rows": r, "cols": c, "ks": ks}
+        func = cuda_wgmma.probe("bfloat16", operand, r, c, ks, swap, emulate=True).with_attr("global_symbol", "probe")
+        rows.append(gpu_check.probe_row(serial_on_cpu(func), entry, torch.device("cpu")))
+    assert [row["agrees"] for row in rows] == [not swap for *_, swap in gpu_bundle.WGMMA_PROBES], rows
+    assert gpu_check.best_variants(rows, torch.bfloat16) == {}  # probes are not timing rows
+
+
+@needs_nvcc
+def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
+    """The GPU check's tile-configuration sweep: one module, one function per variant
+    (tensor-core configurations and the CUDA-core kernel of the forward, dq and dk/dv
+    kernels), listed in variants.json with the kind each computes; for sm_90 built as
+    sm_90a, with the wgmma forward (V transposed, overlapped); two K/V stages."""
+    from tools import gpu_bundle
+
+    # 16-bit loads and cp.async; two 16-row tiles per warp.
+    monkeypatch.setattr(gpu_bundle, "TC_VARIANTS", ((4, 64), (2, 16, False, True), (1, 16, True, False, 2),
+                                                    (4, 16, True, False, 1, True, True, None, True),
+                                                    (2, 16, True, True, 1, False, False, None, False, 2)))
+    # 4 x 32: dynamic shared memory; 2 x 16 with two chunk stages.
+    monkeypatch.setattr(gpu_bundle, "TC_BWD_VARIANTS", ((2, 32), (4, 32), (2, 16, True, False, 2)))
+    monkeypatch.setattr(gpu_bundle, "WGMMA_PROBES", (("kn", 64, 128, 1, True),))
+    path = gpu_bundle.build_variants(str(tmp_path), "sm_90")
+    meta = json.load(open(tmp_path / "lib" / "variants" / "variants.json"))
+    assert os.path.exists(path) and meta["library"] == os.path.basename(path) and meta["arch"] == "sm_90a"
+    assert meta["spec"]["kind"] == "local"
+    got = [(v["kind"], v["function"].rsplit("__", 1)[-1], v["kernel"], v.get("default")) for v in meta["variants"]]
+    assert got == [
+        ("local", "tc_w4_c64", "cuda_flash_tc", True),  # bf16 D=128's default
+        ("local", "tc_w2_c16_lds16_async", "cuda_flash_tc", False),
+        ("local", "tc_w1_c16_m2", "cuda_flash_tc", False),
+        ("local", "tc_w4_c16_wgmma_vt_ov", "cuda_flash_tc", False),
+        ("local", "tc_w2_c16_async_s2", "cuda_flash_tc", False),
+        ("local", "cores", "cuda_flash", None),
+        ("local_dq", "tc_w2_c32", "cuda_flash_bwd_tc", True),
+        ("local_dq", "tc_w4_c32", "cuda_flash_bwd_tc", False),
+        ("local_dq", "tc_w2_c16_async_s2", "cuda_flash_bwd_tc", False),
+        ("local_dq", "cores", "cuda_flash_bwd", None),
+        ("local_dkv", "tc_w2_c32", "cuda_flash_bwd_tc", True),
+        ("local_dkv", "tc_w4_c32", "cuda_flash_bwd_tc", False),
+        ("local_dkv", "tc_w2_c16_async_s2", "cuda_flash_bwd_tc", False),
+        ("local_dkv", "cores", "cuda_flash_bwd", None),
+        ("wgmma_probe", "wgmma_probe_kn_r64_c128_k1_swapped", "cuda_wgmma", None),
+    ]
+    dq_rows = [v for v in meta["variants"] if v["kind"] == "local_dq"]
+    assert [v.get("shared_bytes", 0) > 48 * 1024 for v in dq_rows] == [False, True, False, False]
+    assert [v.get("stages") for v in dq_rows] == [1, 1, 2, None]
+    # ptxas's report per variant; the dynamic tiles count no static shared memory.
+    assert all(v["ptxas"]["registers"] <= 255 for v in meta["variants"]), meta["variants"]
+    assert [v["ptxas"]["smem"] > 1024 for v in dq_rows] == [True, False, True, True]
+    # And each one's hot loop from its machine code (tools.sass): the tensor-core
+    # forward's mma per warp and chunk: (8 k-steps x chunk/8 score tiles + chunk/16 x 16
+    # output tiles) x row tiles: 128 at the default 4 x 64, 32 at 2 x 16, 64 with two
+    # row tiles at 1 x 16, 32 in wgmma's units (a warp's share of each HGMMA) at 4 x 16;
+    # the gradients' dq 96 and dk/dv 128 at 32 keys (two chunks a turn with two
+    # stages: 64 at 2 x 16 in the forward, 2 x 48 and 2 x 64 at 16 keys in dq and dk/dv).
+    assert [v["sass"]["loop_mma"] for v in meta["variants"] if v["kernel"] != "cuda_flash_bwd"][:5] == [128, 32, 64, 32, 64]
+    assert [v["sass"]["loop_mma"] for v in meta["variants"] if v["kernel"] == "cuda_flash_bwd_tc"] == [96, 96, 96, 128,
+                                                                                                       128, 128]
+    # The 4 x 32 gradient kernels (52 KiB, compiled by nvcc above) take dynamic shared
+    # memory; tiles within 48 KiB static.
+    from swa_tvm.schedules import cuda_flash_bwd_tc, cuda_flash_tc
+
+    grad = KernelSpec("local_dq", 128, "bfloat16", 4095, 0)
+    assert 'scope="shared.dyn"' in cuda_flash_bwd_tc.flash_bwd_tc(grad, cuda_flash_bwd_tc.TCBwdConfig(4, 32)).script()
+    small = cuda_flash_bwd_tc.flash_bwd_tc(grad, cuda_flash_bwd_tc.TCBwdConfig(2, 32)).script()
+    assert "shared.dyn" not in small and "T.alloc_shared(" in small
+    with pytest.raises(ValueError, match=r"exceed the 99 KiB of a block"):
+        cuda_flash_tc.flash_tc(dataclasses.replace(grad, kind="local", head_dim=256), cuda_flash_tc.TCConfig(8, 128))
+    # wgmma kernels run on sm_90 alone, whose blocks may take 227 KiB: 4 x 64 gradients
+    # with two chunk stages (99.3 KiB) are one, on mma.sync they are refused.
+    two_stage = cuda_flash_bwd_tc.TCBwdConfig(4, 64, True, True, 2)
+    assert 99 * 1024 < two_stage.shared_bytes(128, "bfloat16") and cuda_flash_tc.tile_scope(grad, two_stage) == "shared.dyn"
+    with pytest.raises(ValueError, match=r"exceed the 99 KiB of a block"):
+        cuda_flash_tc.tile_scope(grad, dataclasses.replace(two_stage, wgmma=False))
+    with pytest.raises(ValueError, match=r"exceed the 227 KiB of a block"):
+        cuda_flash_tc.tile_scope(dataclasses.replace(grad, head_dim=256), cuda_flash_bwd_tc.TCBwdConfig(8, 128, True, True, 2))
+
+
+def test_sass_hot_loop_is_the_innermost_with_the_most_mma():
+    """tools.sass's reading of nvdisasm's text: two loops of two HMMA each (the band's,
+    then the extra keys'), and a branch back across both, as nvcc laid out the forward
+    with extra keys: the hot loop is the first inner loop, not the range spanning both."""
+    from tools import sass
+
+    ops = []
+
+    def emit(op, target=None):
+        line = f"        /*{16 * len(ops):04x}*/                   {op}" + (f" `({target}) ;" if target else " R0, R1 ;")
+        ops.append(line)
+
+    text = ["//--------------------- .text.k_kernel --------------------------"]
+    emit("IMAD")
+    text += ops[-1:] + [".L_x_1:"]
+    for op in ("LDSM", "HMMA", "HMMA", "FMUL"):
+        emit(op)
+        text.append(ops[-1])
+    emit("BRA", ".L_x_1")
+    text += [ops[-1], ".L_x_2:"]
+    for op in ("HMMA", "HMMA", "IMAD", "IMAD", "IMAD"):
+        emit(op)
+        text.append(ops[-1])
+    emit("BRA", ".L_x_2")
+    text.append(ops[-1])
+    emit("BRA", ".L_x_1")  # back across both
+    text.append(ops[-1])
+    kernels = sass.kernel_instructions("\n".join(text))
+    insts, labels = kernels["k_kernel"]
+    assert len(insts) == 13 and labels == {".L_x_1": 1, ".L_x_2": 6}
+    r = sass.summarize(insts, labels)
+    assert (r["loop_instructions"], r["loop_mma"], r["loop_per_mma"]) == (5, 2, 2.5), r
+
+
+def test_sass_shortest_pass_takes_each_branch_the_shorter_way():
+    """tools.sass.shortest_pass on a loop as nvcc lays out the forward's: a predicated
+    branch over the unmasked path to the masked one (longer), which jumps back to the
+    join; then a predicated skip of the rescale; then the back branch. The shortest pass
+    is the unmasked path without the rescale; the mma on it are counted."""
+    from tools import sass
+
+    lines, labels = [], {}
+
+    def emit(op, pred="", target=None):
+        text = f"        /*{16 * len(lines):04x}*/               {pred}{op}" + (f" `({target}) ;" if target else " R0, R1 ;")
+        lines.append(text)
+
+    def label(name):
+        labels[name] = len(lines)
+        lines.append(f"{name}:")
+
+    lines.append("//--------------------- .text.k_kernel --------------------------")
+    label(".L_x_0")
+    emit("HMMA")
+    emit("BRA", "@P0 ", ".L_x_1")  # masked chunk: to the longer path
+    emit("FMNMX")
+    emit("BRA", "", ".L_x_2")  # unconditional: over the masked path
+    label(".L_x_1")
+    for op in ("ISETP", "FSEL", "FSEL", "FMNMX"):
+        emit(op)
+    label(".L_x_2")
+    emit("BRA", "@!P1 ", ".L_x_3")  # no rescale: skip the multiplies
+    for op in ("FMUL", "FMUL", "FMUL"):
+        emit(op)
+    label(".L_x_3")
+    emit("HMMA")
+    emit("BRA", "@P2 ", ".L_x_0")  # back
+    insts, found = sass.kernel_instructions("\n".join(lines))["k_kernel"]
+    start, end = sass.hot_loop(insts, found)
+    assert (start, end) == (0, len(insts)) and len(insts) == 14
+    # HMMA, BRA, FMNMX, BRA, BRA (the rescale's skip), HMMA, BRA back: 7, two mma.
+    assert sass.shortest_pass(insts, found, start, end) == (7, 2)
+    r = sass.summarize(insts, found)
+    assert (r["loop_instructions"], r["shortest_pass"], r["shortest_pass_per_mma"]) == (14, 7, 3.5), r
+    # A second chunk under a predicated branch (two K/V stages, odd chunk counts): the
+    # pass skips what it can but not the products: + BRA, HMMA, FMUL.
+    back = lines.pop()
+    emit("BRA", "@!P3 ", ".L_x_4")
+    emit("HMMA")
+    emit("FMUL")
+    label(".L_x_4")
+    lines.append(back)
+    insts, found = sass.kernel_instructions("\n".join(lines))["k_kernel"]
+    start, end = sass.hot_loop(insts, found)
+    assert sass.shortest_pass(insts, found, start, end) == (10, 3)
