@@ -19,6 +19,24 @@ SERVED_DTYPES = {
 }
 
 
+# The largest finite float32: a float16/bfloat16/float32 kernel takes ``scale`` in float32.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def normalize_window(left: int, right: int, n: int) -> tuple[int, int]:
+    """(left, right) with a side of at least n - 1 steps made unbounded (-1): over n
+    positions it reaches every one either way, and a kernel spec then never carries a
+    constant beyond the sequence (a side of 2**31 once allocated a band of that width)."""
+    reach = max(n - 1, 0)
+    return (-1 if left >= reach else left), (-1 if right >= reach else right)
+
+
+def normalize_dilation(d: int, n: int) -> int:
+    """A dilation of at least n reaches only the query itself from any of n positions,
+    as a dilation of n does: kernels never see a larger one (their work grows with it)."""
+    return min(d, max(n, 1))
+
+
 def _as_int(name: str, x) -> int:
     # Any integral number (numpy's included) is taken; bool is refused, as True
     # meaning 1 is almost always a mistake in a window or count.
@@ -61,6 +79,11 @@ def check_inputs(
     # A positive scale: the GPU kernels take each row's max of the unscaled scores.
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a positive finite number, got {scale}")
+    if q.dtype != torch.float64 and scale > FLOAT32_MAX:
+        raise ValueError(
+            f"scale must be at most {FLOAT32_MAX:.4g} (float32's largest) for {q.dtype} inputs, whose scores "
+            f"are float32; got {scale}"
+        )
     for name, x in (("left", left), ("right", right)):
         if x < -1:
             raise ValueError(f"window_size {name} must be >= -1 (-1 means unbounded), got {x}")

@@ -201,6 +201,20 @@ def _cmd_info(args) -> int:
     if args.json:
         print(json.dumps(manifest, indent=2))
         return 0
+    try:
+        check_manifest(args.library, manifest)
+        verdict = "yes"
+    except Exception as e:  # noqa: BLE001 - report, do not fail `info`
+        verdict = f"no: {e}"
+    try:
+        _print_manifest(args, manifest, verdict)
+    except (KeyError, TypeError, AttributeError):  # a manifest the checks above refused
+        print(f"library      {args.library}\nloadable     {verdict}")
+        return 1
+    return 0
+
+
+def _print_manifest(args, manifest: dict, verdict: str) -> None:
     print(f"library      {args.library}")
     print(f"tvm version  {manifest['tvm_version']}")
     print(f"target       {json.dumps(manifest['target'])}  (class {manifest['target_key']})")
@@ -209,14 +223,9 @@ def _cmd_info(args) -> int:
     else:
         print(f"cpu features {', '.join(manifest.get('cpu_features', [])) or '-'}")
     print(f"sha256       {manifest['sha256']}")
-    try:
-        check_manifest(args.library, manifest)
-        print("loadable     yes")
-    except Exception as e:  # noqa: BLE001 - report, do not fail `info`
-        print(f"loadable     no: {e}")
+    print(f"loadable     {verdict}")
     print("kernels:")
     _print_kernels(manifest)
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

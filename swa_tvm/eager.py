@@ -3,11 +3,12 @@ on first use when no library is loaded), lays out their arguments and launches t
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 
-from swa_tvm.checks import check_inputs
+from swa_tvm.checks import check_inputs, normalize_window
 from swa_tvm.runtime import library
 from swa_tvm.spec import BACKWARD_KINDS, DEFAULT_BLOCK_Q, KernelSpec
 
@@ -34,6 +35,11 @@ def _kernel(want: KernelSpec, device: str) -> library.Kernel:
         hint = ""
         if want.kind in BACKWARD_KINDS:
             hint = "; gradients need the backward kernels: export with 'backward' in the spec"
+        if want.nonfinite:
+            hint += (
+                "; the result held NaN or inf, so an input does, and keeping it from rows that cannot see it "
+                "needs the nonfinite kernels: export with 'nonfinite' in the spec"
+            )
         raise ValueError(
             f"no kernel in the loaded libraries computes {want.name} "
             f"(window ({want.left}, {want.right}), dilation up to {want.max_dilation}, extras={want.extras}, "
@@ -143,22 +149,55 @@ def _extra_positions(global_idx, num_sinks: int, B: int, device) -> Optional[tor
     return x.masked_fill(dup, -1).contiguous()
 
 
-def _local_spec(q, left, right, dil, extra) -> KernelSpec:
+def _local_spec(q, left, right, dil, extra, nonfinite: bool = False) -> KernelSpec:
     dtype = str(q.dtype).replace("torch.", "")
     return KernelSpec(
-        "local", q.shape[3], dtype, left, right, max(1, int(dil.max())), extras=extra is not None, block_q=DEFAULT_BLOCK_Q
+        "local", q.shape[3], dtype, left, right, max(1, int(dil.max())), extras=extra is not None, block_q=DEFAULT_BLOCK_Q,
+        nonfinite=nonfinite,
     )
 
 
-def _global_spec(q, right) -> KernelSpec:
-    return KernelSpec("global", q.shape[3], str(q.dtype).replace("torch.", ""), 0, 0 if right == 0 else -1)
+def _global_spec(q, right, nonfinite: bool = False) -> KernelSpec:
+    dtype = str(q.dtype).replace("torch.", "")
+    return KernelSpec("global", q.shape[3], dtype, 0, 0 if right == 0 else -1, nonfinite=nonfinite)
+
+
+# The NaN rule (KernelSpec.nonfinite): a key outside a row's view adds nothing to it,
+# whatever its k or v hold. On the CPU the plain kernels multiply by probabilities of 0
+# and take no select per product, so a NaN there would reach rows that cannot see it;
+# but it then shows in their result, as NaN. A result that holds NaN or inf is
+# therefore computed again with the nonfinite kernels: one summing pass over it on
+# finite data (~1-2% of a forward), twice the work on non-finite data. CUDA kernels
+# always guard (compute.forward.product), with no host sync.
+def _redo_nonfinite(device: str, *results) -> bool:
+    if device != "cpu":
+        return False
+    for x in results:
+        if x is not None and x.numel():
+            acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+            if not math.isfinite(float(x.sum(dtype=acc))):  # an overflowing sum only costs a redo
+                return True
+    return False
+
+
+# A learned sink of +inf takes the whole softmax: out = 0 and lse = +inf, the limit. The
+# kernels' max-subtraction would form inf - inf = NaN, so they get this finite stand-in,
+# far above any score yet safe to scale by log2(e) in float32, and lse is set after.
+SINK_CAP = 3.4028234663852886e38 / 8
 
 
 def _sink_or_none(sink_logits, H, acc, device):
-    """Learned sinks as the kernels take them: [H] in the accumulation dtype, -inf = none."""
+    """Learned sinks as the kernels take them: [H] in the accumulation dtype, -inf = none,
+    +inf capped (SINK_CAP)."""
     if sink_logits is not None:
-        return _dense(sink_logits.to(acc))
+        sink = sink_logits.to(acc)
+        return _dense(sink.masked_fill(torch.isposinf(sink), SINK_CAP))
     return torch.full((H,), float("-inf"), dtype=acc, device=device)
+
+
+def _dilation(dilation, T):
+    """[H] int32 as the kernels take it: a dilation of T or more means T (no int32 wrap)."""
+    return _dense(dilation.clamp(max=max(T, 1)).to(torch.int32))
 
 
 def _global_rows(x, gi):
@@ -177,14 +216,25 @@ def attention_forward(
         q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, scale, left, right,
         values=True,
     )
+    args = (q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, scale, left, right)
+    out, lse = _forward(*args, nonfinite=False)
+    if _redo_nonfinite(q.device.type, out):
+        out, lse = _forward(*args, nonfinite=True)
+    return out, lse
+
+
+def _forward(
+    q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, scale, left, right, *, nonfinite
+):
     B, H, T, D = q.shape
     device = q.device.type
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    left, right = normalize_window(left, right, T)
     q, k, v = _dense(q), _dense(k), _dense(v)
-    dil = _dense(dilation.to(torch.int32))
+    dil = _dilation(dilation, T)
     sink = _sink_or_none(sink_logits, H, acc, q.device)
     extra = _extra_positions(global_idx, num_sinks, B, q.device)
-    kern = _kernel(_local_spec(q, left, right, dil, extra), device)
+    kern = _kernel(_local_spec(q, left, right, dil, extra, nonfinite), device)
     out = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, T, dtype=acc, device=q.device)
     args = [q, k, v, dil] + ([extra] if extra is not None else []) + [sink, float(scale), out, lse]
@@ -192,7 +242,7 @@ def attention_forward(
 
     G = global_idx.shape[1] if global_idx is not None else 0
     if G:
-        gkern = _kernel(_global_spec(q, right), device)
+        gkern = _kernel(_global_spec(q, right, nonfinite), device)
         gi = global_idx.long()
         qg = _dense(q_global) if q_global is not None else _global_rows(q, gi)[0]
         kg = _dense(k_global) if k_global is not None else k
@@ -206,6 +256,8 @@ def attention_forward(
         _launch(gkern, q.device, qg, kg, vg, _dense(global_idx), sink, float(scale), gout, glse, *workspace)
         out.scatter_(2, gi[:, None, :, None].expand(B, H, G, D), gout)
         lse.scatter_(2, gi[:, None, :].expand(B, H, G), glse)
+    if sink_logits is not None:
+        lse.masked_fill_(torch.isposinf(sink_logits).view(1, H, 1), float("inf"))
     return out, lse
 
 
@@ -224,12 +276,25 @@ def attention_backward(
     of an input that was not given is an empty tensor. ``dlse`` (the gradient flowing
     into the returned lse) may be None.
     """
+    args = (dout, dlse, q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, scale,
+            left, right, out, lse)
+    grads = _backward(*args, nonfinite=False)
+    if _redo_nonfinite(q.device.type, *grads[:6]):
+        grads = _backward(*args, nonfinite=True)
+    return grads
+
+
+def _backward(
+    dout, dlse, q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, scale, left, right, out,
+    lse, *, nonfinite
+):
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     device = q.device.type
     acc = lse.dtype
+    left, right = normalize_window(left, right, T)
     q, k, v, dout = _dense(q), _dense(k), _dense(v), _dense(dout)
-    dil = _dense(dilation.to(torch.int32))
+    dil = _dilation(dilation, T)
     # delta_i = dout_i . out_i - dlse_i: the one row statistic every gradient kernel needs.
     # einsum makes it a batched matrix product (4x faster on the CPU than (dout * out).sum(-1),
     # which also writes a [B, H, T, D] temporary).
@@ -242,7 +307,9 @@ def attention_backward(
     dsink = none()
     if sink_logits is not None:
         # d lse_i / d sink_h = exp(sink_h - lse_i), and d out_i / d sink_h = -exp(sink_h - lse_i) out_i.
-        p_sink = torch.exp(sink_logits.to(acc).view(1, H, 1) - lse)
+        # A +inf sink (lse = +inf) takes all of it: exp(inf - inf) is NaN, the limit is 1.
+        sink = sink_logits.to(acc).view(1, H, 1)
+        p_sink = torch.where(torch.isposinf(sink), 1.0, torch.exp(sink - lse))
         dsink = -(p_sink * delta).sum((0, 2)).to(sink_logits.dtype)
 
     G = global_idx.shape[1] if global_idx is not None else 0
@@ -259,7 +326,7 @@ def attention_backward(
         delta_l = delta.scatter(2, idx3, 0.0)
 
     extra = _extra_positions(global_idx, num_sinks, B, q.device)
-    fwd = _local_spec(q, left, right, dil, extra)
+    fwd = _local_spec(q, left, right, dil, extra, nonfinite)
     kernels = {s.kind: _kernel(s, device) for s in fwd.backward_kernels()}
     common = [q, k, v, dil] + ([extra] if extra is not None else []) + [dout, _dense(lse_l), _dense(delta_l), float(scale)]
     dq = torch.empty_like(q)
@@ -282,7 +349,7 @@ def attention_backward(
 
     dqg, dkg, dvg = none(), none(), none()
     if G:
-        gkern = _kernel(_global_spec(q, right).backward_kernels()[0], device)
+        gkern = _kernel(_global_spec(q, right, nonfinite).backward_kernels()[0], device)
         qg = _dense(q_global) if q_global is not None else _global_rows(q, gi)[0]
         kg = _dense(k_global) if k_global is not None else k
         vg = _dense(v_global) if v_global is not None else v

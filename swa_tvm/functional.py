@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from swa_tvm import ops  # noqa: F401 - registers torch.ops.swa_tvm.*
-from swa_tvm.checks import _as_int, _check_tensor
+from swa_tvm.checks import _as_int, _check_tensor, normalize_dilation, normalize_window
 
 
 def sliding_window_attention(
@@ -61,11 +61,22 @@ def sliding_window_attention(
       row (StreamingLLM), subject to causality, counted once. ``sink_logits`` [H] is a
       learned per-head sink (GPT-OSS): exp(sink_logits[h]) is added to the softmax
       denominator of every row of head h and carries no value.
-    * **Scale.** Scores are (q . k) * scale, with scale > 0 (1/sqrt(D) by default).
+    * **Scale.** Scores are (q . k) * scale, with scale > 0 (1/sqrt(D) by default) and,
+      for all but float64 inputs, at most float32's largest value (scores are float32).
+    * **Values a row cannot see.** A key contributes exp(score - lse) * v only where
+      that probability is nonzero. Every key outside a row's view (beyond its window, in
+      a causal row's future, padding) has probability exactly 0 and contributes nothing
+      to that row, nor to its gradients, whatever its k or v hold: NaN, inf, or the
+      leftovers of an unwritten cache slot. A NaN or inf that a row does see reaches it,
+      as in a dense softmax.
+    * **Extreme integers.** A window side of T - 1 or more is unbounded, and a dilation
+      of T or more reaches only the query itself and the extra keys: any int (beyond
+      int64 included) or integer tensor means what it says, with no wrap-around.
     * **Log-sum-exp.** ``lse[b, h, i]`` = log of row i's softmax denominator: the
       log-sum-exp of its visible scaled scores, with the sink term exp(sink_logits[h])
       included when given, so out[i] = sum_j exp(score_ij - lse_i) * v_j exactly. Use it
-      to merge partial results.
+      to merge partial results. A sink of +inf takes the whole softmax: out = 0 and
+      lse = +inf for its head (the limit, never NaN).
 
     **Gradients.** Differentiable in q, k, v, q_global, k_global, v_global and
     sink_logits, through both out and lse (GQA: dk/dv summed over each group);
@@ -86,22 +97,37 @@ def sliding_window_attention(
     left = _as_int("window_size left", window_size[0])
     right = _as_int("window_size right", window_size[1])
     num_sinks = _as_int("num_sinks", num_sinks)
-    if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        _check_tensor("q", q, 4)
-    H, D = q.shape[1], q.shape[3]
+    # Everything the op's schema would refuse with a bare RuntimeError (a non-tensor, an
+    # int beyond int64) is refused here first, by name.
+    _check_tensor("q", q, 4)
+    for name, x in (("global_idx", global_idx), ("q_global", q_global), ("k_global", k_global),
+                    ("v_global", v_global), ("sink_logits", sink_logits)):
+        if x is not None and not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(x).__name__}")
+    H, T, D = q.shape[1], q.shape[2], q.shape[3]
+    for name, x in (("left", left), ("right", right)):
+        if x < -1:
+            raise ValueError(f"window_size {name} must be >= -1 (-1 means unbounded), got {x}")
+    left, right = normalize_window(left, right, T)
+    if not 0 <= num_sinks <= T:
+        raise ValueError(f"num_sinks must be in [0, T={T}], got {num_sinks}")
     if not isinstance(dilation, torch.Tensor):
         if isinstance(dilation, bool) or not isinstance(dilation, numbers.Integral):
             raise TypeError(f"dilation must be an int or an integer tensor of shape [H], got {type(dilation).__name__}")
         dilation = int(dilation)
         if dilation < 1:
             raise ValueError(f"dilation must be >= 1, got {dilation}")
-        dilation = torch.full((H,), dilation, dtype=torch.int32, device=q.device)
+        dilation = torch.full((H,), normalize_dilation(dilation, T), dtype=torch.int32, device=q.device)
     if scale is None:
-        scale = 1.0 / math.sqrt(D)
+        scale = 1.0 / math.sqrt(D) if D > 0 else 1.0  # D = 0 is refused by the op's checks, by name
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    try:
+        scale = float(scale)
+    except OverflowError:  # an int beyond float's range
+        raise ValueError("scale must be a positive finite number, got an int beyond float range") from None
 
     out, lse = torch.ops.swa_tvm.attention(
-        q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, float(scale), left, right
+        q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, scale, left, right
     )
     return (out, lse) if return_lse else out

@@ -53,6 +53,20 @@ def attention_mask(
     return mask, is_global
 
 
+def _weighted_values(probs, values):
+    """sum over keys j of probs[i, j] * values[j], where a key of probability 0 (every
+    key outside row i's view, and any the softmax gives nothing) adds nothing, whatever
+    its value holds: 0 * NaN would be NaN. A plain matmul when the values are finite;
+    otherwise exactly, 64 rows at a time."""
+    if bool(torch.isfinite(values).all()):
+        return probs @ values
+    out = []
+    for r in range(0, probs.shape[-2], 64):
+        p = probs[..., r : r + 64, :, None]
+        out.append(torch.where(p != 0, p * values[..., None, :, :], 0.0).sum(-2))
+    return torch.cat(out, dim=-2)
+
+
 def sliding_window_attention_ref(
     q,
     k,
@@ -102,7 +116,7 @@ def sliding_window_attention_ref(
         full = scores
     lse = torch.logsumexp(full, dim=-1)
     probs = torch.exp(scores - lse[..., None])
-    out = probs @ values
+    out = _weighted_values(probs, values)
     if vg is not None:
-        out = torch.where(glob_rows, probs @ vg, out)
+        out = torch.where(glob_rows, _weighted_values(probs, vg), out)
     return out, lse

@@ -34,6 +34,10 @@ KINDS = FORWARD_KINDS + BACKWARD_KINDS
 DEFAULT_BLOCK_Q = 32
 
 
+# The largest window side, dilation bound or block a kernel spec takes.
+MAX_SPEC_INT = 1 << 24
+
+
 def _check_window_side(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -61,6 +65,11 @@ class KernelSpec:
     max_dilation: int = 1
     extras: bool = False
     block_q: int = DEFAULT_BLOCK_Q
+    # The variant for inputs that hold NaN or inf: every product of a probability (or a
+    # score gradient) selects 0 where that weight is 0, so a key outside a row's view
+    # adds nothing to it whatever it holds, and NaN scores propagate. The selects cost
+    # 1.3-1.8x on the CPU, so calls with finite inputs take the plain variant.
+    nonfinite: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -75,6 +84,16 @@ class KernelSpec:
             raise ValueError(f"max_dilation must be >= 1, got {self.max_dilation}")
         if self.block_q < 1:
             raise ValueError(f"block_q must be >= 1, got {self.block_q}")
+        # Bounds that keep every constant a kernel is built with far inside int32 and every
+        # band allocatable: a side reaching the whole sequence is -1, and the op turns any
+        # longer one into -1 (checks.normalize_window), and dilations beyond T into T.
+        for name, value in (("left", self.left), ("right", self.right), ("max_dilation", self.max_dilation),
+                            ("block_q", self.block_q)):
+            if value > MAX_SPEC_INT:
+                raise ValueError(
+                    f"{name} must be at most {MAX_SPEC_INT} in a kernel spec, got {value}; "
+                    "a window side that spans the sequence is -1 (unbounded)"
+                )
 
     @property
     def causal(self) -> bool:
@@ -89,12 +108,13 @@ class KernelSpec:
         """The function's symbol in the compiled module; unique per spec."""
         dt = DTYPE_TAGS[self.dtype]
         if self.is_global:
-            return f"swa_{self.kind}_d{self.head_dim}_{dt}_{'causal' if self.causal else 'full'}"
+            nf = "_nf" if self.nonfinite else ""
+            return f"swa_{self.kind}_d{self.head_dim}_{dt}_{'causal' if self.causal else 'full'}{nf}"
         side = lambda x: "inf" if x < 0 else str(x)  # noqa: E731
         return (
             f"swa_{self.kind}_d{self.head_dim}_{dt}_l{side(self.left)}_r{side(self.right)}"
             f"_md{self.max_dilation}_x{int(self.extras)}_bq{self.block_q}"
-        )
+        ) + ("_nf" if self.nonfinite else "")
 
     def backward_kernels(self) -> list["KernelSpec"]:
         """The gradient kernels of this forward kernel."""
@@ -121,7 +141,8 @@ class AttentionSpec:
     runtime dilation (uniform or per head). ``globals`` adds global tokens (global rows
     with optional separate projections); ``sinks`` adds StreamingLLM sink positions.
     Learned sink logits need no flag: every kernel takes them. ``backward`` adds the
-    gradient kernels, for training.
+    gradient kernels, for training. ``nonfinite`` adds the kernels calls take when an
+    input holds NaN or inf (KernelSpec.nonfinite), beside the plain ones.
     """
 
     head_dim: int
@@ -132,6 +153,7 @@ class AttentionSpec:
     dtype: str = "float32"
     block_q: int = DEFAULT_BLOCK_Q
     backward: bool = False
+    nonfinite: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.window, tuple) and len(self.window) == 2):
@@ -158,11 +180,13 @@ class AttentionSpec:
             out.append(KernelSpec("global", self.head_dim, self.dtype, 0, 0 if right == 0 else -1))
         if self.backward:
             out += [b for f in out for b in f.backward_kernels()]
+        if self.nonfinite:
+            out += [dataclasses.replace(k, nonfinite=True) for k in out]
         return out
 
     @classmethod
     def parse(cls, text: str) -> "AttentionSpec":
-        """Parse ``head_dim=64,window=255:0,dilation=2,globals,sinks,backward,dtype=float32``.
+        """Parse ``head_dim=64,window=255:0,dilation=2,globals,sinks,backward,nonfinite,dtype=float32``.
         Each field at most once; flags bare or ``=1/0, true/false, yes/no``."""
         aliases = {"d": "head_dim", "w": "window", "dilation": "max_dilation"}
         fields: dict = {}
@@ -186,7 +210,7 @@ class AttentionSpec:
                 if not m:
                     raise ValueError(f"spec {text!r}: window must look like LEFT:RIGHT, got {val!r}")
                 fields["window"] = (int(m.group(1)), int(m.group(2)))
-            elif name in ("globals", "sinks", "backward"):
+            elif name in ("globals", "sinks", "backward", "nonfinite"):
                 flag = val.lower() if has_val else "1"
                 if flag not in ("1", "true", "yes", "0", "false", "no"):
                     raise ValueError(f"spec {text!r}: {key} is a flag (bare, or =1/0, true/false, yes/no), got {val!r}")

@@ -72,6 +72,19 @@ CASES = [
     ("scale < 0", dict(scale=-0.25), ValueError, r"scale must be a positive finite number, got -0.25"),
     ("scale nan", dict(scale=float("nan")), ValueError, r"scale must be a positive finite number, got nan"),
     ("scale type", dict(scale="0.25"), TypeError, r"scale must be a float, got str"),
+    # Values Python takes but float32 kernels or the op's int64 schema cannot: each
+    # refused by name before any kernel or schema sees it.
+    ("scale beyond float32", dict(scale=1e39), ValueError, r"scale must be at most 3.403e\+38 \(float32's largest\)"),
+    ("scale beyond float", dict(scale=10**400), ValueError, r"scale must be a positive finite number"),
+    ("D = 0", dict(q=torch.randn(B, H, T, 0), k=torch.randn(B, 2, T, 0), v=torch.randn(B, 2, T, 0)), ValueError,
+     r"q and k must have non-empty dimensions"),
+    ("sinks beyond int64", dict(num_sinks=2**63), ValueError, r"num_sinks must be in \[0, T=12\], got 9223372036854775808"),
+    ("window beyond -int64", dict(window_size=(-2**64, 0)), ValueError, r"window_size left must be >= -1"),
+    ("dilation beyond -int64", dict(dilation=-2**64), ValueError, r"dilation must be >= 1"),
+    ("sink_logits list", dict(sink_logits=[0.1, 0.2, 0.3, 0.4]), TypeError, r"sink_logits must be a torch.Tensor or None, got list"),
+    ("global_idx list", dict(global_idx=[[1, 2]]), TypeError, r"global_idx must be a torch.Tensor or None, got list"),
+    ("v_global array", dict(global_idx=torch.tensor([[3]], dtype=torch.int32), v_global=1.0), TypeError,
+     r"v_global must be a torch.Tensor or None, got float"),
 ]  # fmt: skip
 
 

@@ -174,7 +174,9 @@ def export_library(
     committed ``tuning_logs/``; None: no records), else the default schedule, with a
     warning naming the kernel when ``warn_untuned``. The manifest records the format,
     TVM version, target (and its class key), the CPU features the code needs, the
-    kernel specs and whether each is tuned, and the sha256 of the library. Returns it.
+    kernel specs and whether each is tuned, and the sha256 of the library; with
+    $SWA_TVM_LIBRARY_KEY set, a keyed signature of the library and the manifest
+    (``library.sign_manifest``). Returns it.
     """
     specs = list(dict.fromkeys(specs))
     target = normalize_target(target)
@@ -246,6 +248,9 @@ def export_library(
         "sha256": sha256_file(tmp),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+    # With $SWA_TVM_LIBRARY_KEY set, an HMAC of the library and the manifest: where the
+    # key is set, load_library refuses libraries without it (docs/libraries.md).
+    library.sign_manifest(tmp, manifest)
     os.replace(tmp, path)
     with open(library.manifest_path(path) + ".tmp", "w") as f:
         json.dump(manifest, f, indent=2)

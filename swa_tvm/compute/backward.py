@@ -40,7 +40,7 @@ import operator
 
 from tvm import te, tirx
 
-from swa_tvm.compute.forward import Band, Extras, _dims, _exp, _neg_inf, div_nonneg, i64, mod_nonneg
+from swa_tvm.compute.forward import Band, Extras, _dims, _exp, _neg_inf, div_nonneg, i64, mod_nonneg, product
 from swa_tvm.spec import KernelSpec, accum_dtype
 
 
@@ -75,6 +75,8 @@ def local_dq(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
     n, kw, clamp = band.nitems, band.width, band.clamp
     group = div_nonneg(H, Hkv)
     ninf = _neg_inf(acc)
+    exact = spec.nonfinite or native_exp
+    mul = product(exact)
 
     def row(h, beta, qi):
         return clamp(band.pos(h, beta, qi))
@@ -121,7 +123,7 @@ def local_dq(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
     )
     ds = te.compute(
         (B, H, n, kw, Bq),
-        lambda b, h, be, kj, qi: _exp(arg[b, h, be, kj, qi], acc, native_exp) * (dp[b, h, be, kj, qi] - rstat[b, h, be, 1, qi]),
+        lambda b, h, be, kj, qi: mul(_exp(arg[b, h, be, kj, qi], acc, native_exp), dp[b, h, be, kj, qi] - rstat[b, h, be, 1, qi]),
         name="ds",
     )
     kband_dq = kband
@@ -135,7 +137,7 @@ def local_dq(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
     kr = te.reduce_axis((0, kw), name="kr")
     dqw = te.compute(
         (B, H, n, Bq, D),
-        lambda b, h, be, qi, cc: te.sum(ds[b, h, be, kr, qi] * kband_dq[b, h, be, kr, cc], axis=kr),
+        lambda b, h, be, qi, cc: te.sum(mul(ds[b, h, be, kr, qi], kband_dq[b, h, be, kr, cc]), axis=kr),
         name="dqw",
     )
     parts = [dqw]
@@ -172,14 +174,16 @@ def local_dq(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
         )
         xds = te.compute(
             (B, H, n, E, Bq),
-            lambda b, h, be, e, qi: _exp(xarg[b, h, be, e, qi], acc, native_exp) * (xdp[b, h, be, e, qi] - rstat[b, h, be, 1, qi]),
+            lambda b, h, be, e, qi: mul(_exp(xarg[b, h, be, e, qi], acc, native_exp), xdp[b, h, be, e, qi] - rstat[b, h, be, 1, qi]),
             name="xds",
         )
         er = te.reduce_axis((0, E), name="er")
         parts.append(
             te.compute(
                 (B, H, n, Bq, D),
-                lambda b, h, be, qi, cc: te.sum(xds[b, h, be, er, qi] * k[b, div_nonneg(h, group), xkey(b, er), cc].astype(acc), axis=er),
+                lambda b, h, be, qi, cc: te.sum(
+                    mul(xds[b, h, be, er, qi], k[b, div_nonneg(h, group), xkey(b, er), cc].astype(acc)), axis=er
+                ),
                 name="dqx",
             )
         )
@@ -213,6 +217,8 @@ def local_dkv(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = F
     n, qw, clamp = band.nitems, band.width, band.clamp
     group = div_nonneg(H, Hkv)
     ninf = _neg_inf(acc)
+    exact = spec.nonfinite or native_exp
+    mul = product(exact)
 
     def key(h, beta, kr):
         return clamp(band.pos(h, beta, kr))
@@ -259,7 +265,7 @@ def local_dkv(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = F
     prob = te.compute((B, H, n, qw, Bk), lambda b, h, be, qj, kr: _exp(arg[b, h, be, qj, kr], acc, native_exp), name="prob")
     ds = te.compute(
         (B, H, n, qw, Bk),
-        lambda b, h, be, qj, kr: prob[b, h, be, qj, kr] * (dp[b, h, be, qj, kr] - bstat[b, h, be, qj, 1]),
+        lambda b, h, be, qj, kr: mul(prob[b, h, be, qj, kr], dp[b, h, be, qj, kr] - bstat[b, h, be, qj, 1]),
         name="ds",
     )
     dband_dv, qband_dk = dband, qband
@@ -273,13 +279,13 @@ def local_dkv(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = F
     qr = te.reduce_axis((0, qw), name="qr")
     dv_blk = te.compute(
         (B, H, n, Bk, D),
-        lambda b, h, be, kr, cc: te.sum(prob[b, h, be, qr, kr] * dband_dv[b, h, be, qr, cc], axis=qr),
+        lambda b, h, be, kr, cc: te.sum(mul(prob[b, h, be, qr, kr], dband_dv[b, h, be, qr, cc]), axis=qr),
         name="dv_blk",
     )
     qr2 = te.reduce_axis((0, qw), name="qr2")
     dk_blk = te.compute(
         (B, H, n, Bk, D),
-        lambda b, h, be, kr, cc: te.sum(ds[b, h, be, qr2, kr] * qband_dk[b, h, be, qr2, cc], axis=qr2),
+        lambda b, h, be, kr, cc: te.sum(mul(ds[b, h, be, qr2, kr], qband_dk[b, h, be, qr2, cc]), axis=qr2),
         name="dk_blk",
     )
     dk = te.compute((B, H, T, D), lambda b, h, j, cc: dk_blk[(b, h) + band.item_of(h, j) + (cc,)] * scale, name="dk")
@@ -301,6 +307,8 @@ def local_dx(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
     ins, (q, k, v, dil, xidx, dout, lse, delta, scale) = _grad_inputs(spec, B, H, Hkv, T, E)
     group = div_nonneg(H, Hkv)
     ninf = _neg_inf(acc)
+    exact = spec.nonfinite or native_exp
+    mul = product(exact)
     visible = Extras(xidx, dil, B, H, E, spec.left, spec.right, T)
     clamp = lambda x: tirx.max(tirx.min(x, T - 1), 0)  # noqa: E731
     # The extras' keys and values, transposed so products run along the E extras.
@@ -330,18 +338,18 @@ def local_dx(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
     )
     prob = te.compute((B, H, T, E), lambda b, h, i, e: _exp(arg[b, h, i, e], acc, native_exp), name="prob")
     ds = te.compute(
-        (B, H, T, E), lambda b, h, i, e: prob[b, h, i, e] * (dp[b, h, i, e] - delta[b, h, i]), name="ds"
+        (B, H, T, E), lambda b, h, i, e: mul(prob[b, h, i, e], dp[b, h, i, e] - delta[b, h, i]), name="ds"
     )
     ir = te.reduce_axis((0, T), name="ir")
     dvx_acc = te.compute(
         (B, H, E, D),
-        lambda b, h, e, cc: te.sum(prob[b, h, ir, e] * dout[b, h, ir, cc].astype(acc), axis=ir),
+        lambda b, h, e, cc: te.sum(mul(prob[b, h, ir, e], dout[b, h, ir, cc].astype(acc)), axis=ir),
         name="dv_extra_acc",
     )
     ir2 = te.reduce_axis((0, T), name="ir2")
     dkx_acc = te.compute(
         (B, H, E, D),
-        lambda b, h, e, cc: te.sum(ds[b, h, ir2, e] * q[b, h, ir2, cc].astype(acc), axis=ir2),
+        lambda b, h, e, cc: te.sum(mul(ds[b, h, ir2, e], q[b, h, ir2, cc].astype(acc)), axis=ir2),
         name="dk_extra_acc",
     )
     dkx = te.compute((B, H, E, D), lambda *i: dkx_acc[i] * scale, name="dk_extra")
@@ -370,6 +378,8 @@ def global_backward(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
     scale = te.var("scale", dtype=acc)
     group = div_nonneg(H, Hkv)
     ninf = _neg_inf(acc)
+    exact = spec.nonfinite or native_exp
+    mul = product(exact)
     # [T, G] tiles: products run along the G rows, transposed once per head.
     qg_t = te.compute((B, H, D, G), lambda b, h, c, g: qg[b, h, g, c].astype(acc), name="qg_t")
     dg_t = te.compute((B, H, D, G), lambda b, h, c, g: dout[b, h, g, c].astype(acc), name="dg_t")
@@ -395,23 +405,23 @@ def global_backward(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
         name="garg",
     )
     prob = te.compute((B, H, T, G), lambda b, h, j, g: _exp(arg[b, h, j, g], acc, native_exp), name="gprob")
-    ds = te.compute((B, H, T, G), lambda b, h, j, g: prob[b, h, j, g] * (dp[b, h, j, g] - delta[b, h, g]), name="gds")
+    ds = te.compute((B, H, T, G), lambda b, h, j, g: mul(prob[b, h, j, g], dp[b, h, j, g] - delta[b, h, g]), name="gds")
     jr = te.reduce_axis((0, T), name="jr")
     dqg_acc = te.compute(
         (B, H, G, D),
-        lambda b, h, g, cc: te.sum(ds[b, h, jr, g] * kg[b, div_nonneg(h, group), jr, cc].astype(acc), axis=jr),
+        lambda b, h, g, cc: te.sum(mul(ds[b, h, jr, g], kg[b, div_nonneg(h, group), jr, cc].astype(acc)), axis=jr),
         name="dq_global_acc",
     )
     gr = te.reduce_axis((0, G), name="gr")
     dkg_acc = te.compute(
         (B, H, T, D),
-        lambda b, h, j, cc: te.sum(ds[b, h, j, gr] * qg[b, h, gr, cc].astype(acc), axis=gr),
+        lambda b, h, j, cc: te.sum(mul(ds[b, h, j, gr], qg[b, h, gr, cc].astype(acc)), axis=gr),
         name="dk_global_acc",
     )
     gr2 = te.reduce_axis((0, G), name="gr2")
     dvg_acc = te.compute(
         (B, H, T, D),
-        lambda b, h, j, cc: te.sum(prob[b, h, j, gr2] * dout[b, h, gr2, cc].astype(acc), axis=gr2),
+        lambda b, h, j, cc: te.sum(mul(prob[b, h, j, gr2], dout[b, h, gr2, cc].astype(acc)), axis=gr2),
         name="dv_global_acc",
     )
     dqg = te.compute((B, H, G, D), lambda *i: (dqg_acc[i] * scale).astype(dt), name="dq_global")

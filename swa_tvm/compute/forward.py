@@ -52,6 +52,8 @@ def _exp(x, dtype: str, native: bool = False):
     ``x`` appears many times in the expanded polynomial, so callers pass a cheap
     expression (a few buffer loads; the stages it reads are materialized). It is not
     Let-bound: MetaSchedule's FLOP estimator rejects Let, and LLVM removes the repeats.
+    NaN in, NaN out: a row that sees a NaN score comes out NaN, as in the reference
+    (and as the nonfinite check in swa_tvm.eager needs to notice it).
     """
     if native or dtype != "float32":
         return tirx.exp(x)
@@ -67,7 +69,28 @@ def _exp_poly(x, f):
         p = p * r + f(c)
     y = p * r * r + r + f(1.0)
     pow2n = tirx.reinterpret("float32", (n.astype("int32") + 127) << 23)
-    return tirx.Select(x > f(-87.0), y * pow2n, f(0.0))
+    # Only NaN fails both compares (the clamp above drops NaN): it comes out as it went in.
+    return tirx.Select(x >= f(-87.0), y * pow2n, tirx.Select(x < f(-87.0), f(0.0), x))
+
+
+def product(exact: bool):
+    """The weight-times-value product of a kernel: ``weigh`` for kernels that must keep
+    non-finite values from rows that cannot see them (KernelSpec.nonfinite, and GPU
+    targets, whose fused kernels guard the same way), else the plain product."""
+    return weigh if exact else operator.mul
+
+
+def weigh(p, x):
+    """p * x, and exactly 0 where the weight p is 0 (a probability or score gradient).
+
+    A key a row cannot see gets weight 0, and must add nothing to that row whatever
+    its value holds: an unwritten cache slot, padding, or a NaN beyond the window
+    (0 * NaN is NaN). One compare per product, no branch; a NaN weight (a row that sees
+    a NaN score) still propagates, as in the reference.
+    """
+    prod = p * x
+    zero = tirx.const(0, str(prod.ty))  # an expression's dtype (TensorSlice has no .ty)
+    return tirx.Select(p != zero, prod, zero)
 
 
 def _dims(shapes: dict | None, names: str):
@@ -319,6 +342,8 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
     sink = te.placeholder((H,), acc, name="sink_logit")
     scale = te.var("scale", dtype=acc)
 
+    exact = spec.nonfinite or native_exp
+    mul = product(exact)
     band = Band(left, right, Bq, spec.max_dilation, T, H, dil)
     nitems, kw, item_info = band.nitems, band.width, band.info
     row_of, key_of, clamp = band.pos, band.partner, band.clamp
@@ -421,7 +446,7 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
         r2 = te.reduce_axis((0, n), name=f"{prefix}r_acc")
         weighted = te.compute(
             (B, H, nitems, Bq, D),
-            lambda b, h, beta, qi, cc: te.sum(prob[b, h, beta, r2, qi] * value(b, h, beta, r2, cc), axis=r2),
+            lambda b, h, beta, qi, cc: te.sum(mul(prob[b, h, beta, r2, qi], value(b, h, beta, r2, cc)), axis=r2),
             name=f"{prefix}acc",
         )
         return total, weighted
@@ -502,6 +527,8 @@ def global_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: b
     ninf = _neg_inf(acc)
     nblk = tirx.floordiv(G + (GB - 1), GB)
     nchunk = tirx.floordiv(T + (KC - 1), KC)
+    exact = spec.nonfinite or native_exp
+    mul = product(exact)
 
     def row(gb, gi):  # global row of block position gi (the padding repeats row G-1)
         return tirx.min(gb * GB + gi, G - 1)
@@ -555,7 +582,7 @@ def global_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: b
     cacc = te.compute(
         (B, H, nblk, nchunk, GB, D),
         lambda b, h, gb, ch, gi, cc: te.sum(
-            cprob[b, h, gb, ch, kr3, gi] * cast(vg[b, div_nonneg(h, group), tirx.min(key(ch, kr3), T - 1), cc], acc),
+            mul(cprob[b, h, gb, ch, kr3, gi], cast(vg[b, div_nonneg(h, group), tirx.min(key(ch, kr3), T - 1), cc], acc)),
             axis=kr3,
         ),
         name="cacc",
@@ -604,4 +631,4 @@ def global_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: b
 FORWARD_COMPUTES = {"local": local_attention, "global": global_attention}
 
 
-__all__ = ["local_attention", "global_attention", "FORWARD_COMPUTES"]
+__all__ = ["local_attention", "global_attention", "weigh", "product", "FORWARD_COMPUTES"]
