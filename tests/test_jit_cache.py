@@ -129,6 +129,7 @@ def assert_rebuilt_once(path, compiles, logs):
     assert len(damaged) == 1 and "rebuilding" in damaged[0], warnings_of(logs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated", "empty"])
 def test_damaged_manifest_is_rebuilt(cache, compiles, logs, damage):
     path = entry(cache, WINDOW)
@@ -168,6 +169,7 @@ def test_entry_holding_another_kernel_is_rebuilt(cache, compiles, logs):
     assert_healed(cache, WINDOW, compiles, logs)
 
 
+@pytest.mark.slow
 def test_library_lacking_its_function_is_rebuilt(cache, compiles, logs):
     """The entry's manifest names the wanted kernel and vouches (sha256) for a library
     that holds another one: the load fails on the missing function, and leaves nothing
@@ -241,6 +243,7 @@ def test_read_only_warm_cache_serves_its_entries(cache, read_only, compiles, log
     assert tree(cache) == read_only
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("state", ["missing", "corrupt"])
 def test_read_only_cold_cache_compiles_in_memory(cache, compiles, logs, state, request):
     """The kernel's entry missing (the cache holds others) or damaged, and nothing can be

@@ -1,13 +1,15 @@
 """What the NaN rule costs on the CPU: each kernel of a spec in its plain variant and in
 its guarded one (KernelSpec.nonfinite: a select per product, so a key outside a row's
 view adds nothing whatever it holds), both from one exported library with the tuning
-records, timed on the same inputs with rounds alternated, medians; and the summing pass
-over the result by which the eager layer decides whether to run the guarded kernels.
+records, timed on the same inputs with rounds alternated, medians; and what the check
+costs by which the eager layer decides whether to run the guarded kernels (a summing
+pass over the result).
 
     TVM_NUM_THREADS=2 python -m tools.experiments.nonfinite_cost
     TVM_NUM_THREADS=2 python -m tools.experiments.nonfinite_cost --spec head_dim=64,window=511:0,dtype=bfloat16 --T 8192
 
-Prints one line per kernel: plain ms, guarded ms, guarded / plain."""
+Prints one line per kernel: plain ms, guarded ms, guarded / plain; and the whole
+forward op with and without that check."""
 
 import argparse
 import os
@@ -69,16 +71,32 @@ def main(argv=None) -> None:
         p, g = (statistics.median(times[n]) * 1e3 for n in ("plain", "guarded"))
         print(f"{spec.kind:9s} {spec.dtype:8s} plain {p:8.2f} ms  guarded {g:8.2f} ms  guarded/plain {g / p:.2f}")
         if spec.kind == "local":
-            out = args[-2]
-            acc = torch.float64 if out.dtype == torch.float64 else torch.float32
-            ts = []
-            for _ in range(a.rounds):
-                t = time.perf_counter()
-                float(out.sum(dtype=acc))
-                ts.append(time.perf_counter() - t)
-            s = statistics.median(ts) * 1e3
-            print(f"{'check':9s} {spec.dtype:8s} summing out {s:.2f} ms  ({100 * s / p:.1f}% of the plain forward)")
+            _check_cost(spec, a, p)
 
+
+def _check_cost(spec, a, plain_ms: float) -> None:
+    """The whole op, forward only, as users call it, with and without the check of its
+    result (swa_tvm.eager._redo_nonfinite), rounds alternated: what finite data pays."""
+    from swa_tvm import eager
+
+    dt = getattr(torch, spec.dtype)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(a.B, a.H, a.T, spec.head_dim, generator=g).to(dt) for _ in range(3))
+    window = (spec.left, spec.right)
+    checked = eager._redo_nonfinite
+    times = {True: [], False: []}
+    try:
+        for _ in range(a.rounds + 1):
+            for on in (True, False):
+                eager._redo_nonfinite = checked if on else (lambda *_: False)
+                t = time.perf_counter()
+                swa_tvm.sliding_window_attention(q, k, v, window_size=window)
+                times[on].append(time.perf_counter() - t)
+    finally:
+        eager._redo_nonfinite = checked
+    with_check, without = (statistics.median(times[on][1:]) * 1e3 for on in (True, False))
+    print(f"{'op':9s} {spec.dtype:8s} with the check {with_check:8.2f} ms  without {without:8.2f} ms  "
+          f"with/without {with_check / without:.3f}")
 
 if __name__ == "__main__":
     main()
