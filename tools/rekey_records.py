@@ -9,7 +9,8 @@ still apply. Two steps, the first run with the code before the change:
     python -m tools.rekey_records apply old_keys.json   # after: rewrite those workloads
 
 ``apply`` replaces each matched workload row of ``swa_tvm/tuning_logs/<key>/`` with the
-new workload (records keep their line index) and replays every record's trace on it,
+new workload (records keep their line index, CUDA baselines follow their key) and
+replays every record's trace on it,
 refusing to write a folder where a trace no longer applies. Candidates are the shipped
 spec set in each dtype and any ``--spec`` given, with all their kernels (forward, global,
 backward).
@@ -79,14 +80,16 @@ def apply(mapping_path: str, root: str, extra: list[str]) -> None:
         old = mapping.get(name, {})
         wl_path, rec_path = os.path.join(folder, WORKLOAD_FILE), os.path.join(folder, RECORD_FILE)
         rows = _rows(wl_path)
-        new_rows, changed = [], 0
+        new_rows, renamed = [], {}
         for row in rows:
             if row[0] in old:
                 spec = KernelSpec.from_dict(old[row[0]])
                 new = Workload(tuning_workload(spec, target_kind=kind)).as_json()
                 if new[0] != row[0]:  # the same math keeps its row as written
-                    row, changed = new, changed + 1
+                    renamed[row[0]] = new[0]
+                    row = new
             new_rows.append(row)
+        changed = len(renamed)
         if not changed:
             print(f"{name}: nothing to re-key", file=sys.stderr)
             continue
@@ -101,6 +104,14 @@ def apply(mapping_path: str, root: str, extra: list[str]) -> None:
         with open(wl_path + ".tmp", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in new_rows)
         os.replace(wl_path + ".tmp", wl_path)
+        # A CUDA folder's measured fused-kernel baselines are keyed by workload too.
+        base_path = os.path.join(folder, records.BASELINE_FILE)
+        if os.path.exists(base_path):
+            base = json.load(open(base_path))
+            with open(base_path + ".tmp", "w") as f:
+                json.dump({renamed.get(k, k): v for k, v in base.items()}, f, indent=1)
+                f.write("\n")
+            os.replace(base_path + ".tmp", base_path)
         print(f"{name}: re-keyed {changed} workloads; {len(recs)} records replay", file=sys.stderr)
 
 
