@@ -167,8 +167,8 @@ def _global_spec(q, right, nonfinite: bool = False) -> KernelSpec:
 # and take no select per product, so a NaN there would reach rows that cannot see it;
 # but it then shows in their result, as NaN. A result that holds NaN or inf is
 # therefore computed again with the nonfinite kernels: one summing pass over it on
-# finite data (~1-2% of a forward), twice the work on non-finite data. CUDA kernels
-# always guard (compute.forward.product), with no host sync.
+# finite data (about 2% of a float32 forward; docs/design.md), twice the work on
+# non-finite data. CUDA kernels always guard (compute.forward.product): no host sync.
 def _redo_nonfinite(device: str, *results) -> bool:
     if device != "cpu":
         return False
