@@ -37,6 +37,16 @@ def normalize_dilation(d: int, n: int) -> int:
     return min(d, max(n, 1))
 
 
+def check_window_and_sinks(left: int, right: int, num_sinks: int, T: int) -> None:
+    """The integer arguments' ranges, for the public function (before the op's int64
+    schema sees ints of any size) and for the op itself."""
+    for name, x in (("left", left), ("right", right)):
+        if x < -1:
+            raise ValueError(f"window_size {name} must be >= -1 (-1 means unbounded), got {x}")
+    if not 0 <= num_sinks <= T:
+        raise ValueError(f"num_sinks must be in [0, T={T}], got {num_sinks}")
+
+
 def _as_int(name: str, x) -> int:
     # Any integral number (numpy's included) is taken; bool is refused, as True
     # meaning 1 is almost always a mistake in a window or count.
@@ -84,9 +94,7 @@ def check_inputs(
             f"scale must be at most {FLOAT32_MAX:.4g} (float32's largest) for {q.dtype} inputs, whose scores "
             f"are float32; got {scale}"
         )
-    for name, x in (("left", left), ("right", right)):
-        if x < -1:
-            raise ValueError(f"window_size {name} must be >= -1 (-1 means unbounded), got {x}")
+    check_window_and_sinks(left, right, num_sinks, T)
 
     # dilation: per-head int tensor (the public function turns an int into one).
     if not isinstance(dilation, torch.Tensor):
@@ -119,8 +127,6 @@ def check_inputs(
         if x.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {x.dtype}, but q has {q.dtype}; all must match")
 
-    if num_sinks < 0 or num_sinks > T:
-        raise ValueError(f"num_sinks must be in [0, T={T}], got {num_sinks}")
     if sink_logits is not None:
         _check_tensor("sink_logits", sink_logits, 1)
         if sink_logits.shape[0] != H:

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from swa_tvm import ops  # noqa: F401 - registers torch.ops.swa_tvm.*
-from swa_tvm.checks import _as_int, _check_tensor, normalize_dilation, normalize_window
+from swa_tvm.checks import _as_int, _check_tensor, check_window_and_sinks, normalize_dilation, normalize_window
 
 
 def sliding_window_attention(
@@ -106,12 +106,8 @@ def sliding_window_attention(
         if x is not None and not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor or None, got {type(x).__name__}")
     H, T, D = q.shape[1], q.shape[2], q.shape[3]
-    for name, x in (("left", left), ("right", right)):
-        if x < -1:
-            raise ValueError(f"window_size {name} must be >= -1 (-1 means unbounded), got {x}")
+    check_window_and_sinks(left, right, num_sinks, T)
     left, right = normalize_window(left, right, T)
-    if not 0 <= num_sinks <= T:
-        raise ValueError(f"num_sinks must be in [0, T={T}], got {num_sinks}")
     if not isinstance(dilation, torch.Tensor):
         if isinstance(dilation, bool) or not isinstance(dilation, numbers.Integral):
             raise TypeError(f"dilation must be an int or an integer tensor of shape [H], got {type(dilation).__name__}")

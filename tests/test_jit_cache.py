@@ -141,16 +141,22 @@ def test_damaged_manifest_is_rebuilt(cache, compiles, logs, damage):
     assert_healed(cache, WINDOW, compiles, logs)
 
 
+def vouch_for(path):
+    """Rewrite the manifest's sha256 to match the (damaged) library: the manifest then
+    vouches for the file, and only the loader finds it broken."""
+    manifest = library.read_manifest(path)
+    manifest["sha256"] = library.sha256_file(path)
+    with open(path + ".json", "w") as f:
+        json.dump(manifest, f)
+
+
 def test_library_without_elf_header_is_rebuilt(cache, compiles, logs):
     """The first 64 bytes zeroed, the manifest's sha256 rewritten to match: the manifest
     vouches for the file, and only the loader finds it broken."""
     path = entry(cache, WINDOW)
     with open(path, "r+b") as f:
         f.write(bytes(64))
-    manifest = library.read_manifest(path)
-    manifest["sha256"] = library.sha256_file(path)
-    with open(path + ".json", "w") as f:
-        json.dump(manifest, f)
+    vouch_for(path)
     call(WINDOW)
     assert_rebuilt_once(path, compiles, logs)
     assert_healed(cache, WINDOW, compiles, logs)
@@ -176,10 +182,7 @@ def test_library_lacking_its_function_is_rebuilt(cache, compiles, logs):
     registered."""
     path, other = entry(cache, WINDOW), entry(cache, OTHER)
     shutil.copyfile(other, path)
-    manifest = library.read_manifest(path)
-    manifest["sha256"] = library.sha256_file(path)
-    with open(path + ".json", "w") as f:
-        json.dump(manifest, f)
+    vouch_for(path)
     call(WINDOW)
     assert_rebuilt_once(path, compiles, logs)
     assert {k.spec.name for k in library.REGISTRY.kernels()} == {NAMES[WINDOW]}
