@@ -68,8 +68,7 @@ def sliding_window_attention(
       a causal row's future, padding) has probability exactly 0 and contributes nothing
       to that row, nor to its gradients, whatever its k or v hold: NaN, inf, or the
       leftovers of an unwritten cache slot. A NaN or inf that a row does see reaches it,
-      as in a dense softmax. (The fused CUDA kernels do not guard yet: see
-      docs/roadmap.md.)
+      as in a dense softmax.
     * **Extreme integers.** A window side of T - 1 or more is unbounded, and a dilation
       of T or more reaches only the query itself and the extra keys: any int (beyond
       int64 included) or integer tensor means what it says, with no wrap-around.

@@ -21,7 +21,9 @@ Per item (``block_q`` rows of one residue class of one head), with ``threads`` t
    tile into probabilities P = exp(S - m); a thread per row updates the sum l; every
    accumulator is rescaled by exp(m_old - m) and gains P V (one register tile per
    thread);
-3. out = acc / l and lse = m + log l are written to the item's rows.
+3. out = acc / l and lse = m + log l are written to the item's rows; an item whose
+   outputs came out non-finite first runs step 2 again, every product exact (the NaN
+   rule, ``second_pass``).
 
 Each phase is its own loop over the thread index. On the GPU they all run on the same
 threads, TVM inserting the barriers between them; turned into serial loops they run one
@@ -210,7 +212,7 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
             if tx < BQ:
                 red[tx, 0] = m_s[tx]
                 for j in T.serial(KC):
-                    red[tx, 0] = T.max(red[tx, 0], S_s[(tx) * SP + j])
+                    red[tx, 0] = fmax(red[tx, 0], S_s[(tx) * SP + j])
                 # A row with no visible key yet keeps max -inf: factor 1, probabilities 0.
                 a_s[tx] = T.Select(red[tx, 0] == NINF, ONE, T.exp(m_s[tx] - red[tx, 0]))
                 m_s[tx] = red[tx, 0]
@@ -241,18 +243,81 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
         row_sum(S_s, l_s, a_s, red)
 
     @T.macro
-    def accumulate(S_s, Vt, a_s, oacc):
-        # acc = acc * exp(m_old - m) + P V, one RS x CA register tile per thread.
+    def accumulate(S_s, Vt, a_s, oacc, exact):
+        # acc = acc * exp(m_old - m) + P V, one RS x CA register tile per thread. With
+        # ``exact`` (``second_pass``), a value reaches a row only where its P is not 0: a
+        # masked key's P is exactly 0, but 0 * NaN is NaN (the NaN rule: a key the row
+        # does not see, or one the softmax gives nothing, adds nothing).
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for ii in T.unroll(RS):
                 for jj in T.unroll(CA):
                     oacc[tx, ii * CA + jj] = oacc[tx, ii * CA + jj] * a_s[(tx // TX) * RS + ii]
-            for kk in T.serial(KC):
-                for ii in T.unroll(RS):
-                    for jj in T.unroll(CA):
-                        oacc[tx, ii * CA + jj] = oacc[tx, ii * CA + jj] + S_s[((tx // TX) * RS + ii) * SP + kk] * f32(
-                            Vt[kk, tx % TX + TX * jj]
-                        )
+            if not exact:
+                for kk in T.serial(KC):
+                    for ii in T.unroll(RS):
+                        for jj in T.unroll(CA):
+                            oacc[tx, ii * CA + jj] = oacc[tx, ii * CA + jj] + S_s[((tx // TX) * RS + ii) * SP + kk] * f32(
+                                Vt[kk, tx % TX + TX * jj]
+                            )
+            else:
+                for kk in T.serial(KC):
+                    for ii in T.unroll(RS):
+                        for jj in T.unroll(CA):
+                            oacc[tx, ii * CA + jj] = oacc[tx, ii * CA + jj] + S_s[((tx // TX) * RS + ii) * SP + kk] * T.Select(
+                                S_s[((tx // TX) * RS + ii) * SP + kk] == ZERO, ZERO, f32(Vt[kk, tx % TX + TX * jj])
+                            )
+
+    @T.macro
+    def start_state(m_s, l_s, oacc, sink, h):
+        # Each row's running max at the head's sink logit (-inf: none), its sum at that
+        # sink's share, its outputs 0.
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            if tx < BQ:
+                m_s[tx] = sink[h]
+                l_s[tx] = T.Select(sink[h] == NINF, ZERO, ONE)
+            for ii in T.unroll(RS):
+                for jj in T.unroll(CA):
+                    oacc[tx, ii * CA + jj] = ZERO
+
+    any_nonfinite = nonfinite_vote(NT, RS * CA)
+
+    @T.macro
+    def local_chunks(Qs, Kt, Vt, S_s, m_s, l_s, a_s, first_s, last_s, xpos_s, xres_s, xt_s, sacc, oacc, red, q, k, v, xidx,
+                     scale, b, kvh, d, m0, r, row0, key0, c_begin, c_end, inner_lo, inner_hi, Tn, E, exact):
+        # The band chunks that meet the item's span, then the extra keys: every P V exact
+        # with ``exact``, else as fast as they go (``second_pass``).
+        for c in T.serial(c_begin, c_end):
+            load_rows(Kt, Vt, k, v, b, kvh, band_positions(key0, d, c, KC), Tn)
+            scores(
+                Qs,
+                Kt,
+                S_s,
+                sacc,
+                # Chunks every row sees whole skip the per-score test (|| short-circuits).
+                lambda row, col: T.Or(
+                    chunk_inside(c, KC, inner_lo, inner_hi),
+                    T.And(c * KC + col >= first_s[row], c * KC + col <= last_s[row]),
+                ),
+                scale,
+            )
+            softmax_step(S_s, m_s, l_s, a_s, red, sacc)
+            accumulate(S_s, Vt, a_s, oacc, exact)
+        if extras:
+            for xc in T.serial((E + (KC - 1)) // KC):
+                load_extra_positions(xpos_s, xres_s, xt_s, xidx, b, xc, d, E)
+                load_rows(Kt, Vt, k, v, b, kvh, lambda kk: xpos_s[kk], Tn)
+                scores(
+                    Qs,
+                    Kt,
+                    S_s,
+                    sacc,
+                    lambda row, col: extra_visible(
+                        lo, hi, Tn, xpos_s[col], xres_s[col], xt_s[col], row0 + d * row, m0 + row, r
+                    ),
+                    scale,
+                )
+                softmax_step(S_s, m_s, l_s, a_s, red, sacc)
+                accumulate(S_s, Vt, a_s, oacc, exact)
 
     @T.macro
     def body(q, k, v, dil, xidx, sink, scale, out, lse, B, H, Hkv, Tn, E):
@@ -277,6 +342,8 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
                 oacc = T.alloc_buffer((NT, RS * CA), acc, scope="local")
                 red = T.alloc_buffer((NT, 2), acc, scope="local")
                 fld = T.alloc_buffer((ITEM_SCALARS,), "int64", scope="local")
+                nf_s = T.alloc_buffer((1,), "int32", scope=SH)  # the NaN rule's vote (``any_nonfinite``)
+                nf = T.alloc_buffer((1,), "int32", scope="local")
 
                 store_item(fld, item, H, Hkv, nitems, dil, Tn)
                 b, h, beta, d, kvh, m0, r, row0, key0, c_begin, c_end, inner_lo, inner_hi = T.meta_var(load_item(fld))
@@ -284,54 +351,30 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
                 # every key masked and write nothing: a branch around the phases would put
                 # barriers under a condition, which TVM rightly refuses.
                 # 1. Rows: sink-initialised state, visible band intervals, queries.
+                start_state(m_s, l_s, oacc, sink, h)
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     if tx < BQ:
-                        m_s[tx] = sink[h]
-                        l_s[tx] = T.Select(sink[h] == NINF, ZERO, ONE)
                         first_s[tx] = row_key_range(lo, hi, Tn, d, m0, r, tx)[0]
                         last_s[tx] = row_key_range(lo, hi, Tn, d, m0, r, tx)[1]
+                    if tx == 0:
+                        nf_s[0] = 0
                     for x in T.serial(Q_STEPS):
                         e = T.meta_var(x * NT + tx)
                         if e < BQ * D:
                             qi = T.meta_var(e // D)
                             col = T.meta_var(e % D)
                             Qs[(qi) * DP + col] = q[b, h, T.min(row0 + d * qi, Tn - 1), col]
-                    for ii in T.unroll(RS):
-                        for jj in T.unroll(CA):
-                            oacc[tx, ii * CA + jj] = ZERO
-                # 2. The band, chunk by chunk, over the chunks that meet the item's span.
-                for c in T.serial(c_begin, c_end):
-                    load_rows(Kt, Vt, k, v, b, kvh, band_positions(key0, d, c, KC), Tn)
-                    scores(
-                        Qs,
-                        Kt,
-                        S_s,
-                        sacc,
-                        # Chunks every row sees whole skip the per-score test (|| short-circuits).
-                        lambda row, col: T.Or(
-                            chunk_inside(c, KC, inner_lo, inner_hi),
-                            T.And(c * KC + col >= first_s[row], c * KC + col <= last_s[row]),
-                        ),
-                        scale,
-                    )
-                    softmax_step(S_s, m_s, l_s, a_s, red, sacc)
-                    accumulate(S_s, Vt, a_s, oacc)
-                if extras:
-                    for xc in T.serial((E + (KC - 1)) // KC):
-                        load_extra_positions(xpos_s, xres_s, xt_s, xidx, b, xc, d, E)
-                        load_rows(Kt, Vt, k, v, b, kvh, lambda kk: xpos_s[kk], Tn)
-                        scores(
-                            Qs,
-                            Kt,
-                            S_s,
-                            sacc,
-                            lambda row, col: extra_visible(
-                                lo, hi, Tn, xpos_s[col], xres_s[col], xt_s[col], row0 + d * row, m0 + row, r
-                            ),
-                            scale,
-                        )
-                        softmax_step(S_s, m_s, l_s, a_s, red, sacc)
-                        accumulate(S_s, Vt, a_s, oacc)
+                # 2. The band, chunk by chunk, over the chunks that meet the item's span,
+                # then the extra keys; again, exact, where the results came out non-finite.
+                local_chunks(Qs, Kt, Vt, S_s, m_s, l_s, a_s, first_s, last_s, xpos_s, xres_s, xt_s, sacc, oacc, red, q, k,
+                             v, xidx, scale, b, kvh, d, m0, r, row0, key0, c_begin, c_end, inner_lo, inner_hi, Tn, E,
+                             False)
+                any_nonfinite(oacc, nf_s, nf)
+                for once in T.serial(second_pass(nf)):
+                    start_state(m_s, l_s, oacc, sink, h)
+                    local_chunks(Qs, Kt, Vt, S_s, m_s, l_s, a_s, first_s, last_s, xpos_s, xres_s, xt_s, sacc, oacc, red, q,
+                                 k, v, xidx, scale, b, kvh, d, m0, r, row0, key0, c_begin, c_end, inner_lo, inner_hi, Tn,
+                                 E, True)
                 # 3. Results to the item's rows.
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     for ii in T.unroll(RS):
@@ -345,6 +388,17 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
                             lse[b, h, row0 + d * tx] = m_s[tx] + T.log(l_s[tx])
 
     causal = spec.causal
+
+    @T.macro
+    def global_chunks(Qs, Kt, Vt, S_s, m_s, l_s, a_s, last_s, sacc, oacc, red, k, v, gidx, scale, b, kvh, g0, G, Tn,
+                      exact):
+        # Every key chunk up to the block's last visible key, each row masking the keys
+        # past its own: every P V exact with ``exact`` (``second_pass``).
+        for c in T.serial(T.floordiv(block_last_key(gidx, b, g0, G, Tn, BQ, causal), KC) + 1):
+            load_rows(Kt, Vt, k, v, b, kvh, lambda kk: c * KC + kk, Tn)
+            scores(Qs, Kt, S_s, sacc, lambda row, col: c * KC + col <= last_s[row], scale)
+            softmax_step(S_s, m_s, l_s, a_s, red, sacc)
+            accumulate(S_s, Vt, a_s, oacc, exact)
 
     @T.macro
     def global_body(qg, k, v, gidx, sink, scale, out, lse, B, H, Hkv, Tn, G):
@@ -364,28 +418,31 @@ def _build(spec: KernelSpec, cfg: FlashConfig):  # noqa: C901 - one kernel, phas
                 sacc = T.alloc_buffer((NT, RS * CS), acc, scope="local")
                 oacc = T.alloc_buffer((NT, RS * CA), acc, scope="local")
                 red = T.alloc_buffer((NT, 2), acc, scope="local")
+                nf_s = T.alloc_buffer((1,), "int32", scope=SH)  # the NaN rule's vote (``any_nonfinite``)
+                nf = T.alloc_buffer((1,), "int32", scope="local")
 
                 b, h, g0, kvh = T.meta_var(global_fields(item, H, Hkv, nblk, BQ))
                 # 1. Rows: sink-initialised state, last visible key (-1: a padding row past
                 # G sees none), queries.
+                start_state(m_s, l_s, oacc, sink, h)
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     if tx < BQ:
-                        m_s[tx] = sink[h]
-                        l_s[tx] = T.Select(sink[h] == NINF, ZERO, ONE)
                         last_s[tx] = global_row_last_key(gidx, b, g0 + tx, G, Tn, causal)
+                    if tx == 0:
+                        nf_s[0] = 0
                     for x in T.serial(Q_STEPS):
                         e = T.meta_var(x * NT + tx)
                         if e < BQ * D:
                             Qs[(e // D) * DP + e % D] = qg[b, h, T.min(g0 + e // D, G - 1), e % D]
-                    for ii in T.unroll(RS):
-                        for jj in T.unroll(CA):
-                            oacc[tx, ii * CA + jj] = ZERO
-                # 2. Every key chunk up to the block's last visible key.
-                for c in T.serial(T.floordiv(block_last_key(gidx, b, g0, G, Tn, BQ, causal), KC) + 1):
-                    load_rows(Kt, Vt, k, v, b, kvh, lambda kk: c * KC + kk, Tn)
-                    scores(Qs, Kt, S_s, sacc, lambda row, col: c * KC + col <= last_s[row], scale)
-                    softmax_step(S_s, m_s, l_s, a_s, red, sacc)
-                    accumulate(S_s, Vt, a_s, oacc)
+                # 2. Every key chunk up to the block's last visible key; again, exact, where
+                # the results came out non-finite.
+                global_chunks(Qs, Kt, Vt, S_s, m_s, l_s, a_s, last_s, sacc, oacc, red, k, v, gidx, scale, b, kvh, g0, G, Tn,
+                              False)
+                any_nonfinite(oacc, nf_s, nf)
+                for once in T.serial(second_pass(nf)):
+                    start_state(m_s, l_s, oacc, sink, h)
+                    global_chunks(Qs, Kt, Vt, S_s, m_s, l_s, a_s, last_s, sacc, oacc, red, k, v, gidx, scale, b, kvh, g0, G,
+                                  Tn, True)
                 # 3. Results to the block's global rows.
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     for ii in T.unroll(RS):
@@ -482,6 +539,51 @@ def split_item_fields(threads: int, rows: int, chunk: int, causal: bool):
             fld[6] = T.min(fld[5] + T.truncdiv(fld[6] + S - 1, S), fld[6])
 
     return store
+
+
+def second_pass(nf):
+    """The extent of a loop that runs once where nf[0] (a work item's vote, the same in
+    every thread) is set, else not at all: the branch around an item's second, exact
+    computation (the NaN rule), as a loop because TVM places barriers in loops but in
+    no branch.
+
+    The NaN rule: a key a row does not see adds nothing to it, whatever its k or v hold
+    (NaN, +-inf); nor does one the softmax gives a weight of exactly 0. The fast products
+    multiply masked keys by a weight of 0, and 0 * NaN is NaN: such a value leaves NaN in
+    the row's results, where nothing takes it out again (NaN stays NaN through every
+    rescale and sum). So the chunk loops run as they always have, and a work item whose
+    results come out non-finite (from such a value, or from one its rows see: NaN
+    either way) is computed again after them, every product exact (a weight of 0 adds
+    nothing). Finite data pays one test of each result and a block-wide vote per item,
+    outside the chunk loops; non-finite data about twice the work, for the items that
+    meet it."""
+    return T.Select(nf[0] != 0, 1, 0)
+
+
+def nonfinite_vote(threads: int, count: int):
+    """A T.macro ``vote(acc, nf_s, nf)``: nf[0] = 1 in every thread if any of the
+    registers acc[tx, 0 .. count - 1] of any thread is NaN or +-inf (nf_s: a shared
+    int32, 0 before, where the threads vote): the NaN rule's test (``second_pass``)."""
+
+    @T.macro
+    def vote(acc, nf_s, nf):
+        for tx in T.thread_binding(threads, thread="threadIdx.x"):
+            for x in T.unroll(count):
+                if T.Not(T.isfinite(acc[tx, x])):
+                    nf_s[0] = 1
+        for tx in T.thread_binding(threads, thread="threadIdx.x"):
+            nf[0] = nf_s[0]
+
+    return vote
+
+
+def fmax(a, b):
+    """The larger of two fp32 values as CUDA's fmaxf takes it (what TIR's max of floats
+    becomes on the GPU): a NaN operand gives the other. On the CPU TIR's max is a
+    compare and select, NaN kept or dropped by operand order; the serial CPU runs must
+    not differ from the GPU there. A NaN score the max passes over still reaches its row
+    through its probability, exp(NaN - m)."""
+    return T.call_pure_extern("float32", "fmaxf", a, b)
 
 
 def clamp_row(pos, n):

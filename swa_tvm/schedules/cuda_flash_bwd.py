@@ -23,6 +23,10 @@ streams every key chunk up to its last row's position (d q_global), and a block 
 streams the global rows in chunks (d k_global, d v_global), each key masked past a
 causal row's position.
 
+The NaN rule (``cuda_flash.second_pass``): dS is 0 wherever P is (dk/dv: a select a
+score); dq, whose dS K would meet a non-finite K with a weight of 0, is computed again,
+every product exact, for an item whose dq came out non-finite.
+
 Products run on CUDA cores in fp32, as in ``cuda_flash``; the masks are the TE's
 (``row_key_range``, ``item_key_span``, ``item_inner_span``, ``extra_visible``), the
 transposed band being the window with its sides swapped. Each phase is its own loop
@@ -41,18 +45,20 @@ from tvm.script import tirx as T
 
 from swa_tvm.compute.forward import extra_visible, row_key_range
 from swa_tvm.schedules.cuda_flash import (
+    ITEM_SCALARS,
     SHARED_BUDGET,
     _pad,
+    band_positions,
     block_last_key,
+    chunk_inside,
+    clamp_row,
     extra_positions_loader,
     global_fields,
     global_row_last_key,
-    ITEM_SCALARS,
-    band_positions,
-    chunk_inside,
-    clamp_row,
     item_scalars,
     largest_fitting,
+    nonfinite_vote,
+    second_pass,
     thread_cols,
 )
 from swa_tvm.spec import KernelSpec, accum_dtype
@@ -212,16 +218,26 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                         pacc[tx, ii * CS + jj] = pacc[tx, ii * CS + jj] + f32(A2[row * DP + cc]) * f32(B2[col * DP + cc])
 
     @T.macro
-    def accumulate(W_s, Ct, racc):
+    def accumulate(W_s, Ct, racc, exact=False):
         # racc += W C: the RS rows of W_s [rows, partners] (shared) against the chunk's
-        # tile C [partners, D], CA columns per thread.
+        # tile C [partners, D], CA columns per thread. With ``exact`` (dq's second pass,
+        # ``cuda_flash.second_pass``), a value of C reaches a row only where its W is not
+        # 0: a masked key's dS is exactly 0, but 0 * NaN is NaN.
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
-            for kk in T.serial(KC):
-                for ii in T.unroll(RS):
-                    for jj in T.unroll(CA):
-                        racc[tx, ii * CA + jj] = racc[tx, ii * CA + jj] + W_s[((tx // TX) * RS + ii) * SP + kk] * f32(
-                            Ct[kk * DP + tx % TX + TX * jj]
-                        )
+            if not exact:
+                for kk in T.serial(KC):
+                    for ii in T.unroll(RS):
+                        for jj in T.unroll(CA):
+                            racc[tx, ii * CA + jj] = racc[tx, ii * CA + jj] + W_s[((tx // TX) * RS + ii) * SP + kk] * f32(
+                                Ct[kk * DP + tx % TX + TX * jj]
+                            )
+            else:
+                for kk in T.serial(KC):
+                    for ii in T.unroll(RS):
+                        for jj in T.unroll(CA):
+                            racc[tx, ii * CA + jj] = racc[tx, ii * CA + jj] + W_s[((tx // TX) * RS + ii) * SP + kk] * T.Select(
+                                W_s[((tx // TX) * RS + ii) * SP + kk] == ZERO, ZERO, f32(Ct[kk * DP + tx % TX + TX * jj])
+                            )
 
     @T.macro
     def zero(racc):
@@ -241,22 +257,35 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                             dst.dtype, racc[tx, ii * CA + jj] * scale
                         )
 
+    any_nonfinite = nonfinite_vote(NT, RS * CA)
+
     @T.macro
-    def dq_chunk(Qs, dOs, Kt, Vt, S_s, sacc, pacc, lse_s, delta_s, dacc, visible, scale):
+    def dq_chunk(Qs, dOs, Kt, Vt, S_s, sacc, pacc, lse_s, delta_s, dacc, visible, scale, exact):
         products(Qs, dOs, Kt, Vt, sacc, pacc)
         # dS = P (dP - delta), P = exp(S - lse); masked entries 0 (a row with lse = +inf,
-        # a global row or one past the end, gets exp(-inf) = 0).
+        # a global row or one past the end, gets exp(-inf) = 0). With ``exact`` (the
+        # second pass), dS = 0 wherever P is 0, not 0 * (dP - delta): NaN where a v or
+        # the row's delta is.
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for ii in T.unroll(RS):
                 for jj in T.unroll(CS):
                     row = T.meta_var((tx // TX) * RS + ii)
                     col = T.meta_var(tx % TX + TX * jj)
-                    S_s[row * SP + col] = T.Select(
-                        visible(row, col),
-                        T.exp(sacc[tx, ii * CS + jj] * scale - lse_s[row]) * (pacc[tx, ii * CS + jj] - delta_s[row]),
-                        ZERO,
-                    )
-        accumulate(S_s, Kt, dacc)
+                    if exact:
+                        sacc[tx, ii * CS + jj] = T.Select(
+                            visible(row, col), T.exp(sacc[tx, ii * CS + jj] * scale - lse_s[row]), ZERO
+                        )
+                        S_s[row * SP + col] = T.Select(
+                            sacc[tx, ii * CS + jj] == ZERO, ZERO,
+                            sacc[tx, ii * CS + jj] * (pacc[tx, ii * CS + jj] - delta_s[row]),
+                        )
+                    else:
+                        S_s[row * SP + col] = T.Select(
+                            visible(row, col),
+                            T.exp(sacc[tx, ii * CS + jj] * scale - lse_s[row]) * (pacc[tx, ii * CS + jj] - delta_s[row]),
+                            ZERO,
+                        )
+        accumulate(S_s, Kt, dacc, exact)
 
     @T.macro
     def dkv_chunk(Ks, Vs, Qt, dOt, P_s, S_s, sacc, pacc, lse_c, delta_c, kacc, vacc, visible, scale):
@@ -270,9 +299,42 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                     row = T.meta_var((tx // TX) * RS + ii)
                     col = T.meta_var(tx % TX + TX * jj)
                     P_s[row * SP + col] = T.Select(visible(row, col), T.exp(sacc[tx, ii * CS + jj] * scale - lse_c[col]), ZERO)
-                    S_s[row * SP + col] = P_s[row * SP + col] * (pacc[tx, ii * CS + jj] - delta_c[col])
+                    # Where P is 0 (masked, or a query whose lse is +inf: eager's global
+                    # rows, a +inf sink's), dS 0, not 0 * (dP - delta), NaN where the
+                    # item's v or the query's delta (a row that sees NaN) is: a select a score.
+                    S_s[row * SP + col] = T.Select(
+                        P_s[row * SP + col] == ZERO, ZERO, P_s[row * SP + col] * (pacc[tx, ii * CS + jj] - delta_c[col])
+                    )
         accumulate(P_s, dOt, vacc)
         accumulate(S_s, Qt, kacc)
+
+    @T.macro
+    def dq_chunks(Qs, dOs, Kt, Vt, S_s, sacc, pacc, lse_s, delta_s, dacc, first_s, last_s, xpos_s, xres_s, xt_s, k, v,
+                  xidx, scale, b, kvh, d, m0, r, row0, key0, c_begin, c_end, inner_lo, inner_hi, Tn, E, exact):
+        # dq's band chunks that meet the item's span, then its extra keys: every dS K exact
+        # with ``exact``, else as fast as they go (``cuda_flash.second_pass``).
+        for c in T.serial(c_begin, c_end):
+            load_pair(Kt, Vt, k, v, b, kvh, band_positions(key0, d, c, KC), Tn, KC, C_STEPS)
+            dq_chunk(
+                Qs, dOs, Kt, Vt, S_s, sacc, pacc, lse_s, delta_s, dacc,
+                lambda row, col: T.Or(
+                    chunk_inside(c, KC, inner_lo, inner_hi),
+                    T.And(c * KC + col >= first_s[row], c * KC + col <= last_s[row]),
+                ),
+                scale,
+                exact,
+            )
+        if extras:
+            for xc in T.serial((E + (KC - 1)) // KC):
+                load_extra_positions(xpos_s, xres_s, xt_s, xidx, b, xc, d, E)
+                load_pair(Kt, Vt, k, v, b, kvh, lambda kk: xpos_s[kk], Tn, KC, C_STEPS)
+                dq_chunk(
+                    Qs, dOs, Kt, Vt, S_s, sacc, pacc, lse_s, delta_s, dacc,
+                    lambda row, col: extra_visible(
+                        lo, hi, Tn, xpos_s[col], xres_s[col], xt_s[col], row0 + d * row, m0 + row, r
+                    ),
+                    scale, exact,
+                )
 
     @T.macro
     def dq_body(q, k, v, dil, xidx, dout, lse, delta, scale, dq, B, H, Hkv, Tn, E):
@@ -297,6 +359,8 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                 pacc = T.alloc_buffer((NT, RS * CS), acc, scope="local")
                 dacc = T.alloc_buffer((NT, RS * CA), acc, scope="local")
                 fld = T.alloc_buffer((ITEM_SCALARS,), "int64", scope="local")
+                nf_s = T.alloc_buffer((1,), "int32", scope=SH)  # the NaN rule's vote (``any_nonfinite``)
+                nf = T.alloc_buffer((1,), "int32", scope="local")
 
                 store_item(fld, item, H, Hkv, nitems, dil, Tn)
                 b, h, beta, d, kvh, m0, r, row0, key0, c_begin, c_end, inner_lo, inner_hi = T.meta_var(load_item(fld))
@@ -307,30 +371,20 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                     if tx < BR:
                         first_s[tx] = row_key_range(lo, hi, Tn, d, m0, r, tx)[0]
                         last_s[tx] = row_key_range(lo, hi, Tn, d, m0, r, tx)[1]
+                    if tx == 0:
+                        nf_s[0] = 0
                 load_pair(Qs, dOs, q, dout, b, h, lambda i: row0 + d * i, Tn, BR, R_STEPS)
                 zero(dacc)
-                # 2. The band, chunk by chunk, over the chunks that meet the item's span.
-                for c in T.serial(c_begin, c_end):
-                    load_pair(Kt, Vt, k, v, b, kvh, band_positions(key0, d, c, KC), Tn, KC, C_STEPS)
-                    dq_chunk(
-                        Qs, dOs, Kt, Vt, S_s, sacc, pacc, lse_s, delta_s, dacc,
-                        lambda row, col: T.Or(
-                            chunk_inside(c, KC, inner_lo, inner_hi),
-                            T.And(c * KC + col >= first_s[row], c * KC + col <= last_s[row]),
-                        ),
-                        scale,
-                    )
-                if extras:
-                    for xc in T.serial((E + (KC - 1)) // KC):
-                        load_extra_positions(xpos_s, xres_s, xt_s, xidx, b, xc, d, E)
-                        load_pair(Kt, Vt, k, v, b, kvh, lambda kk: xpos_s[kk], Tn, KC, C_STEPS)
-                        dq_chunk(
-                            Qs, dOs, Kt, Vt, S_s, sacc, pacc, lse_s, delta_s, dacc,
-                            lambda row, col: extra_visible(
-                                lo, hi, Tn, xpos_s[col], xres_s[col], xt_s[col], row0 + d * row, m0 + row, r
-                            ),
-                            scale,
-                        )
+                # 2. The band, chunk by chunk, over the chunks that meet the item's span,
+                # then the extra keys; again, exact, where dq came out non-finite.
+                dq_chunks(Qs, dOs, Kt, Vt, S_s, sacc, pacc, lse_s, delta_s, dacc, first_s, last_s, xpos_s, xres_s, xt_s,
+                          k, v, xidx, scale, b, kvh, d, m0, r, row0, key0, c_begin, c_end, inner_lo, inner_hi, Tn, E, False)
+                any_nonfinite(dacc, nf_s, nf)
+                for once in T.serial(second_pass(nf)):
+                    zero(dacc)
+                    dq_chunks(Qs, dOs, Kt, Vt, S_s, sacc, pacc, lse_s, delta_s, dacc, first_s, last_s, xpos_s, xres_s,
+                              xt_s, k, v, xidx, scale, b, kvh, d, m0, r, row0, key0, c_begin, c_end, inner_lo, inner_hi,
+                              Tn, E, True)
                 # 3. dq = scale * dS K to the item's rows.
                 write_rows(dq, dacc, b, h, lambda i: row0 + d * i, Tn, scale)
 
@@ -391,6 +445,15 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
     load_last_keys = last_keys_loader(NT, KC, causal)
 
     @T.macro
+    def global_dq_chunks(Qs, dOs, Kt, Vt, S_s, sacc, pacc, lse_s, delta_s, dacc, last_s, k, v, gidx, scale, b, kvh, g0, G,
+                         Tn, exact):
+        # Every key chunk up to the block's last visible key (``dq_chunks``' ``exact``).
+        for c in T.serial(T.floordiv(block_last_key(gidx, b, g0, G, Tn, BR, causal), KC) + 1):
+            load_pair(Kt, Vt, k, v, b, kvh, lambda kk: c * KC + kk, Tn, KC, C_STEPS)
+            dq_chunk(Qs, dOs, Kt, Vt, S_s, sacc, pacc, lse_s, delta_s, dacc, lambda row, col: c * KC + col <= last_s[row],
+                     scale, exact)
+
+    @T.macro
     def global_dq_body(qg, k, v, gidx, dout, lse, delta, scale, dqg, B, H, Hkv, Tn, G):
         nblk = T.meta_var((G + (BR - 1)) // BR)
         for item in T.thread_binding(B * H * nblk, thread="blockIdx.x"):
@@ -408,6 +471,8 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                 sacc = T.alloc_buffer((NT, RS * CS), acc, scope="local")
                 pacc = T.alloc_buffer((NT, RS * CS), acc, scope="local")
                 dacc = T.alloc_buffer((NT, RS * CA), acc, scope="local")
+                nf_s = T.alloc_buffer((1,), "int32", scope=SH)  # the NaN rule's vote (``any_nonfinite``)
+                nf = T.alloc_buffer((1,), "int32", scope="local")
 
                 b, h, g0, kvh = T.meta_var(global_fields(item, H, Hkv, nblk, BR))
                 # 1. Global rows: lse, delta and last visible key (padding rows past G: +inf,
@@ -416,15 +481,19 @@ def _build(spec: KernelSpec, cfg: BwdConfig):  # noqa: C901 - four kernels, phas
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     if tx < BR:
                         last_s[tx] = global_row_last_key(gidx, b, g0 + tx, G, Tn, causal)
+                    if tx == 0:
+                        nf_s[0] = 0
                 load_pair(Qs, dOs, qg, dout, b, h, lambda i: g0 + i, G, BR, R_STEPS)
                 zero(dacc)
-                # 2. Every key chunk up to the block's last visible key.
-                for c in T.serial(T.floordiv(block_last_key(gidx, b, g0, G, Tn, BR, causal), KC) + 1):
-                    load_pair(Kt, Vt, k, v, b, kvh, lambda kk: c * KC + kk, Tn, KC, C_STEPS)
-                    dq_chunk(
-                        Qs, dOs, Kt, Vt, S_s, sacc, pacc, lse_s, delta_s, dacc,
-                        lambda row, col: c * KC + col <= last_s[row], scale,
-                    )
+                # 2. Every key chunk up to the block's last visible key; again, exact, where
+                # dq came out non-finite.
+                global_dq_chunks(Qs, dOs, Kt, Vt, S_s, sacc, pacc, lse_s, delta_s, dacc, last_s, k, v, gidx, scale, b, kvh,
+                                 g0, G, Tn, False)
+                any_nonfinite(dacc, nf_s, nf)
+                for once in T.serial(second_pass(nf)):
+                    zero(dacc)
+                    global_dq_chunks(Qs, dOs, Kt, Vt, S_s, sacc, pacc, lse_s, delta_s, dacc, last_s, k, v, gidx, scale, b,
+                                     kvh, g0, G, Tn, True)
                 # 3. d q_global = scale * dS K.
                 write_rows(dqg, dacc, b, h, lambda i: g0 + i, G, scale)
 

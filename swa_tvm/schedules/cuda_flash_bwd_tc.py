@@ -30,6 +30,12 @@ P or dS from registers.
 (``ring``, the forward's two-stage order): chunk c + 1's copies land while chunk c is
 computed, where one stage loads each chunk and then waits for it.
 
+The NaN rule (``cuda_flash.second_pass``): dS is 0 wherever P is in the chunks that take
+a mask (a select a score); an item whose dq, or dk, comes out non-finite (a non-finite K
+met with a weight of 0 in dS K; a visible P of 0 met with a NaN dP or delta in a chunk
+seen whole) is computed again after its chunk loops, on mma.sync, every product exact
+(``ptx.exact_product``).
+
 With ``emulate=True`` the mma runs lane by lane, so the tests run these kernels serially
 on the CPU (see ``cuda_flash_tc``).
 """
@@ -53,6 +59,7 @@ from swa_tvm.schedules.cuda_flash import (
     global_row_last_key,
     item_scalars,
     largest_fitting,
+    second_pass,
     split_item_fields,
 )
 from swa_tvm.schedules.cuda_flash_bwd import (
@@ -78,9 +85,15 @@ from swa_tvm.schedules.ptx import (
     PTX_TYPE,
     TileLayout,
     a_loader,
+    a_pos,
+    alloc_nan_guard,
     async_loader,
+    b_pos,
     c_pos,
     chunk_mask,
+    exact_product,
+    exact_scratch_shapes,
+    finite_vote,
     kn_loader,
     load_band_rows,
     mma_macro,
@@ -407,14 +420,24 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 )
 
     @T.macro
-    def dq_scores(fr, lse_r, delta_r, visible, scale2):
+    def dq_scores(fr, lse_r, delta_r, visible, scale2, exact=False):
         # dS = P (dP - delta), 0 where masked (visible(tx, l, nt); None: every score is
-        # visible); a row with lse = +inf, padding or past the end, gets P = 0.
+        # visible); a row with lse = +inf, padding or past the end, gets P = 0. With
+        # ``exact`` (the second pass, ``cuda_flash.second_pass``), dS = 0 wherever P is
+        # 0, not 0 * (dP - delta): NaN where a v or the row's delta is.
         sfrag, dpfrag, dsfrag = T.meta_var((fr.s, fr.dp, fr.ds))
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for nt in T.unroll(NS):
                 for l in T.unroll(4):
-                    if visible is None:
+                    if exact:
+                        sfrag[tx, nt * 4 + l] = T.exp2(sfrag[tx, nt * 4 + l] * scale2 - lse_r[tx, l // 2])
+                        if visible is not None:
+                            sfrag[tx, nt * 4 + l] = T.Select(visible(tx, l, nt), sfrag[tx, nt * 4 + l], ZERO)
+                        dsfrag[tx, a_slot(nt, l)] = T.Cast(dt, T.Select(
+                            sfrag[tx, nt * 4 + l] == ZERO, ZERO,
+                            sfrag[tx, nt * 4 + l] * (dpfrag[tx, nt * 4 + l] - delta_r[tx, l // 2]),
+                        ))
+                    elif visible is None:
                         dsfrag[tx, a_slot(nt, l)] = T.Cast(
                             dt,
                             T.exp2(sfrag[tx, nt * 4 + l] * scale2 - lse_r[tx, l // 2])
@@ -431,6 +454,16 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                             ),
                         )
 
+    # The NaN rule for dq's dS K (``cuda_flash.second_pass``; ptx: ``finite_vote``,
+    # ``exact_product``): masked dS is 0, but 0 * NaN (or inf) is NaN in an mma, so a
+    # non-finite K where a row cannot see it leaves NaN in that row's dq. The chunk loops
+    # run as they always have; an item whose dq comes out non-finite is computed again
+    # after them, each dS K exact. The cost for finite data: one FMA per dq register and
+    # a block-wide vote, per item, outside the chunk loop.
+    vote = finite_vote(NT, emulate)
+    exact = exact_product(NW, dt, emulate, 1, KK, NO)
+    SCR = exact_scratch_shapes(NT, dt, 1, KK, NO)
+
     @T.macro
     def dq_step(Qs, dOs, Kt, Vt, fr, lse_r, delta_r, dqacc, visible, scale2):
         products(Qs, dOs, Kt, Vt, fr)
@@ -445,7 +478,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
         return value if log2 else value * LOG2E
 
     @T.macro
-    def dkv_scores(fr, lse_c, delta_c, visible, scale2, log2=True):
+    def dkv_scores(fr, lse_c, delta_c, visible, scale2, log2=True, exact=True):
         # Rows are keys, columns the chunk's queries: P^T and dS^T (masked as dq_scores;
         # lse_c by column_lse).
         sfrag, dpfrag, pfrag, dsfrag = T.meta_var((fr.s, fr.dp, fr.p, fr.ds))
@@ -461,9 +494,19 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                             ZERO,
                         )
                     pfrag[tx, a_slot(nt, l)] = T.Cast(dt, sfrag[tx, nt * 4 + l])
-                    dsfrag[tx, a_slot(nt, l)] = T.Cast(
-                        dt, sfrag[tx, nt * 4 + l] * (dpfrag[tx, nt * 4 + l] - delta_c[nt * 8 + c_col(tx, l)])
-                    )
+                    if exact:
+                        # Where P is 0 (masked, or a weight of 0: the NaN rule), dS 0, not
+                        # 0 * (dP - delta), NaN where the item's v or the query's delta (a
+                        # row that sees NaN) is: a compare and a select a score. (Not in
+                        # the band's chunk loop, whose items a non-finite dk computes again.)
+                        dpfrag[tx, nt * 4 + l] = sfrag[tx, nt * 4 + l] * (dpfrag[tx, nt * 4 + l] - delta_c[nt * 8 + c_col(tx, l)])
+                        dsfrag[tx, a_slot(nt, l)] = T.Cast(
+                            dt, T.Select(sfrag[tx, nt * 4 + l] == ZERO, ZERO, dpfrag[tx, nt * 4 + l])
+                        )
+                    else:
+                        dsfrag[tx, a_slot(nt, l)] = T.Cast(
+                            dt, sfrag[tx, nt * 4 + l] * (dpfrag[tx, nt * 4 + l] - delta_c[nt * 8 + c_col(tx, l)])
+                        )
 
     @T.macro
     def dkv_accumulate(dOt, Qt, fr, kacc, vacc):
@@ -478,16 +521,58 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
         dkv_accumulate(dOt, Qt, fr, kacc, vacc)
 
     @T.macro
-    def dq_band_step(c, Qs, dOs, Kt, Vt, fr, lse_r, delta_r, dqacc, rel, first_r, last_r, inner_lo, inner_hi, scale2):
-        # Band chunk c of a dq item, its keys in Kt and values in Vt: a chunk every row
-        # sees whole (most of a long window's) takes no mask.
-        products(Qs, dOs, Kt, Vt, fr)
+    def products_sync(A, A2, Bt, B2, fr):
+        # ``products`` for an item's second pass (``cuda_flash.second_pass``): on mma.sync
+        # whatever the kernel's products are, every operand read from its tile value by
+        # value (any layout; and no address arithmetic shared with the chunk loop's
+        # ldmatrix, which the compiler otherwise keeps live across it, at a cost to the
+        # loop).
+        afrag, a2frag, b2frag, sfrag, dpfrag = T.meta_var((fr.a, fr.a2, fr.b2, fr.s, fr.dp))
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for x in T.unroll(NS * 4):
+                sfrag[tx, x] = ZERO
+                dpfrag[tx, x] = ZERO
+        for ks in T.serial(KD):  # (a loop: the fragments' indices stay constant, so registers)
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                for l in T.unroll(8):
+                    afrag[tx, l] = A[item_tile.index((tx // 32) * 16 + a_pos(tx % 32, l)[0], ks * 16 + a_pos(tx % 32, l)[1])]
+                    a2frag[tx, l] = A2[item_tile.index((tx // 32) * 16 + a_pos(tx % 32, l)[0], ks * 16 + a_pos(tx % 32, l)[1])]
+            for nt in T.unroll(NS):
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    for x in T.unroll(4):
+                        b2frag[tx, x] = Bt[chunk_tile.index(nt * 8 + b_pos(tx % 32, x)[1], ks * 16 + b_pos(tx % 32, x)[0])]
+                        b2frag[tx, 4 + x] = B2[chunk_tile.index(nt * 8 + b_pos(tx % 32, x)[1], ks * 16 + b_pos(tx % 32, x)[0])]
+                mma(afrag, 0, b2frag, 0, sfrag, nt * 4)
+                mma(a2frag, 0, b2frag, 4, dpfrag, nt * 4)
+
+    @T.macro
+    def dq_band_scores(c, Qs, dOs, Kt, Vt, fr, lse_r, delta_r, rel, first_r, last_r, inner_lo, inner_hi, scale2, sync):
+        # S, dP (``sync``: on mma.sync, ``products_sync``) and dS of band chunk c of a dq
+        # item, its keys in Kt and values in Vt: a chunk every row sees whole (most of a
+        # long window's) takes no mask.
+        if sync:
+            products_sync(Qs, dOs, Kt, Vt, fr)
+        else:
+            products(Qs, dOs, Kt, Vt, fr)
         if chunk_inside(c, inner_lo, inner_hi):
-            dq_scores(fr, lse_r, delta_r, None, scale2)
+            dq_scores(fr, lse_r, delta_r, None, scale2, sync)
         else:
             chunk_bounds(rel, first_r, last_r, c)
-            dq_scores(fr, lse_r, delta_r, lambda tx, l, nt: chunk_visible(rel, tx, l, nt, l // 2), scale2)
+            dq_scores(fr, lse_r, delta_r, lambda tx, l, nt: chunk_visible(rel, tx, l, nt, l // 2), scale2, sync)
+
+    @T.macro
+    def dq_band_step(c, Qs, dOs, Kt, Vt, fr, lse_r, delta_r, dqacc, rel, first_r, last_r, inner_lo, inner_hi, scale2):
+        dq_band_scores(c, Qs, dOs, Kt, Vt, fr, lse_r, delta_r, rel, first_r, last_r, inner_lo, inner_hi, scale2, False)
         accumulate(fr.ds, Kt, fr.b, dqacc)
+
+    @T.macro
+    def exact_acc(wfrag, Ct, cacc, scr):
+        # cacc += W C exactly (``accumulate``'s product; W of a masked pair is exactly 0).
+        exact(wfrag, lambda mt: 0, lambda key, col: Ct[chunk_tile.index(key, col)], cacc, lambda mt: 0, scr)
+
+    @T.macro
+    def exact_dq(Kt, fr, dqacc, scr):
+        exact_acc(fr.ds, Kt, dqacc, scr)
 
     @T.macro
     def dkv_band_step(c, Ks, Vs, Qt, dOt, fr, lse_c, delta_c, kacc, vacc, rel, first_r, last_r, inner_lo, inner_hi,
@@ -496,10 +581,10 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
         # (masked as dq_band_step's).
         products(Ks, Vs, Qt, dOt, fr)
         if chunk_inside(c, inner_lo, inner_hi):
-            dkv_scores(fr, lse_c, delta_c, None, scale2, log2)
+            dkv_scores(fr, lse_c, delta_c, None, scale2, log2, False)
         else:
             chunk_bounds(rel, first_r, last_r, c)
-            dkv_scores(fr, lse_c, delta_c, lambda tx, l, nt: chunk_visible(rel, tx, l, nt, l // 2), scale2, log2)
+            dkv_scores(fr, lse_c, delta_c, lambda tx, l, nt: chunk_visible(rel, tx, l, nt, l // 2), scale2, log2, False)
         dkv_accumulate(dOt, Qt, fr, kacc, vacc)
 
     def chunk_col(c, tx, l, nt):
@@ -534,6 +619,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 last_r = T.alloc_buffer((NT, 2), "int64", scope="local")
                 rel = T.alloc_buffer((NT, 4), "int32", scope="local")
                 fld = T.alloc_buffer((ITEM_SCALARS,), "int64", scope="local")
+                flag, scr = T.meta_var(alloc_nan_guard(SCR))
                 fr = T.meta_var(Frags(afrag, a2frag, bfrag, b2frag, sfrag, dpfrag, None, dsfrag))
 
                 store_item(fld, item, H, Hkv, nitems, dil, Tn)
@@ -557,19 +643,31 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                     lambda t, c: dq_band_step(c, Qs, dOs, t[0], t[1], fr, lse_r, delta_r, dqacc, rel, first_r, last_r,
                                               inner_lo, inner_hi, scale2),
                 )
+                extra_mask = T.meta_var(lambda tx, l, nt: extra_visible(
+                    lo, hi, Tn, xpos_s[nt * 8 + c_col(tx, l)], xres_s[nt * 8 + c_col(tx, l)], xt_s[nt * 8 + c_col(tx, l)],
+                    row0 + d * c_row(tx, l), m0 + c_row(tx, l), r,
+                ))
                 if extras:
                     for xc in T.serial((E + (KC - 1)) // KC):
                         load_extra_positions(xpos_s, xres_s, xt_s, xidx, b, xc, d, E)
                         load_chunk(Kt, Vt, k, v, b, kvh, lambda kk: xpos_s[kk], Tn)
-                        dq_step(
-                            Qs, dOs, Kt, Vt, fr, lse_r, delta_r, dqacc,
-                            lambda tx, l, nt: extra_visible(
-                                lo, hi, Tn,
-                                xpos_s[nt * 8 + c_col(tx, l)], xres_s[nt * 8 + c_col(tx, l)], xt_s[nt * 8 + c_col(tx, l)],
-                                row0 + d * c_row(tx, l), m0 + c_row(tx, l), r,
-                            ),
-                            scale2,
-                        )
+                        dq_step(Qs, dOs, Kt, Vt, fr, lse_r, delta_r, dqacc, extra_mask, scale2)
+                # The item again where its dq came out non-finite: each dS K exact.
+                vote(dqacc, NO * 4, flag)
+                for once in T.serial(second_pass(flag)):
+                    zero(dqacc)
+                    for c in T.serial(c_begin, c_end):
+                        load_chunk_unfenced(Kt, Vt, k, v, b, kvh, band_positions(key0, d, c, KC), Tn)
+                        dq_band_scores(c, Qs, dOs, Kt, Vt, fr, lse_r, delta_r, rel, first_r, last_r, inner_lo, inner_hi,
+                                       scale2, True)
+                        exact_dq(Kt, fr, dqacc, scr)
+                    if extras:
+                        for xc in T.serial((E + (KC - 1)) // KC):
+                            load_extra_positions(xpos_s, xres_s, xt_s, xidx, b, xc, d, E)
+                            load_chunk_unfenced(Kt, Vt, k, v, b, kvh, lambda kk: xpos_s[kk], Tn)
+                            products_sync(Qs, dOs, Kt, Vt, fr)
+                            dq_scores(fr, lse_r, delta_r, extra_mask, scale2, True)
+                            exact_dq(Kt, fr, dqacc, scr)
                 # 3. dq = scale * dS K.
                 write_rows(dq, dqacc, b, h, lambda i: row0 + d * i, Tn, scale)
 
@@ -603,6 +701,7 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                 last_r = T.alloc_buffer((NT, 2), "int64", scope="local")
                 rel = T.alloc_buffer((NT, 4), "int32", scope="local")
                 fld = T.alloc_buffer((ITEM_SCALARS,), "int64", scope="local")
+                flag, scr = T.meta_var(alloc_nan_guard(SCR))
                 fr = T.meta_var(Frags(afrag, a2frag, bfrag, b2frag, sfrag, dpfrag, pfrag, dsfrag))
 
                 # row0: the item's first key; key0: the position of band (query) index 0.
@@ -628,6 +727,27 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
                     lambda t, c: dkv_band_step(c, Ks, Vs, t[0], t[1], fr, t[2], t[3], kacc, vacc, rel, first_r, last_r,
                                                inner_lo, inner_hi, scale2, LSE_LOG2),
                 )
+                # The item again where dk came out non-finite (``cuda_flash.second_pass``):
+                # the chunk loop takes dS = P (dP - delta) as it is, a P of 0 (masked, a
+                # score of -inf, a query whose lse is +inf) meeting a NaN dP or delta;
+                # the second pass selects dS = 0 wherever P is. (dv = P^T dO: finite where
+                # dO is.)
+                vote(kacc, NO * 4, flag)
+                for once in T.serial(second_pass(flag)):
+                    zero(kacc)
+                    zero(vacc)
+                    for c in T.serial(c_begin, c_end):
+                        load_chunk_unfenced(Qt, dOt, q, dout, b, h, band_positions(key0, d, c, KC), Tn)
+                        load_chunk_stats(lse_c, delta_c, lse, delta, b, h, band_positions(key0, d, c, KC), Tn)
+                        products_sync(Ks, Vs, Qt, dOt, fr)
+                        if chunk_inside(c, inner_lo, inner_hi):
+                            dkv_scores(fr, lse_c, delta_c, None, scale2, True, True)
+                        else:
+                            chunk_bounds(rel, first_r, last_r, c)
+                            dkv_scores(fr, lse_c, delta_c, lambda tx, l, nt: chunk_visible(rel, tx, l, nt, l // 2), scale2,
+                                       True, True)
+                        exact_acc(fr.p, dOt, vacc, scr)
+                        exact_acc(fr.ds, Qt, kacc, scr)
                 # 3. dk = scale * dS^T Q and dv = P^T dO (per query head).
                 write_rows(dk, kacc, b, h, lambda i: row0 + d * i, Tn, scale)
                 write_rows(dv, vacc, b, h, lambda i: row0 + d * i, Tn, ONE)
@@ -642,53 +762,67 @@ def _build(spec: KernelSpec, cfg: TCBwdConfig, SH: str, emulate: bool):  # noqa:
         # pieces. 64 global rows at T = 32K were one block per head streaming 1024 chunks.
         nblk = T.meta_var((G + (BR - 1)) // BR)
         for item in T.thread_binding(B * H * nblk * S, thread="blockIdx.x"):
-            with T.sblock("flash_tc_global_dq"):
-                T.reads()
-                T.writes()
-                Qs = T.alloc_buffer((item_tile.size,), dt, scope=SH)
-                dOs = T.alloc_buffer((item_tile.size,), dt, scope=SH)
-                Kt = T.alloc_buffer((chunk_tile.size,), dt, scope=SH)
-                Vt = T.alloc_buffer((chunk_tile.size,), dt, scope=SH)
-                afrag = T.alloc_buffer((NT, 8), dt, scope="local")
-                a2frag = T.alloc_buffer((NT, 8), dt, scope="local")
-                bfrag = T.alloc_buffer(BOPS[0], BOPS[1], scope="local")
-                b2frag = T.alloc_buffer((NT, 8), dt, scope="local")
-                sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
-                dpfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
-                dsfrag = T.alloc_buffer((NT, NS * 4), dt, scope="local")
-                dqacc = T.alloc_buffer((NT, NO * 4), acc, scope="local")
-                lse_r = T.alloc_buffer((NT, 2), acc, scope="local")
-                delta_r = T.alloc_buffer((NT, 2), acc, scope="local")
-                last_r = T.alloc_buffer((NT, 2), "int64", scope="local")
-                fld = T.alloc_buffer((7,), "int64", scope="local")  # split_item_fields'
-                fr = T.meta_var(Frags(afrag, a2frag, bfrag, b2frag, sfrag, dpfrag, None, dsfrag))
+            # __launch_bounds__(threads, 2 blocks of up to 4 warps, else 1), as the forward's
+            # TCConfig.min_blocks: left to its heuristic ptxas capped head_dim 32 (the cold
+            # second pass included) at 128 registers and spilled; with the bound, 132, none.
+            with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 2 if NW <= 4 else 1):
+                with T.sblock("flash_tc_global_dq"):
+                    T.reads()
+                    T.writes()
+                    Qs = T.alloc_buffer((item_tile.size,), dt, scope=SH)
+                    dOs = T.alloc_buffer((item_tile.size,), dt, scope=SH)
+                    Kt = T.alloc_buffer((chunk_tile.size,), dt, scope=SH)
+                    Vt = T.alloc_buffer((chunk_tile.size,), dt, scope=SH)
+                    afrag = T.alloc_buffer((NT, 8), dt, scope="local")
+                    a2frag = T.alloc_buffer((NT, 8), dt, scope="local")
+                    bfrag = T.alloc_buffer(BOPS[0], BOPS[1], scope="local")
+                    b2frag = T.alloc_buffer((NT, 8), dt, scope="local")
+                    sfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
+                    dpfrag = T.alloc_buffer((NT, NS * 4), acc, scope="local")
+                    dsfrag = T.alloc_buffer((NT, NS * 4), dt, scope="local")
+                    dqacc = T.alloc_buffer((NT, NO * 4), acc, scope="local")
+                    lse_r = T.alloc_buffer((NT, 2), acc, scope="local")
+                    delta_r = T.alloc_buffer((NT, 2), acc, scope="local")
+                    last_r = T.alloc_buffer((NT, 2), "int64", scope="local")
+                    fld = T.alloc_buffer((7,), "int64", scope="local")  # split_item_fields'
+                    flag, scr = T.meta_var(alloc_nan_guard(SCR))
+                    fr = T.meta_var(Frags(afrag, a2frag, bfrag, b2frag, sfrag, dpfrag, None, dsfrag))
 
-                store_piece(fld, item, S, H, Hkv, nblk, gidx, G, Tn)
-                b, h, g0, kvh, s = T.meta_var((fld[0], fld[1], fld[2], fld[3], fld[4]))
-                # 1. Global rows (padding rows past G: lse +inf, last key -1).
-                load_item(Qs, dOs, qg, dout, b, h, lambda i: g0 + i, G)
-                row_stats(lse_r, delta_r, lse, delta, b, h, lambda i: g0 + i, G)
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    for rr in T.unroll(2):
-                        last_r[tx, rr] = global_row_last_key(gidx, b, g0 + c_row(tx, 2 * rr), G, Tn, causal)
-                zero(dqacc)
-                # 2. This piece's key chunks.
-                chunk_stream(
-                    fld[5], fld[6], (Kt, Vt, None, None),
-                    lambda c: load_chunk(Kt, Vt, k, v, b, kvh, lambda kk: c * KC + kk, Tn),
-                    lambda t, c: issue_chunk(t[0], t[1], k, v, b, kvh, lambda kk: c * KC + kk, Tn),
-                    lambda t, c: dq_step(
-                        Qs, dOs, t[0], t[1], fr, lse_r, delta_r, dqacc,
-                        lambda tx, l, nt: chunk_col(c, tx, l, nt) <= last_r[tx, l // 2], scale * LOG2E,
-                    ),
-                )
-                # 3. The piece's share, scale * dS K, in fp32 (every piece writes: an empty
-                # one zeros).
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    for nd in T.unroll(NO):
-                        for l in T.unroll(4):
-                            if g0 + c_row(tx, l) < G:
-                                ws_dq[b, h, s, g0 + c_row(tx, l), nd * 8 + c_col(tx, l)] = dqacc[tx, nd * 4 + l] * scale
+                    store_piece(fld, item, S, H, Hkv, nblk, gidx, G, Tn)
+                    b, h, g0, kvh, s = T.meta_var((fld[0], fld[1], fld[2], fld[3], fld[4]))
+                    # 1. Global rows (padding rows past G: lse +inf, last key -1).
+                    load_item(Qs, dOs, qg, dout, b, h, lambda i: g0 + i, G)
+                    row_stats(lse_r, delta_r, lse, delta, b, h, lambda i: g0 + i, G)
+                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                        for rr in T.unroll(2):
+                            last_r[tx, rr] = global_row_last_key(gidx, b, g0 + c_row(tx, 2 * rr), G, Tn, causal)
+                    zero(dqacc)
+                    # 2. This piece's key chunks.
+                    chunk_stream(
+                        fld[5], fld[6], (Kt, Vt, None, None),
+                        lambda c: load_chunk(Kt, Vt, k, v, b, kvh, lambda kk: c * KC + kk, Tn),
+                        lambda t, c: issue_chunk(t[0], t[1], k, v, b, kvh, lambda kk: c * KC + kk, Tn),
+                        lambda t, c: dq_step(
+                            Qs, dOs, t[0], t[1], fr, lse_r, delta_r, dqacc,
+                            lambda tx, l, nt: chunk_col(c, tx, l, nt) <= last_r[tx, l // 2], scale * LOG2E,
+                        ),
+                    )
+                    vote(dqacc, NO * 4, flag)
+                    for once in T.serial(second_pass(flag)):  # the piece again where its dq came out non-finite
+                        zero(dqacc)
+                        for c in T.serial(fld[5], fld[6]):
+                            load_chunk_unfenced(Kt, Vt, k, v, b, kvh, lambda kk: c * KC + kk, Tn)
+                            products_sync(Qs, dOs, Kt, Vt, fr)
+                            dq_scores(fr, lse_r, delta_r, lambda tx, l, nt: chunk_col(c, tx, l, nt) <= last_r[tx, l // 2],
+                                      scale * LOG2E, True)
+                            exact_dq(Kt, fr, dqacc, scr)
+                    # 3. The piece's share, scale * dS K, in fp32 (every piece writes: an empty
+                    # one zeros).
+                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                        for nd in T.unroll(NO):
+                            for l in T.unroll(4):
+                                if g0 + c_row(tx, l) < G:
+                                    ws_dq[b, h, s, g0 + c_row(tx, l), nd * 8 + c_col(tx, l)] = dqacc[tx, nd * 4 + l] * scale
         # 4. dq_global = the pieces' sum, a block per row, a thread per column.
         for row in T.thread_binding(B * H * G, thread="blockIdx.x"):
             for col in T.thread_binding(D, thread="threadIdx.x"):

@@ -10,6 +10,10 @@ pair or a ring of two: TCConfig).
 The fragment layouts, the mma/ldmatrix/cp.async macros and the shared tiles' loaders it
 shares with the gradients (``cuda_flash_bwd_tc``) and ``cuda_wgmma`` are in ``ptx``.
 
+The NaN rule (``cuda_flash.second_pass``): P V cannot select per row on tensor cores,
+so an item whose outputs come out non-finite is computed again after its chunk loops,
+on mma.sync, every P V exact (``ptx.exact_product``).
+
 ``emulate=True`` builds the same kernel with the two warp-collective steps (the mma and
 the 4-lane row reductions) written as loops over the warp's lanes, so that, with the
 thread loops made serial, the CPU runs it and the tests check everything around those
@@ -35,11 +39,13 @@ from swa_tvm.schedules.cuda_flash import (
     band_positions,
     block_inner_last_key,
     extra_positions_loader,
+    fmax,
     global_row_last_key,
     global_split_kernel,
     item_scalars,
     largest_fitting,
     local_kernel,
+    second_pass,
     shared_scope,
     split_item_fields,
 )
@@ -55,9 +61,14 @@ from swa_tvm.schedules.ptx import (
     TileLayout,
     a_loader,
     a_pos,
+    alloc_nan_guard,
     async_loader,
+    b_pos,
     c_pos,
     chunk_mask,
+    exact_product,
+    exact_scratch_shapes,
+    finite_vote,
     kn_loader,
     load_band_rows,
     mma_macro,
@@ -69,7 +80,6 @@ from swa_tvm.schedules.ptx import (
 # The rest of the fragment and ldmatrix maps, still importable from here (the tests do).
 from swa_tvm.schedules.ptx import a_lane as a_lane
 from swa_tvm.schedules.ptx import b_lane as b_lane
-from swa_tvm.schedules.ptx import b_pos as b_pos
 from swa_tvm.schedules.ptx import c_lane as c_lane
 from swa_tvm.schedules.ptx import ldsm_a_row as ldsm_a_row
 from swa_tvm.schedules.ptx import ldsm_a_value as ldsm_a_value
@@ -270,9 +280,9 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 for rr in T.serial(R):
                     if op_max:
-                        red[tx, rr] = T.max(
-                            T.max(part[tx // 4 * 4, rr], part[tx // 4 * 4 + 1, rr]),
-                            T.max(part[tx // 4 * 4 + 2, rr], part[tx // 4 * 4 + 3, rr]),
+                        red[tx, rr] = fmax(
+                            fmax(part[tx // 4 * 4, rr], part[tx // 4 * 4 + 1, rr]),
+                            fmax(part[tx // 4 * 4 + 2, rr], part[tx // 4 * 4 + 3, rr]),
                         )
                     else:
                         red[tx, rr] = (part[tx // 4 * 4, rr] + part[tx // 4 * 4 + 1, rr]) + (
@@ -350,7 +360,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                             )
             for mt in T.unroll(MT):
                 for r in T.unroll(2):
-                    part[tx, 2 * mt + r] = T.max(m_r[tx, 2 * mt + r], tree(T.max, row_values(sfrag, tx, mt, r)) * scale2)
+                    part[tx, 2 * mt + r] = fmax(m_r[tx, 2 * mt + r], tree(fmax, row_values(sfrag, tx, mt, r)) * scale2)
         quad_reduce(part, red, True)
 
     @T.macro
@@ -422,6 +432,16 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                     mma(pfrag, mt * NS * 4 + ks * 8, vfrag, 4, ofrag, mt * NO * 4 + ndp * 8 + 4)
 
     chunk_inside, chunk_bounds, chunk_visible = chunk_mask(NT, R, KC)
+
+    # The NaN rule (``cuda_flash.second_pass``; ptx: ``finite_vote``, ``exact_product``).
+    # A key a row does not see has P exactly 0, but the tensor cores' P V cannot select
+    # per row, and 0 * NaN (or inf) is NaN: a non-finite V where a row cannot see it
+    # leaves NaN in that row's outputs. So the chunk loops run as they always have, and
+    # an item whose outputs come out non-finite is computed again after them, each P V
+    # exact (``redo``). The cost for finite data: one FMA per output register and a
+    # block-wide vote, per item, outside the chunk loop.
+    v_lay = TileLayout(KC, D, WG) if cfg.transpose_v else kv_tile
+    vote = finite_vote(NT, emulate)
 
     @T.macro
     def band_mask_max(c, sfrag, m_r, part, red, rel, first_r, last_r, inner_lo, inner_hi, scale2):
@@ -567,6 +587,84 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
             wait_all(False)  # nothing in flight past the stream; its tiles are free again
 
     @T.macro
+    def init_state(ofrag, m_r, l_r, h, sink):
+        # Each row's running max at the head's sink logit (log2 units), its sum at that
+        # sink's share (sink None: -inf and 0), its outputs 0.
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for r in T.unroll(R):
+                if sink is None:
+                    m_r[tx, r] = NINF
+                    l_r[tx, r] = ZERO
+                else:
+                    m_r[tx, r] = sink[h] * LOG2E
+                    l_r[tx, r] = T.Select(sink[h] == NINF, ZERO, ONE)
+            for x in T.unroll(MT * NO * 4):
+                ofrag[tx, x] = ZERO
+
+    # An item's second computation (the NaN rule, above): its chunks again in turn,
+    # synchronous loads into the first K/V tiles, Q K^T and the softmax as before, every
+    # P V exact (``exact_product``). On mma.sync throughout, a wgmma kernel's too (K's and
+    # V's core matrices read value by value).
+    exact = exact_product(NW, dt, emulate, MT, KC // 16, NO)
+
+    def v_value(Vt):
+        """V[key][column] of a V tile (transposed with TCConfig.transpose_v)."""
+        if cfg.transpose_v:
+            return lambda key, col: Vt[v_lay.index(col, key)]
+        return lambda key, col: Vt[kv_tile.index(key, col)]
+
+    @T.macro
+    def sync_scores(Kt, q_of, qfrag, kfrag, sfrag):
+        # S = Q K^T on mma.sync, K's B operands read value by value (any tile layout), Q's
+        # A operands for each k-step from q_of(row, column) (its shared tile, or global
+        # memory where the chunk loop held Q in registers: those die with the loop, and
+        # kept live past it for this rare pass they cost the loop registers). The k-steps
+        # a loop, few values live at a time.
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for x in T.unroll(MT * NS * 4):
+                sfrag[tx, x] = ZERO
+        for ks in T.serial(KD):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                for mt in T.unroll(MT):
+                    for l in T.unroll(8):
+                        qfrag[tx, mt * 8 + l] = q_of(((tx // 32) * MT + mt) * 16 + a_pos(tx % 32, l)[0],
+                                                     ks * 16 + a_pos(tx % 32, l)[1])
+            for nt in T.unroll(NS):
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    for x in T.unroll(4):
+                        kfrag[tx, x] = Kt[kv_tile.index(nt * 8 + b_pos(tx % 32, x)[1], ks * 16 + b_pos(tx % 32, x)[0])]
+                for mt in T.unroll(MT):
+                    mma(qfrag, mt * 8, kfrag, 0, sfrag, (mt * NS + nt) * 4)
+
+    def q_source(src, Qs, b, h, src_row):
+        """``sync_scores``' Q: Q's shared tile, or (with Q in registers, its tile then K's)
+        src[b, h, src_row(row)]."""
+        if QREG:
+            return lambda row, col: src[b, h, src_row(row), col]
+        return lambda row, col: Qs[q_tile.index(row, col)]
+
+    @T.macro
+    def redo_chunk(QK, q_of, Vt, qfrag, kfrag, sfrag, pfrag, ofrag, m_r, l_r, part, red, k, v, b, kvh, Tn, pos, mask,
+                   scale2, scr):
+        # One chunk of the second computation: keys and values at positions pos(kk), the
+        # scores masked by ``mask()`` (P of a masked key exactly 0), P V exact.
+        load_rows(QK, Vt, k, v, b, kvh, pos, Tn)
+        sync_scores(QK, q_of, qfrag, kfrag, sfrag)
+        mask()
+        softmax(sfrag, pfrag, ofrag, m_r, l_r, part, red, scale2)
+        exact(pfrag, lambda mt: mt * NS * 4, v_value(Vt), ofrag, lambda mt: mt * NO * 4, scr)
+
+    @T.macro
+    def redo(QK, q_of, Vt, qfrag, kfrag, sfrag, pfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn, c_begin, c_end,
+             pos_of, first_r, last_r, inner_lo, inner_hi, scale2, scr):
+        # The band chunks c_begin <= c < c_end of the second computation (``stream``'s).
+        for c in T.serial(c_begin, c_end):
+            redo_chunk(QK, q_of, Vt, qfrag, kfrag, sfrag, pfrag, ofrag, m_r, l_r, part, red, k, v, b, kvh, Tn,
+                       lambda kk: pos_of(c, kk),
+                       lambda: band_mask_max(c, sfrag, m_r, part, red, rel, first_r, last_r, inner_lo, inner_hi, scale2),
+                       scale2, scr)
+
+    @T.macro
     def start_rows(QK, Qs, qfrag, qpk, ofrag, m_r, l_r, src, b, h, src_row, sink):
         # The block's query rows (row i from src[b, h, src_row(i)]) into their shared tile
         # (QK, then into A fragments for every k-step of the head dim, with Q in
@@ -580,15 +678,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                     i, cv = T.meta_var(q_tile.slot(e))
                     for u in T.vectorized(VEC):
                         Qt[q_tile.index(i, cv * VEC + u)] = src[b, h, src_row(i), cv * VEC + u]
-            for r in T.unroll(R):
-                if sink is None:
-                    m_r[tx, r] = NINF
-                    l_r[tx, r] = ZERO
-                else:
-                    m_r[tx, r] = sink[h] * LOG2E
-                    l_r[tx, r] = T.Select(sink[h] == NINF, ZERO, ONE)
-            for x in T.unroll(MT * NO * 4):
-                ofrag[tx, x] = ZERO
+        init_state(ofrag, m_r, l_r, h, sink)
         if QREG:
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 for ks in T.unroll(KD):
@@ -626,6 +716,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
         else:
             inner()
 
+    SCR = exact_scratch_shapes(NT, dt, MT, KC // 16, NO)
+
     @T.macro
     def row_block(name, body):
         # A thread block's sblock and the tiles, fragments and row state both kinds of
@@ -654,7 +746,10 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
             rel = T.alloc_buffer((NT, 2 * R), "int32", scope="local")
             part = T.alloc_buffer((NT, 2 * R), acc, scope="local")
             red = T.alloc_buffer((NT, R), acc, scope="local")
-            body((QK, Qs, Vt, qfrag, qpk, kfrag, vfrag, sfrag, pfrag, ppk, ofrag, m_r, l_r, first_r, last_r, rel, part, red))
+            # The NaN rule's vote (``finite_vote``) and exact_product's scratch.
+            flag, scr = T.meta_var(alloc_nan_guard(SCR))
+            body((QK, Qs, Vt, qfrag, qpk, kfrag, vfrag, sfrag, pfrag, ppk, ofrag, m_r, l_r, first_r, last_r, rel, part, red,
+                  flag, scr))
 
     @T.macro
     def ring_tiles(tiles, body):
@@ -672,8 +767,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
 
     @T.macro
     def local_item(tiles, item, nitems, q, k, v, dil, xidx, sink, scale, out, lse, B, H, Hkv, Tn, E):
-        QK, Qs, Vt, qfrag, qpk, kfrag, vfrag, sfrag, pfrag, ppk, ofrag, m_r, l_r, first_r, last_r, rel, part, red, K1, V1 = \
-            T.meta_var(tiles)
+        (QK, Qs, Vt, qfrag, qpk, kfrag, vfrag, sfrag, pfrag, ppk, ofrag, m_r, l_r, first_r, last_r, rel, part, red, flag,
+         scr, K1, V1) = T.meta_var(tiles)
         xpos_s = T.alloc_buffer((KC,), "int64", scope=SH)
         xres_s = T.alloc_buffer((KC,), "int64", scope=SH)
         xt_s = T.alloc_buffer((KC,), "int64", scope=SH)
@@ -696,6 +791,10 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
             c_begin, c_end, lambda c, kk: band_positions(key0, d, c, KC)(kk), first_r, last_r, inner_lo, inner_hi,
             scale2,
         )
+        extra_mask = T.meta_var(lambda tx, l, nt, mt: extra_visible(
+            lo, hi, Tn, xpos_s[nt * 8 + c_col(tx, l)], xres_s[nt * 8 + c_col(tx, l)], xt_s[nt * 8 + c_col(tx, l)],
+            row0 + d * c_row(tx, l, mt), m0 + c_row(tx, l, mt), r,
+        ))
         if extras:
             for xc in T.serial((E + (KC - 1)) // KC):
                 load_extra_positions(xpos_s, xres_s, xt_s, xidx, b, xc, d, E)
@@ -703,16 +802,22 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 if WG:
                     wg_proxy_fence()
                 scores(QK, Qs, qfrag, qpk, kfrag, sfrag)
-                mask_max(
-                    sfrag, m_r, part, red,
-                    lambda tx, l, nt, mt: extra_visible(
-                        lo, hi, Tn,
-                        xpos_s[nt * 8 + c_col(tx, l)], xres_s[nt * 8 + c_col(tx, l)], xt_s[nt * 8 + c_col(tx, l)],
-                        row0 + d * c_row(tx, l, mt), m0 + c_row(tx, l, mt), r,
-                    ),
-                    scale2,
-                )
+                mask_max(sfrag, m_r, part, red, extra_mask, scale2)
                 softmax_pv(Vt, sfrag, pfrag, ppk, vfrag, ofrag, m_r, l_r, part, red, scale2)
+        # The item again where its outputs came out non-finite (``redo``).
+        vote(ofrag, MT * NO * 4, flag)
+        for once in T.serial(second_pass(flag)):
+            init_state(ofrag, m_r, l_r, h, sink)
+            q_of = T.meta_var(q_source(q, Qs, b, h, lambda i: T.min(row0 + d * i, Tn - 1)))
+            redo(QK, q_of, Vt, qfrag, kfrag, sfrag, pfrag, ofrag, m_r, l_r, part, red, rel, k, v, b, kvh, Tn,
+                 c_begin, c_end, lambda c, kk: band_positions(key0, d, c, KC)(kk), first_r, last_r, inner_lo,
+                 inner_hi, scale2, scr)
+            if extras:
+                for xc in T.serial((E + (KC - 1)) // KC):
+                    load_extra_positions(xpos_s, xres_s, xt_s, xidx, b, xc, d, E)
+                    redo_chunk(QK, q_of, Vt, qfrag, kfrag, sfrag, pfrag, ofrag, m_r, l_r, part, red, k, v, b, kvh, Tn,
+                               lambda kk: xpos_s[kk], lambda: mask_max(sfrag, m_r, part, red, extra_mask, scale2),
+                               scale2, scr)
         finish_rows(out, lse, ofrag, m_r, l_r, b, h, lambda i: row0 + d * i, lambda i: row0 + d * i < Tn)
 
     @T.macro
@@ -725,14 +830,16 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
     @T.macro
     def finish_piece(ws_o, ws_lse, ofrag, m_r, l_r, b, h, s, g0, G):
         # One piece of the keys' share of each valid row, for the combine: o = acc / l and
-        # lse = (m + log2 l) * ln 2 (a row that saw no key of the piece: 0 and -inf).
+        # lse = (m + log2 l) * ln 2 (a row that saw no key of the piece, l = 0: 0 and
+        # -inf; l NaN, from a NaN score it sees, stays NaN: LLVM's l != 0 is false for
+        # NaN where C's is true, hence the isnan).
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             for mt in T.unroll(MT):
                 for nd in T.unroll(NO):
                     for l in T.unroll(4):
                         if g0 + c_row(tx, l, mt) < G:
                             ws_o[b, h, s, g0 + c_row(tx, l, mt), nd * 8 + c_col(tx, l)] = T.Select(
-                                l_r[tx, 2 * mt + l // 2] > ZERO,
+                                T.Or(T.isnan(l_r[tx, 2 * mt + l // 2]), l_r[tx, 2 * mt + l // 2] != ZERO),
                                 ofrag[tx, mt * NO * 4 + nd * 4 + l] / l_r[tx, 2 * mt + l // 2],
                                 ZERO,
                             )
@@ -740,7 +847,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                 if tx % 4 == 0:
                     if g0 + t_row(tx, r) < G:
                         ws_lse[b, h, s, g0 + t_row(tx, r)] = T.Select(
-                            l_r[tx, r] > ZERO, (m_r[tx, r] + T.log2(l_r[tx, r])) * LN2, NINF
+                            T.Or(T.isnan(l_r[tx, r]), l_r[tx, r] != ZERO), (m_r[tx, r] + T.log2(l_r[tx, r])) * LN2, NINF
                         )
 
     @T.macro
@@ -758,7 +865,7 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
                     b, h, g = T.meta_var((T.truncdiv(row, H * G), T.truncmod(T.truncdiv(row, G), H), T.truncmod(row, G)))
                     st[0] = sink[h]
                     for s in T.serial(S):
-                        st[0] = T.max(st[0], ws_lse[b, h, s, g])
+                        st[0] = fmax(st[0], ws_lse[b, h, s, g])
                     st[1] = T.exp(sink[h] - st[0])
                     st[2] = ZERO
                     for s in T.serial(S):
@@ -773,8 +880,8 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
 
     @T.macro
     def global_item(tiles, item, nblk, qg, k, v, gidx, sink, scale, ws_o, ws_lse, B, H, Hkv, Tn, G, S):
-        QK, Qs, Vt, qfrag, qpk, kfrag, vfrag, sfrag, pfrag, ppk, ofrag, m_r, l_r, first_r, last_r, rel, part, red, K1, V1 = \
-            T.meta_var(tiles)
+        (QK, Qs, Vt, qfrag, qpk, kfrag, vfrag, sfrag, pfrag, ppk, ofrag, m_r, l_r, first_r, last_r, rel, part, red, flag,
+         scr, K1, V1) = T.meta_var(tiles)
         # split_item_fields' (b, h, g0, kvh, the piece s, its chunks c_begin..c_end),
         # then the keys every valid row sees, 0..inner_hi (each thread's copy).
         fld = T.alloc_buffer((8,), "int64", scope="local")
@@ -795,6 +902,13 @@ def _build(spec: KernelSpec, cfg: TCConfig, SH: str, emulate: bool):  # noqa: C9
             fld[5], fld[6], lambda c, kk: T.Cast("int32", c * KC) + kk, first_r, last_r, T.int64(0), fld[7],
             scale2,
         )
+        vote(ofrag, MT * NO * 4, flag)
+        for once in T.serial(second_pass(flag)):  # the piece again where its outputs came out non-finite
+            init_state(ofrag, m_r, l_r, h, None)
+            redo(QK, q_source(qg, Qs, b, h, lambda i: T.min(g0 + i, G - 1)), Vt, qfrag, kfrag, sfrag, pfrag, ofrag, m_r,
+                 l_r, part, red, rel, k, v, b, kvh, Tn,
+                 fld[5], fld[6], lambda c, kk: T.Cast("int32", c * KC) + kk, first_r, last_r, T.int64(0), fld[7],
+                 scale2, scr)
         finish_piece(ws_o, ws_lse, ofrag, m_r, l_r, b, h, s, g0, G)
 
     @T.macro

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tvm import tirx
 from tvm.script import tirx as T
 
 from swa_tvm.schedules.cuda_flash import chunk_inside, clamp_row
@@ -540,3 +541,160 @@ def chunk_mask(threads: int, slots: int, chunk: int):
         return T.And(nt * 8 + l % 2 >= rel[tx, s], nt * 8 + l % 2 <= rel[tx, slots + s])
 
     return inside, bounds, visible
+
+
+# The NaN rule on tensor cores (``cuda_flash.second_pass``): an mma cannot select per
+# row, and a key a row does not see meets its weight of 0 there, 0 * NaN being NaN in
+# the tensor cores as anywhere. An item whose results come out non-finite
+# (``finite_vote``) is computed again, each product exact (``exact_product``).
+FINITE_SOURCE = r"""
+#ifndef SWA_FINITE_VOTE
+#define SWA_FINITE_VOTE
+// acc + x * 0: NaN once any x met is NaN or +-inf, else +-0 (an FMA, no compare; asm,
+// which no fast-math can fold to acc).
+__device__ __forceinline__ float swa_nonfinite_acc(float acc, float x) {
+  asm("fma.rn.f32 %0, %1, 0f00000000, %0;" : "+f"(acc) : "f"(x));
+  return acc;
+}
+// 1 in every thread of the block if any thread's acc is NaN (a barrier; the bits, as
+// acc is NaN or +-0, untouched by fast-math). The warp vote over the block's answer (the
+// same in every lane) tells ptxas it is uniform: a branch on it then needs no guard
+// for a diverged warp at the shuffles after it.
+#define swa_vote_nonfinite(acc) \
+  __any_sync(0xffffffffu, __syncthreads_or((__float_as_uint(acc) & 0x7fffffffu) != 0u))
+#endif
+"""
+
+
+def finite_vote(threads: int, emulate: bool):
+    """A T.macro ``vote(frag, n, flag)``: flag[0] (a local int32) = 1 in every thread of
+    the block if any of the fp32 registers frag[tx, 0 .. n - 1] of any thread is NaN or
+    +-inf, else 0 (one FMA a register, one block-wide vote); emulated, the threads in
+    turn."""
+
+    @T.macro
+    def vote(frag, n, flag):
+        if emulate:
+            for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                flag[0] = 0
+            for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                for i in T.serial(n):
+                    if T.Not(T.isfinite(frag[tx, i])):
+                        flag[0] = 1
+        else:
+            for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                acc = T.alloc_buffer((1,), "float32", scope="local")
+                acc[0] = T.float32(0)
+                for i in T.unroll(n):
+                    acc[0] = T.cuda.func_call("swa_nonfinite_acc", acc[0], frag[tx, i], source_code=FINITE_SOURCE,
+                                              return_type="float32")
+                flag[0] = T.cuda.func_call("swa_vote_nonfinite", acc[0], source_code=FINITE_SOURCE, return_type="int32")
+
+    return vote
+
+
+# The codes of ``exact_product``'s second product: an A value (P, dS) and a B value
+# (V, K) as small powers of two whose products, summed over a k-step's 16 keys (at most
+# 16 of each kind), keep apart the kinds of term a non-finite B value makes: A > 0 times
+# +inf and A < 0 times -inf give +inf (digits 1 and 1024), the crossed pairs -inf
+# (digit 32); a NaN B against a nonzero A, or a NaN A against a non-finite B, NaN
+# (32768 and up). An A of 0 (a key its row does not see, or one the softmax gives
+# nothing: the reference's rule) codes 0, so adds nothing. Exact in fp16 and bf16
+# operands and fp32 sums.
+CODE_POS, CODE_NEG, CODE_NAN = 1.0, 32.0, 32768.0
+
+
+def exact_product(warps: int, dtype: str, emulate: bool, mtiles: int, ksteps: int, ntiles: int):
+    """A T.macro ``exact(afrag, a0, value, cacc, c0, scr)``: C += A B on mma.sync
+    (``mma_macro``; in a wgmma kernel too: its fragments are mma's), exactly under the
+    NaN rule: an A value of 0 adds nothing, whatever B holds. A: the threads' A
+    fragments, k-step ks of row tile mt at afrag[tx, a0(mt) + 8*ks ..]; B[k][n] =
+    ``value(k, n)`` (a shared tile's element, any layout), k < 16*ksteps, n <
+    8*ntiles; C at cacc[tx, c0(mt) + 4*nd ..] for output tile nd. ``scr``: scratch
+    (``exact_scratch_shapes``).
+
+    Two products per output tile and k-step: A against B with its non-finite values
+    zeroed, and codes of the A values against codes of the non-finite B values
+    (``CODE_*``), whose sum says which of +inf, -inf, NaN (or nothing) the non-finite
+    values add to each output. For the items computed again (see above), so compact
+    rather than fast: A and C copied to scratch arrays that loops over tiles and
+    k-steps index at run time (local memory: the fragments keep constant indices, and
+    their registers)."""
+    nt = 32 * warps
+    mma = mma_macro(warps, dtype, emulate)
+    f32 = "float32"
+    POS, NEG, NAN_ = (T.Cast(dtype, tirx.const(x, f32)) for x in (CODE_POS, CODE_NEG, CODE_NAN))
+    ZERO_DT = T.Cast(dtype, tirx.const(0.0, f32))
+    ZERO, INF = tirx.const(0.0, f32), tirx.const(float("inf"), f32)
+
+    def b_code(v):
+        x = T.Cast(f32, v)
+        return T.Select(T.isfinite(x), ZERO_DT, T.Select(T.isnan(x), NAN_, T.Select(x > ZERO, POS, NEG)))
+
+    def a_code(a):
+        x = T.Cast(f32, a)
+        return T.Select(x > ZERO, POS, T.Select(x < ZERO, NEG, T.Select(x == ZERO, ZERO_DT, NAN_)))
+
+    def decode(t):
+        # t < 32768: t = p1 + 32 m + 1024 p2, each count at most 16.
+        q1 = T.floor(t / tirx.const(32.0, f32))
+        q2 = T.floor(t / tirx.const(1024.0, f32))
+        pos = (t - q1 * tirx.const(32.0, f32)) + q2
+        neg = q1 - q2 * tirx.const(32.0, f32)
+        return T.Select(
+            T.Or(t >= tirx.const(CODE_NAN, f32), T.And(pos > ZERO, neg > ZERO)), tirx.const(float("nan"), f32),
+            T.Select(pos > ZERO, INF, T.Select(neg > ZERO, -INF, ZERO)),
+        )
+
+    def b_value(value, tx, x, ks, nd):
+        return value(ks * 16 + b_pos(tx % 32, x)[0], nd * 8 + b_pos(tx % 32, x)[1])
+
+    @T.macro
+    def exact(afrag, a0, value, cacc, c0, scr):
+        bf, bc, ac, cnt, csc, asc = T.meta_var(scr)
+        for tx in T.thread_binding(nt, thread="threadIdx.x"):
+            for mt in T.unroll(mtiles):
+                for i in T.unroll(ntiles * 4):
+                    csc[tx, mt * ntiles * 4 + i] = cacc[tx, c0(mt) + i]
+                for i in T.unroll(ksteps * 8):
+                    asc[tx, mt * ksteps * 8 + i] = afrag[tx, a0(mt) + i]
+        for mt in T.serial(mtiles):
+            for nd in T.serial(ntiles):
+                for ks in T.serial(ksteps):
+                    for tx in T.thread_binding(nt, thread="threadIdx.x"):
+                        for x in T.unroll(4):
+                            bf[tx, x] = T.Select(T.isfinite(T.Cast(f32, b_value(value, tx, x, ks, nd))),
+                                                 b_value(value, tx, x, ks, nd), ZERO_DT)
+                            bc[tx, x] = b_code(b_value(value, tx, x, ks, nd))
+                        for l in T.unroll(8):
+                            ac[tx, l] = a_code(asc[tx, (mt * ksteps + ks) * 8 + l])
+                        for l in T.unroll(4):
+                            cnt[tx, l] = ZERO
+                    mma(asc, (mt * ksteps + ks) * 8, bf, 0, csc, (mt * ntiles + nd) * 4)
+                    mma(ac, 0, bc, 0, cnt, 0)
+                    for tx in T.thread_binding(nt, thread="threadIdx.x"):
+                        for l in T.unroll(4):
+                            csc[tx, (mt * ntiles + nd) * 4 + l] = csc[tx, (mt * ntiles + nd) * 4 + l] + decode(cnt[tx, l])
+        for tx in T.thread_binding(nt, thread="threadIdx.x"):
+            for mt in T.unroll(mtiles):
+                for i in T.unroll(ntiles * 4):
+                    cacc[tx, c0(mt) + i] = csc[tx, mt * ntiles * 4 + i]
+
+    return exact
+
+
+def alloc_nan_guard(shapes):
+    """(flag, scratch): the NaN rule's vote flag (a local int32, ``finite_vote``) and
+    ``exact_product``'s scratch of the given ``exact_scratch_shapes``, allocated in the
+    kernel body's enclosing sblock. Called there as ``T.meta_var(alloc_nan_guard(...))``:
+    the parser evaluates the call, whose T.alloc_buffer land in that sblock as if
+    written inline."""
+    flag = T.alloc_buffer((1,), "int32", scope="local")
+    return flag, tuple(T.alloc_buffer(shape, dtype, scope="local") for shape, dtype in shapes)
+
+
+def exact_scratch_shapes(threads: int, dtype: str, mtiles: int, ksteps: int, ntiles: int):
+    """(shape, dtype) of ``exact_product``'s scratch: the B values and codes and the A
+    codes of one product, the codes' sums, then the copies of C and of A."""
+    return (((threads, 4), dtype), ((threads, 4), dtype), ((threads, 8), dtype), ((threads, 4), "float32"),
+            ((threads, mtiles * ntiles * 4), "float32"), ((threads, mtiles * ksteps * 8), dtype))
