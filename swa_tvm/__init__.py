@@ -3,13 +3,16 @@
 Public API::
 
     swa_tvm.sliding_window_attention(q, k, v, window_size=(left, right), ...)
+    swa_tvm.attention_with_kv_cache(q, k_cache, v_cache, ...)   # decode, chunked prefill, padding
+    swa_tvm.RollingKVCache(...)              # a layer's rolling-buffer KV cache
     swa_tvm.AttentionSpec / KernelSpec       # what a library serves
     swa_tvm.export_library(specs, path)      # compile (tuned records applied) + .so and manifest
     swa_tvm.load_library(path)               # check manifest, register kernels
 """
 
 from swa_tvm import ops  # noqa: F401  (registers torch.ops.swa_tvm.*)
-from swa_tvm.functional import sliding_window_attention
+from swa_tvm.cache import RollingKVCache
+from swa_tvm.functional import attention_with_kv_cache, sliding_window_attention
 from swa_tvm.runtime.library import LibraryError, load_library
 from swa_tvm.spec import AttentionSpec, KernelSpec
 from swa_tvm.version import __version__
@@ -32,6 +35,8 @@ def export_library(specs, path, target=None, logs="default", warn_untuned=True):
 
 __all__ = [
     "sliding_window_attention",
+    "attention_with_kv_cache",
+    "RollingKVCache",
     "load_library",
     "export_library",
     "AttentionSpec",

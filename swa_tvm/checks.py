@@ -21,6 +21,8 @@ SERVED_DTYPES = {
 
 # The largest finite float32: a float16/bfloat16/float32 kernel takes ``scale`` in float32.
 FLOAT32_MAX = 3.4028234663852886e38
+# Positions reach the kernels as int32.
+INT32_MAX = (1 << 31) - 1
 
 
 def normalize_window(left: int, right: int, n: int) -> tuple[int, int]:
@@ -161,3 +163,68 @@ def check_inputs(
         if G > 1 and bool((srt[:, 1:] == srt[:, :-1]).any()):
             row = int((srt[:, 1:] == srt[:, :-1]).any(dim=1).nonzero()[0])
             raise ValueError(f"global_idx row {row} repeats a position; each row's positions must be distinct")
+
+
+def check_kv_inputs(q, k, v, dilation, q_pos, kv_pos, num_sinks, sink_logits, softcap, scale, left, right, *,
+                    values: bool) -> None:
+    """The checks of ``torch.ops.swa_tvm.attention_kv`` (attention against a KV cache):
+    TypeError/ValueError naming the argument. ``values=False`` checks shapes only."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x, 4)
+    B, H, Tq, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    Bk, Hkv, Tk, Dk = k.shape
+    if (Bk, Dk) != (B, D):
+        raise ValueError(f"k/v must be [B={B}, H_kv, T_k, D={D}] to match q {tuple(q.shape)}, got {tuple(k.shape)}")
+    if Tq < 1 or Tk < 1 or D < 1 or H < 1 or Hkv < 1 or B < 1:
+        raise ValueError(f"q and k must have non-empty dimensions, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if H % Hkv:
+        raise ValueError(f"the number of query heads H={H} must be a multiple of k/v heads H_kv={Hkv}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype}, but q has {q.dtype}; all must match")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
+    if q.dtype != torch.float64 and scale > FLOAT32_MAX:
+        raise ValueError(f"scale must be at most {FLOAT32_MAX:.4g} (float32's largest) for {q.dtype} inputs, got {scale}")
+    if not (softcap == 0 or (math.isfinite(softcap) and softcap > 0)):
+        raise ValueError(f"softcap must be a positive finite number (0 or None: no cap), got {softcap}")
+    for name, x in (("left", left), ("right", right)):
+        if x < -1:
+            raise ValueError(f"window_size {name} must be >= -1 (-1 means unbounded), got {x}")
+    if num_sinks < 0:
+        raise ValueError(f"num_sinks must be >= 0, got {num_sinks}")
+    for name, x, shape in (("dilation", dilation, (H,)), ("q_positions", q_pos, (B,)), ("kv_positions", kv_pos, (B, Tk))):
+        _check_tensor(name, x, len(shape))
+        if x.dtype.is_floating_point or x.dtype == torch.bool or x.is_complex():
+            raise TypeError(f"{name} must have an integer dtype, got {x.dtype}")
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)}, got {tuple(x.shape)}")
+    if sink_logits is not None:
+        _check_tensor("sink_logits", sink_logits, 1)
+        if sink_logits.shape[0] != H:
+            raise ValueError(f"sink_logits must have shape [H]=[{H}], got {tuple(sink_logits.shape)}")
+        if not sink_logits.dtype.is_floating_point:
+            raise TypeError(f"sink_logits must be a floating tensor, got {sink_logits.dtype}")
+    named = [("q", q), ("k", k), ("v", v), ("dilation", dilation), ("q_positions", q_pos), ("kv_positions", kv_pos)]
+    named += [("sink_logits", sink_logits)] if sink_logits is not None else []
+    if q.device.type == "meta":
+        return
+    for n, x in named:
+        if x.device != q.device:
+            raise ValueError(f"{n} is on {x.device} but q is on {q.device}; all tensors must share a device")
+    if q.device.type not in SERVED_DEVICES:
+        raise ValueError(f"q is on {q.device}, but this build of swa_tvm has kernels only for {', '.join(SERVED_DEVICES)}")
+    if q.dtype not in SERVED_DTYPES[q.device.type]:
+        ok = ", ".join(str(d) for d in SERVED_DTYPES[q.device.type])
+        raise TypeError(f"q has dtype {q.dtype}; on {q.device.type} the kernels support {ok}")
+    if not values:
+        return
+    if bool((dilation < 1).any()):
+        raise ValueError(f"dilation must be >= 1 for every head, got {dilation.tolist()}")
+    # Positions are int32 in the kernels: the last query row's too.
+    if bool((q_pos < 0).any()) or int(q_pos.max()) + Tq - 1 > INT32_MAX:
+        raise ValueError(f"q_positions must lie in [0, 2**31 - T_q], got {q_pos.tolist()}")
+    if bool(((kv_pos < -1) | (kv_pos > INT32_MAX)).any()):
+        raise ValueError("kv_positions must be positions >= 0, or -1 for a slot that holds no key, within int32")

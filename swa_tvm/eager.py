@@ -3,14 +3,15 @@ on first use when no library is loaded), lays out their arguments and launches t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
 import torch
 
-from swa_tvm.checks import check_inputs, normalize_window
+from swa_tvm.checks import check_inputs, check_kv_inputs, normalize_window
 from swa_tvm.runtime import library
-from swa_tvm.spec import BACKWARD_KINDS, DEFAULT_BLOCK_Q, KernelSpec
+from swa_tvm.spec import BACKWARD_KINDS, CACHE_BLOCKS, DEFAULT_BLOCK_Q, MAX_SPEC_INT, KernelSpec
 
 
 def _available(device: str) -> str:
@@ -18,12 +19,16 @@ def _available(device: str) -> str:
     return ", ".join(sorted({k.spec.name for k in ks})) or "none"
 
 
-def _kernel(want: KernelSpec, device: str) -> library.Kernel:
-    """The registered kernel for ``want``; compiled on first use when no library is
-    loaded. With libraries loaded, a missing kernel is an error naming what they hold."""
-    hit = library.REGISTRY.find(want, device)
-    if hit is not None:
-        return hit
+def _kernel(want: KernelSpec, device: str, also: KernelSpec | None = None) -> library.Kernel:
+    """The registered kernel for ``want``, else for ``also`` (the same pattern as the
+    caller wrote it, where ``want`` normalized its window: a library exported for window
+    (255, 0) serves T = 100, whose window is unbounded); compiled on first use when no
+    library is loaded. With libraries loaded, a missing kernel is an error naming what
+    they hold."""
+    for spec in (want, also):
+        hit = library.REGISTRY.find(spec, device) if spec is not None else None
+        if hit is not None:
+            return hit
     if library.REGISTRY.libraries:
         have = library.REGISTRY.kernels(device)
         dims = sorted({k.spec.head_dim for k in have})
@@ -149,6 +154,14 @@ def _extra_positions(global_idx, num_sinks: int, B: int, device) -> Optional[tor
     return x.masked_fill(dup, -1).contiguous()
 
 
+def _as_written(spec: KernelSpec, left: int, right: int) -> KernelSpec | None:
+    """``spec`` with the window the caller wrote, where normalizing changed it and a
+    kernel spec can hold it (for ``_kernel``'s ``also``)."""
+    if (left, right) == (spec.left, spec.right) or max(left, right) > MAX_SPEC_INT:
+        return None
+    return dataclasses.replace(spec, left=left, right=right)
+
+
 def _local_spec(q, left, right, dil, extra, nonfinite: bool = False) -> KernelSpec:
     dtype = str(q.dtype).replace("torch.", "")
     return KernelSpec(
@@ -229,12 +242,14 @@ def _forward(
     B, H, T, D = q.shape
     device = q.device.type
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    written = left, right
     left, right = normalize_window(left, right, T)
     q, k, v = _dense(q), _dense(k), _dense(v)
     dil = _dilation(dilation, T)
     sink = _sink_or_none(sink_logits, H, acc, q.device)
     extra = _extra_positions(global_idx, num_sinks, B, q.device)
-    kern = _kernel(_local_spec(q, left, right, dil, extra, nonfinite), device)
+    spec = _local_spec(q, left, right, dil, extra, nonfinite)
+    kern = _kernel(spec, device, _as_written(spec, *written))
     out = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, T, dtype=acc, device=q.device)
     args = [q, k, v, dil] + ([extra] if extra is not None else []) + [sink, float(scale), out, lse]
@@ -292,6 +307,7 @@ def _backward(
     Hkv = k.shape[1]
     device = q.device.type
     acc = lse.dtype
+    written = left, right
     left, right = normalize_window(left, right, T)
     q, k, v, dout = _dense(q), _dense(k), _dense(v), _dense(dout)
     dil = _dilation(dilation, T)
@@ -327,7 +343,7 @@ def _backward(
 
     extra = _extra_positions(global_idx, num_sinks, B, q.device)
     fwd = _local_spec(q, left, right, dil, extra, nonfinite)
-    kernels = {s.kind: _kernel(s, device) for s in fwd.backward_kernels()}
+    kernels = {s.kind: _kernel(s, device, _as_written(s, *written)) for s in fwd.backward_kernels()}
     common = [q, k, v, dil] + ([extra] if extra is not None else []) + [dout, _dense(lse_l), _dense(delta_l), float(scale)]
     dq = torch.empty_like(q)
     _launch(kernels["local_dq"], q.device, *common, dq)
@@ -376,3 +392,106 @@ def _backward(
         else:
             dv += g_dv
     return dq, dk.to(k.dtype), dv.to(v.dtype), dqg, dkg, dvg, dsink
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+
+def cache_block_rows(rows: int) -> int:
+    """Rows per block of the cache kernel (``compute.cache``) for ``rows`` = T_q x the
+    GQA group: the smallest of ``CACHE_BLOCKS`` that holds them (a decode step's few
+    rows do not fill 16 mostly with padding), else the largest."""
+    return next((b for b in CACHE_BLOCKS if rows <= b), CACHE_BLOCKS[-1])
+
+
+def _cache_side(name: str, side: int, span: int) -> int:
+    """A window side as a cache kernel spec names it: as given up to MAX_SPEC_INT (so
+    a library's kernel for window 4095 serves a decode at position 10), -1 beyond
+    that where it spans every position."""
+    if side <= MAX_SPEC_INT:
+        return side
+    if side >= span - 1:
+        return -1
+    raise ValueError(f"window_size {name} = {side} exceeds the {MAX_SPEC_INT} steps a kernel takes, and positions "
+                     f"reach {span - 1}: no kernel serves it")
+
+
+def cache_scan(q_pos, kv_pos, Tq: int, group: int, block: int, left: int, right: int, dmax: int):
+    """(key_lo [B, NB] int32, nkeys): the key slots each block of rows scans, so that
+    every slot in any of its rows' windows is among them.
+
+    Where a batch row's valid slots hold increasing positions (a cache written in
+    order: offsets, padding, unwritten tails), a block's slots are found by binary
+    search on its rows' reach; elsewhere (a rolling buffer that has wrapped) the block
+    scans every slot. Sinks outside the span are listed apart (``cache_sinks``)."""
+    B, Tk = kv_pos.shape
+    rows = Tq * group
+    nb = -(-rows // block)
+    device = kv_pos.device
+    pos = kv_pos.to(torch.int64)
+    valid = pos >= 0
+    # Running max of the valid positions; -1 before the first one.
+    run = torch.where(valid, pos, torch.full_like(pos, -1)).cummax(dim=1).values
+    prev = torch.cat([torch.full((B, 1), -1, dtype=torch.int64, device=device), run[:, :-1]], dim=1)
+    ordered = (~valid | (pos > prev)).all(dim=1)  # [B]
+    first_row = torch.arange(nb, device=device, dtype=torch.int64) * block
+    last_row = torch.clamp(first_row + block, max=rows) - 1
+    qp0 = q_pos.to(torch.int64)[:, None]
+    reach_lo = qp0 + first_row // group - (left * dmax if left >= 0 else 1 << 62)  # [B, NB]
+    reach_hi = qp0 + last_row // group + (right * dmax if right >= 0 else 1 << 62)
+    lo = torch.searchsorted(run, reach_lo, side="left")
+    hi = torch.searchsorted(run, reach_hi, side="right")  # one past the last slot in reach
+    lo = torch.where(ordered[:, None], lo, torch.zeros_like(lo))
+    hi = torch.where(ordered[:, None], hi, torch.full_like(hi, Tk))
+    lo = torch.minimum(lo, hi)
+    nkeys = max(1, int((hi - lo).max()))
+    return lo.to(torch.int32).contiguous(), nkeys
+
+
+def cache_sinks(kv_pos, num_sinks: int):
+    """[B, E] int32 (E >= 1): the slots holding the sink positions 0 .. num_sinks - 1,
+    -1 = none (the kernel counts those inside a block's span there, once)."""
+    is_sink = (kv_pos >= 0) & (kv_pos < num_sinks)
+    E = max(1, int(is_sink.sum(dim=1).max()))
+    order = torch.argsort((~is_sink).to(torch.int8), dim=1, stable=True)[:, :E]
+    return torch.where(is_sink.gather(1, order), order, -1).to(torch.int32).contiguous()
+
+
+def attention_kv_forward(q, k, v, dilation, q_pos, kv_pos, num_sinks, sink_logits, softcap, scale, left, right):
+    """Eager implementation behind ``torch.ops.swa_tvm.attention_kv``: (out, lse)."""
+    check_kv_inputs(q, k, v, dilation, q_pos, kv_pos, num_sinks, sink_logits, softcap, scale, left, right, values=True)
+    args = (q, k, v, dilation, q_pos, kv_pos, num_sinks, sink_logits, softcap, scale, left, right)
+    out, lse = _kv_forward(*args, nonfinite=False)
+    if _redo_nonfinite(q.device.type, out):
+        out, lse = _kv_forward(*args, nonfinite=True)
+    return out, lse
+
+
+def _kv_forward(q, k, v, dilation, q_pos, kv_pos, num_sinks, sink_logits, softcap, scale, left, right, *, nonfinite):
+    B, H, Tq, D = q.shape
+    group = H // k.shape[1]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q_pos32, kv_pos32 = _dense(q_pos.to(torch.int32)), _dense(kv_pos.to(torch.int32))
+    span = max(int(q_pos32.max()) + Tq, int(kv_pos32.max()) + 1)
+    left, right = _cache_side("left", left, span), _cache_side("right", right, span)
+    dil = _dilation(dilation, span)
+    dmax = int(dil.max())
+    block = cache_block_rows(Tq * group)
+    key_lo, nkeys = cache_scan(q_pos32, kv_pos32, Tq, group, block, left, right, dmax)
+    S = min(num_sinks, span)
+    spec = KernelSpec(
+        "cache", D, str(q.dtype).replace("torch.", ""), left, right, 1 if dmax == 1 else 2, extras=S > 0,
+        block_q=block, nonfinite=nonfinite, softcap=softcap > 0,
+    )
+    kern = _kernel(spec, q.device.type)
+    q, k, v = _dense(q), _dense(k), _dense(v)
+    sink = _sink_or_none(sink_logits, H, acc, q.device)
+    out = torch.empty(B, H, Tq, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, Tq, dtype=acc, device=q.device)
+    args = [q, k, v, dil, q_pos32, kv_pos32, key_lo]
+    args += [cache_sinks(kv_pos32, S)] if S else []
+    args += [sink, float(scale)] + ([float(softcap)] if softcap > 0 else []) + ([S] if S else []) + [nkeys, out, lse]
+    _launch(kern, q.device, *args)
+    if sink_logits is not None:
+        lse.masked_fill_(torch.isposinf(sink_logits).view(1, H, 1), float("inf"))
+    return out, lse

@@ -10,7 +10,15 @@ from typing import Optional
 import torch
 
 from swa_tvm import ops  # noqa: F401 - registers torch.ops.swa_tvm.*
-from swa_tvm.checks import _as_int, _check_tensor, check_window_and_sinks, normalize_dilation, normalize_window
+from swa_tvm.checks import (
+    INT32_MAX,
+    _as_int,
+    _check_tensor,
+    check_window_and_sinks,
+    normalize_dilation,
+    normalize_window,
+)
+from swa_tvm.spec import MAX_SPEC_INT
 
 
 def sliding_window_attention(
@@ -106,7 +114,10 @@ def sliding_window_attention(
             raise TypeError(f"{name} must be a torch.Tensor or None, got {type(x).__name__}")
     H, T, D = q.shape[1], q.shape[2], q.shape[3]
     check_window_and_sinks(left, right, num_sinks, T)
-    left, right = normalize_window(left, right, T)
+    # Sides past what a kernel spec holds (and the op's int64 schema) reach every row:
+    # unbounded. Shorter ones reach the op as written, so that a library exported for
+    # window (255, 0) serves T = 100 (swa_tvm.eager normalizes for the kernels it builds).
+    left, right = (normalize_window(x, x, T)[0] if x > MAX_SPEC_INT else x for x in (left, right))
     if not isinstance(dilation, torch.Tensor):
         if isinstance(dilation, bool) or not isinstance(dilation, numbers.Integral):
             raise TypeError(f"dilation must be an int or an integer tensor of shape [H], got {type(dilation).__name__}")
@@ -114,16 +125,191 @@ def sliding_window_attention(
         if dilation < 1:
             raise ValueError(f"dilation must be >= 1, got {dilation}")
         dilation = torch.full((H,), normalize_dilation(dilation, T), dtype=torch.int32, device=q.device)
-    if scale is None:
-        scale = 1.0 / math.sqrt(D) if D > 0 else 1.0  # D = 0 is refused by the op's checks, by name
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
-    try:
-        scale = float(scale)
-    except OverflowError:  # an int beyond float's range
-        raise ValueError("scale must be a positive finite number, got an int beyond float range") from None
-
+    scale = _scale(scale, D)
     out, lse = torch.ops.swa_tvm.attention(
         q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, scale, left, right
     )
     return (out, lse) if return_lse else out
+
+
+def attention_with_kv_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    q_offset: int | torch.Tensor | None = None,
+    kv_offset: int | torch.Tensor = 0,
+    kv_start: int | torch.Tensor = 0,
+    kv_len: int | torch.Tensor | None = None,
+    kv_positions: Optional[torch.Tensor] = None,
+    window_size: tuple[int, int] = (-1, -1),
+    dilation: int | torch.Tensor = 1,
+    num_sinks: int = 0,
+    sink_logits: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+):
+    """Attention of query rows against a KV cache: decode steps, chunked prefill,
+    left-padded batches, rolling buffers. Forward only.
+
+    Shapes: ``q`` [B, H, T_q, D]; ``k``, ``v`` [B, H_kv, T_k, D] (the cache's slots),
+    H % H_kv == 0. Returns ``out`` [B, H, T_q, D], or ``(out, lse)`` as
+    :func:`sliding_window_attention` does.
+
+    **Positions.** Every query row and key slot has an absolute position, and the
+    pattern is :func:`sliding_window_attention`'s on those positions: window,
+    dilation, causality (``right == 0``) and sinks (positions 0 .. num_sinks - 1). So
+    the result equals the matching rows of one full-sequence call over the positions
+    the cache holds.
+
+    * Query row i of batch row b is at ``q_offset[b] + i``. The default aligns the
+      last query with the last valid key (bottom-right, as FlashAttention): a decode
+      step's one query is the newest token.
+    * Key slot j of batch row b holds position ``kv_offset[b] + j``, and is a key only
+      for ``kv_start[b] <= j < kv_start[b] + kv_len[b]`` (default: every slot from
+      kv_start on). Slots outside that range (left padding, an unwritten tail) are
+      never attended, whatever they hold.
+    * Or ``kv_positions`` [B, T_k] (or [T_k]) int gives each slot's position, -1 for
+      a slot without a key: a rolling buffer's slots in any order
+      (:class:`swa_tvm.RollingKVCache` passes them). It excludes kv_offset, kv_start
+      and kv_len.
+
+    Offsets, starts and lengths are ints or integer tensors of shape [B]. Positions
+    count slots, not tokens: with left padding the pad slots take positions, which
+    shifts nothing in a window but makes the first pads the sinks. A row whose view
+    holds no key and no learned sink gets ``out`` = 0 and ``lse`` = -inf.
+
+    **Softcap.** ``softcap=c`` maps each scaled score s to c * tanh(s / c) before
+    masking (Gemma 2). Global tokens are not served here (an encoder's pattern).
+    ``window_size``, ``dilation``, ``num_sinks``, ``sink_logits`` and ``scale`` are
+    as in :func:`sliding_window_attention`; the NaN rule holds as there: a slot a row
+    cannot see adds nothing to it.
+    """
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
+        raise ValueError(f"window_size must be a (left, right) pair, got {window_size!r}")
+    left = _as_int("window_size left", window_size[0])
+    right = _as_int("window_size right", window_size[1])
+    num_sinks = _as_int("num_sinks", num_sinks)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x, 4)
+    if sink_logits is not None and not isinstance(sink_logits, torch.Tensor):
+        raise TypeError(f"sink_logits must be a torch.Tensor or None, got {type(sink_logits).__name__}")
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    if k.shape[0] != B:
+        raise ValueError(f"k/v must have q's batch size B={B}, got k {tuple(k.shape)}")
+    for name, x in (("left", left), ("right", right)):
+        if x < -1:
+            raise ValueError(f"window_size {name} must be >= -1 (-1 means unbounded), got {x}")
+    if num_sinks < 0:
+        raise ValueError(f"num_sinks must be >= 0, got {num_sinks}")
+    # Any side or dilation beyond int32 reaches past every int32 position.
+    left, right = normalize_window(left, right, INT32_MAX)
+    if softcap is None:
+        cap = 0.0
+    elif isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a float or None, got {type(softcap).__name__}")
+    else:
+        cap = float(softcap)
+        if not (math.isfinite(cap) and cap > 0):
+            raise ValueError(f"softcap must be a positive finite number, got {softcap}")
+    if not isinstance(dilation, torch.Tensor):
+        if isinstance(dilation, bool) or not isinstance(dilation, numbers.Integral):
+            raise TypeError(f"dilation must be an int or an integer tensor of shape [H], got {type(dilation).__name__}")
+        if dilation < 1:
+            raise ValueError(f"dilation must be >= 1, got {dilation}")
+        dilation = torch.full((H,), normalize_dilation(int(dilation), INT32_MAX), dtype=torch.int32, device=q.device)
+    scale = _scale(scale, D)
+    kv_pos = _kv_positions(kv_positions, kv_offset, kv_start, kv_len, B, Tk, q.device)
+    q_pos = _q_positions(q_offset, kv_pos, B, Tq, q.device)
+    out, lse = torch.ops.swa_tvm.attention_kv(
+        q, k, v, dilation, q_pos, kv_pos, num_sinks, sink_logits, cap, scale, left, right
+    )
+    return (out, lse) if return_lse else out
+
+
+def _scale(scale, D: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(D) if D > 0 else 1.0  # D = 0 is refused by the op's checks, by name
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    try:
+        return float(scale)
+    except OverflowError:  # an int beyond float's range
+        raise ValueError("scale must be a positive finite number, got an int beyond float range") from None
+
+
+def _checkable() -> bool:
+    """Whether checks may read tensor values here: not while torch.compile traces (a
+    data-dependent branch breaks its graph); the op then checks the positions it gets."""
+    return not torch.compiler.is_compiling()
+
+
+def _per_batch(name: str, x, B: int, device) -> torch.Tensor:
+    """An int or an integer tensor [B] (or a 0-d one) as int64 [B], each >= 0."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype.is_floating_point or x.dtype == torch.bool or x.is_complex():
+            raise TypeError(f"{name} must be an int or an integer tensor of shape [B], got dtype {x.dtype}")
+        if x.dim() == 0:
+            x = x.expand(B)
+        if tuple(x.shape) != (B,):
+            raise ValueError(f"{name} must be an int or a tensor of shape [B]=[{B}], got {tuple(x.shape)}")
+        x = x.to(device=device, dtype=torch.int64)
+    else:
+        n = _as_int(name, x)
+        if not 0 <= n <= INT32_MAX:
+            raise ValueError(f"{name} must lie in [0, 2**31), got {n}")
+        return torch.full((B,), n, dtype=torch.int64, device=device)
+    if _checkable() and bool((x < 0).any()):
+        raise ValueError(f"{name} must be >= 0, got {x.tolist()}")
+    return x
+
+
+def _kv_positions(kv_positions, kv_offset, kv_start, kv_len, B: int, Tk: int, device) -> torch.Tensor:
+    """[B, Tk] int32: each key slot's position, -1 = no key."""
+    if kv_positions is not None:
+        if not isinstance(kv_positions, torch.Tensor):
+            raise TypeError(f"kv_positions must be an integer tensor [B, T_k], got {type(kv_positions).__name__}")
+        if not (isinstance(kv_offset, int) and kv_offset == 0 and isinstance(kv_start, int) and kv_start == 0
+                and kv_len is None):
+            raise ValueError("kv_positions gives every slot's position: pass it without kv_offset, kv_start or kv_len")
+        if kv_positions.dtype.is_floating_point or kv_positions.dtype == torch.bool or kv_positions.is_complex():
+            raise TypeError(f"kv_positions must have an integer dtype, got {kv_positions.dtype}")
+        pos = kv_positions.expand(B, Tk) if kv_positions.dim() == 1 and kv_positions.shape[0] == Tk else kv_positions
+        if tuple(pos.shape) != (B, Tk):
+            raise ValueError(f"kv_positions must have shape [B, T_k]=[{B}, {Tk}] or [T_k], got {tuple(kv_positions.shape)}")
+        if _checkable() and bool(((pos < -1) | (pos > INT32_MAX)).any()):
+            raise ValueError("kv_positions must be positions in [0, 2**31), or -1 for a slot without a key")
+        return pos.to(device=device, dtype=torch.int32).contiguous()
+    offset = _per_batch("kv_offset", kv_offset, B, device)
+    start = _per_batch("kv_start", kv_start, B, device)
+    length = Tk - start if kv_len is None else _per_batch("kv_len", kv_len, B, device)
+    if _checkable() and bool((start + length > Tk).any()):
+        raise ValueError(
+            f"kv_start + kv_len must be at most T_k={Tk} (the cache's slots), got kv_start {start.tolist()} and "
+            f"kv_len {length.tolist()}"
+        )
+    if _checkable() and bool((offset + Tk - 1 > INT32_MAX).any()):
+        raise ValueError(f"kv_offset + T_k - 1 must lie within int32, got kv_offset {offset.tolist()}")
+    j = torch.arange(Tk, device=device, dtype=torch.int64)
+    valid = (j >= start[:, None]) & (j < (start + length)[:, None])
+    return torch.where(valid, offset[:, None] + j, -1).to(torch.int32)
+
+
+def _q_positions(q_offset, kv_pos: torch.Tensor, B: int, Tq: int, device) -> torch.Tensor:
+    """[B] int32: the position of each batch row's first query (bottom-right by default)."""
+    if q_offset is not None:
+        pos = _per_batch("q_offset", q_offset, B, device)
+    else:
+        pos = kv_pos.to(torch.int64).max(dim=1).values + 1 - Tq
+        if _checkable() and bool((pos < 0).any()):
+            b = int((pos < 0).nonzero()[0])
+            raise ValueError(
+                f"q has T_q={Tq} rows but batch row {b} holds keys only up to position {int(pos[b]) + Tq - 1}: "
+                "aligned bottom-right (the last query at the last key) its first rows would sit before position 0. "
+                "Pass q_offset (the position of each batch row's first query), and kv_len for what the cache holds"
+            )
+    if _checkable() and bool((pos + Tq - 1 > INT32_MAX).any()):
+        raise ValueError(f"q_offset + T_q - 1 must lie within int32, got q_offset {pos.tolist()}")
+    return pos.to(torch.int32)

@@ -12,9 +12,9 @@ from typing import Optional
 
 import torch
 
+from swa_tvm.checks import check_inputs, check_kv_inputs
 from swa_tvm.eager import attention_backward as _backward_impl
-from swa_tvm.eager import attention_forward
-from swa_tvm.checks import check_inputs
+from swa_tvm.eager import attention_forward, attention_kv_forward
 
 
 @torch.library.custom_op("swa_tvm::attention", mutates_args=())
@@ -125,3 +125,51 @@ def _backward(ctx, dout, dlse):
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("swa_tvm::attention_kv", mutates_args=())
+def attention_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dilation: torch.Tensor,
+    q_positions: torch.Tensor,
+    kv_positions: torch.Tensor,
+    num_sinks: int,
+    sink_logits: Optional[torch.Tensor],
+    softcap: float,
+    scale: float,
+    left: int,
+    right: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B,H,Tq,D], lse [B,H,Tq]) against a KV cache; see swa_tvm.attention_with_kv_cache.
+    q_positions [B]: position of query row 0; kv_positions [B, Tk]: each slot's position,
+    -1 = no key; softcap 0 = none."""
+    return attention_kv_forward(
+        q, k, v, dilation, q_positions, kv_positions, num_sinks, sink_logits, softcap, scale, left, right
+    )
+
+
+@attention_kv.register_fake
+def _attention_kv_fake(q, k, v, dilation, q_positions, kv_positions, num_sinks, sink_logits, softcap, scale, left, right):
+    check_kv_inputs(
+        q, k, v, dilation, q_positions, kv_positions, num_sinks, sink_logits, softcap, scale, left, right, values=False
+    )
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    B, H, Tq, D = q.shape
+    return q.new_empty(B, H, Tq, D), q.new_empty(B, H, Tq, dtype=acc)
+
+
+def _attention_kv_setup(ctx, inputs, output):
+    pass
+
+
+def _attention_kv_backward(ctx, dout, dlse):
+    # Refused by name rather than left to torch's generic message.
+    raise NotImplementedError(
+        "swa_tvm.attention_with_kv_cache has no gradients yet (the cache kernels are forward only); "
+        "train with swa_tvm.sliding_window_attention on full sequences"
+    )
+
+
+attention_kv.register_autograd(_attention_kv_backward, setup_context=_attention_kv_setup)

@@ -81,8 +81,10 @@ def sliding_window_attention_ref(
     num_sinks=0,
     sink_logits=None,
     scale=None,
+    softcap=None,
 ):
-    """float64 (out, lse) by dense masked softmax. Same arguments as the kernel API.
+    """float64 (out, lse) by dense masked softmax. Same arguments as the kernel API, and
+    ``softcap`` (scores s -> softcap * tanh(s / softcap) before masking).
 
     Differentiable: torch autograd through it gives the reference gradients."""
     q, k, v = (x.double() for x in (q, k, v))
@@ -108,6 +110,8 @@ def sliding_window_attention_ref(
         glob_rows = is_global[:, None, :, None]
     else:
         vg, glob_rows = None, None
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~mask, float("-inf"))
     if sink_logits is not None:
         sink = sink_logits.double().view(1, H, 1, 1).expand(B, H, T, 1)

@@ -23,7 +23,7 @@ def accum_dtype(dtype: str) -> str:
     float32 for every other dtype."""
     return "float64" if dtype == "float64" else "float32"
 
-FORWARD_KINDS = ("local", "global")
+FORWARD_KINDS = ("local", "global", "cache")
 BACKWARD_KINDS = ("local_dq", "local_dkv", "local_dx", "global_bwd")
 KINDS = FORWARD_KINDS + BACKWARD_KINDS
 
@@ -33,6 +33,10 @@ KINDS = FORWARD_KINDS + BACKWARD_KINDS
 # block_q / (left + right + 1) of the useful work.
 DEFAULT_BLOCK_Q = 32
 
+
+# Rows per block of the KV-cache kernels (query positions x a GQA group's heads): the
+# caller (swa_tvm.eager.cache_block_rows) takes the smallest that holds a call's rows.
+CACHE_BLOCKS = (4, 8, 16)
 
 # The largest window side, dilation bound or block a kernel spec takes.
 MAX_SPEC_INT = 1 << 24
@@ -52,6 +56,10 @@ class KernelSpec:
     kind "local": every row attends to its dilated window, plus (with ``extras``) a runtime
     list of extra key positions (global tokens and sinks) that it does not already see.
     kind "global": global rows attend to every key allowed by causality.
+    kind "cache": query rows at absolute positions against key slots that carry their
+    own positions (a KV cache: offsets, padding, rolling buffers); ``block_q`` is the
+    rows of a block (query positions x the heads of a GQA group), ``extras`` the sinks
+    (:mod:`swa_tvm.compute.cache`).
     The backward kinds (see :mod:`swa_tvm.compute_backward`) are the gradients of these:
     "local_dq", "local_dkv" and "local_dx" (extras' key gradients) of a local kernel,
     "global_bwd" of a global one.
@@ -70,6 +78,9 @@ class KernelSpec:
     # adds nothing to it whatever it holds, and NaN scores propagate. The selects cost
     # 1.3-1.8x on the CPU, so calls with finite inputs take the plain variant.
     nonfinite: bool = False
+    # Scores pass through softcap * tanh(score / softcap) before masking (Gemma 2); the
+    # cap itself is a runtime argument. Kind "cache" only.
+    softcap: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -84,6 +95,8 @@ class KernelSpec:
             raise ValueError(f"max_dilation must be >= 1, got {self.max_dilation}")
         if self.block_q < 1:
             raise ValueError(f"block_q must be >= 1, got {self.block_q}")
+        if self.softcap and self.kind != "cache":
+            raise ValueError(f"softcap is served by the cache kernels only, not by kind {self.kind!r}")
         # Bounds that keep every constant a kernel is built with far inside int32 and every
         # band allocatable: a side reaching the whole sequence is -1, and the op turns any
         # longer one into -1 (checks.normalize_window), and dilations beyond T into T.
@@ -111,6 +124,11 @@ class KernelSpec:
             nf = "_nf" if self.nonfinite else ""
             return f"swa_{self.kind}_d{self.head_dim}_{dt}_{'causal' if self.causal else 'full'}{nf}"
         side = lambda x: "inf" if x < 0 else str(x)  # noqa: E731
+        if self.kind == "cache":
+            return (
+                f"swa_cache_d{self.head_dim}_{dt}_l{side(self.left)}_r{side(self.right)}_md{self.max_dilation}"
+                f"_x{int(self.extras)}_br{self.block_q}"
+            ) + ("_sc" if self.softcap else "") + ("_nf" if self.nonfinite else "")
         return (
             f"swa_{self.kind}_d{self.head_dim}_{dt}_l{side(self.left)}_r{side(self.right)}"
             f"_md{self.max_dilation}_x{int(self.extras)}_bq{self.block_q}"
@@ -120,6 +138,8 @@ class KernelSpec:
         """The gradient kernels of this forward kernel."""
         if self.kind == "global":
             return [dataclasses.replace(self, kind="global_bwd")]
+        if self.kind == "cache":
+            raise ValueError(f"{self.name}: the cache kernels have no gradient kernels yet")
         if self.kind != "local":
             raise ValueError(f"{self.name} is not a forward kernel")
         kinds = ("local_dq", "local_dkv") + (("local_dx",) if self.extras else ())
@@ -142,7 +162,10 @@ class AttentionSpec:
     with optional separate projections); ``sinks`` adds StreamingLLM sink positions.
     Learned sink logits need no flag: every kernel takes them. ``backward`` adds the
     gradient kernels, for training. ``nonfinite`` adds the kernels calls take when an
-    input holds NaN or inf (KernelSpec.nonfinite), beside the plain ones.
+    input holds NaN or inf (KernelSpec.nonfinite), beside the plain ones. ``kvcache``
+    adds the kernels of ``attention_with_kv_cache`` (kind "cache", one per block of
+    rows in ``CACHE_BLOCKS``: decode steps, chunked prefill), and ``softcap`` makes
+    those cap their scores.
     """
 
     head_dim: int
@@ -154,8 +177,12 @@ class AttentionSpec:
     block_q: int = DEFAULT_BLOCK_Q
     backward: bool = False
     nonfinite: bool = False
+    kvcache: bool = False
+    softcap: bool = False
 
     def __post_init__(self) -> None:
+        if self.softcap and not self.kvcache:
+            raise ValueError("softcap is served by the KV-cache kernels: add kvcache to the spec")
         if not (isinstance(self.window, tuple) and len(self.window) == 2):
             raise ValueError(f"window must be a (left, right) tuple, got {self.window!r}")
         self.kernels()  # each KernelSpec checks its fields: a bad spec fails here, by name
@@ -180,13 +207,19 @@ class AttentionSpec:
             out.append(KernelSpec("global", self.head_dim, self.dtype, 0, 0 if right == 0 else -1))
         if self.backward:
             out += [b for f in out for b in f.backward_kernels()]
+        if self.kvcache:
+            out += [
+                KernelSpec("cache", self.head_dim, self.dtype, left, right, 1 if self.max_dilation == 1 else 2,
+                           self.sinks, rows, softcap=self.softcap)
+                for rows in CACHE_BLOCKS
+            ]
         if self.nonfinite:
             out += [dataclasses.replace(k, nonfinite=True) for k in out]
         return out
 
     @classmethod
     def parse(cls, text: str) -> "AttentionSpec":
-        """Parse ``head_dim=64,window=255:0,dilation=2,globals,sinks,backward,nonfinite,dtype=float32``.
+        """Parse ``head_dim=64,window=255:0,dilation=2,globals,sinks,backward,nonfinite,kvcache,softcap,dtype=float32``.
         Each field at most once; flags bare or ``=1/0, true/false, yes/no``."""
         aliases = {"d": "head_dim", "w": "window", "dilation": "max_dilation"}
         fields: dict = {}
@@ -210,7 +243,7 @@ class AttentionSpec:
                 if not m:
                     raise ValueError(f"spec {text!r}: window must look like LEFT:RIGHT, got {val!r}")
                 fields["window"] = (int(m.group(1)), int(m.group(2)))
-            elif name in ("globals", "sinks", "backward", "nonfinite"):
+            elif name in ("globals", "sinks", "backward", "nonfinite", "kvcache", "softcap"):
                 flag = val.lower() if has_val else "1"
                 if flag not in ("1", "true", "yes", "0", "false", "no"):
                     raise ValueError(f"spec {text!r}: {key} is a flag (bare, or =1/0, true/false, yes/no), got {val!r}")

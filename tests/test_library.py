@@ -232,6 +232,15 @@ def test_half_precision_cpu_library(tmp_path, fresh_registry):
     got = torch.autograd.grad((out.double() * d_out).sum(), (q, k, v))
     want = torch.autograd.grad((ref * d_out).sum(), (q, k, v))
     assert all(rel_err(a, b) < GRAD_TOLERANCE[torch.bfloat16] for a, b in zip(got, want))
+    # A sequence shorter than the window (which then reaches every row) is served by the
+    # same kernels, forward and backward.
+    qs, ks, vs = (x.detach()[:, :, :4].clone().requires_grad_(True) for x in (q, k, v))
+    out = swa_tvm.sliding_window_attention(qs, ks, vs, window_size=(5, 0))
+    ref, _ = sliding_window_attention_ref(qs, ks, vs, window_size=(5, 0))
+    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16][0]
+    got = torch.autograd.grad((out.double() * d_out[:, :, :4]).sum(), (qs, ks, vs))
+    want = torch.autograd.grad((ref * d_out[:, :, :4]).sum(), (qs, ks, vs))
+    assert all(rel_err(a, b) < GRAD_TOLERANCE[torch.bfloat16] for a, b in zip(got, want))
     # The library's kernels served it: a float32 call finds none of its kind.
     with pytest.raises(ValueError, match="no kernel in the loaded libraries"):
         swa_tvm.sliding_window_attention(q.detach().float(), k.detach().float(), v.detach().float(), window_size=(5, 0))

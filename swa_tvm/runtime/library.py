@@ -264,14 +264,17 @@ class Registry:
                 continue
             if s.nonfinite < want.nonfinite:  # the nonfinite variant serves any call, the plain one only finite ones
                 continue
-            if (s.head_dim, s.dtype, s.left, s.right, s.extras) != (
+            if (s.head_dim, s.dtype, s.left, s.right, s.extras, s.softcap) != (
                 want.head_dim,
                 want.dtype,
                 want.left,
                 want.right,
                 want.extras,
+                want.softcap,
             ):
                 continue
+            if s.kind == "cache" and s.block_q != want.block_q:
+                continue  # the caller lays out the key ranges per block of rows
             if best is None or (s.nonfinite, s.max_dilation) < (best.spec.nonfinite, best.spec.max_dilation):
                 best = k
         return best

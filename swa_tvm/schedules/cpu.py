@@ -29,6 +29,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir.stmt import SBlock, SBlockRealize
 from tvm.sym import Analyzer, IntervalSet
 
+from swa_tvm.compute.cache import CACHE_CHUNK
 from swa_tvm.compute.forward import (
     EXTRA_TILE,
     GLOBAL_BLOCK,
@@ -253,6 +254,16 @@ def schedule_global(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8
     an item at the item loop, tiled as the local kernel's (key rows x block-row vectors
     for the scores, block rows x feature vectors for P·V, vertical max and sum); then
     the per-block combine over chunks, then the gathers back to [B, H, G, ...]."""
+    _schedule_split_k(sch, spec, GLOBAL_BLOCK, GLOBAL_CHUNK, vector_lanes, knobs)
+
+
+def schedule_cache(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
+    """The KV-cache kernel (``compute.cache``) has the global rows' split-K stages, per
+    (batch, KV head, row block, key chunk): the same plan."""
+    _schedule_split_k(sch, spec, spec.block_q, CACHE_CHUNK, vector_lanes, knobs)
+
+
+def _schedule_split_k(sch, spec: KernelSpec, block: int, chunk: int, vector_lanes: int, knobs) -> None:
     knobs = knobs or Defaults()
     out = sch.get_sblock("out")
     b, h, g, cc = sch.get_loops(out)
@@ -261,21 +272,21 @@ def schedule_global(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8
         _vectorize_inner(sch, cc, vector_lanes)
     sch.parallel(sch.merge(row, sch.fuse(*sch.get_loops(sch.get_sblock("lse")))))
     # Combine: one loop over (batch, head, block), the chunk rescaling at it.
-    _items(sch, ["blk_out", "blk_lse"], ["gden", "gacc", "gsum", "cfac", "gmax", "gmax0"], Defaults(), depth=3)
+    _items(sch, ["blk_out", "blk_lse"], ["gden", "gacc", "gsum", "cfac", "gref", "gmax", "gmax0"], Defaults(), depth=3)
     _row_reduce_product(sch, "gacc", spec, vector_lanes)
     # Items: (batch, head, block, chunk). The chunk's max, sum and P·V are all read by
     # the combine, so all three are roots of the item loop (compute_at needs every
     # consumer of a stage under the loop).
     _items(sch, ["cmax", "csum", "cacc"], ["cprob", "cref", "gmasked", "gscore", "qg_t"], knobs, depth=4)
-    rows_vec = GLOBAL_BLOCK % vector_lanes == 0
+    rows_vec = block % vector_lanes == 0
     blk = sch.get_sblock("qg_t")
     cc_l, gi_l = sch.get_loops(blk)[-2:]
     sch.reorder(gi_l, cc_l)
-    _key_row_product(sch, "gscore", GLOBAL_CHUNK, GLOBAL_BLOCK, vector_lanes, knobs, rows_vec, True)
-    _vectorize_block_axis(sch, ["gmasked", "cprob", "cref"], GLOBAL_BLOCK, vector_lanes)
+    _key_row_product(sch, "gscore", chunk, block, vector_lanes, knobs, rows_vec, True)
+    _vectorize_block_axis(sch, ["gmasked", "cprob", "cref"], block, vector_lanes)
     for name in ("cmax", "csum"):
         _vertical_reduce(sch, name, vector_lanes, rows_vec)
-    _prob_value_product(sch, "cacc", GLOBAL_BLOCK, spec.head_dim, vector_lanes, knobs, None)
+    _prob_value_product(sch, "cacc", block, spec.head_dim, vector_lanes, knobs, None)
 
 
 # --------------------------------------------------------------------------- backward
@@ -568,6 +579,7 @@ def _rebuild(stmt, loops=None, loop_body=None, predicate=None):
 SCHEDULES = {
     "local": schedule_local,
     "global": schedule_global,
+    "cache": schedule_cache,
     "local_dq": schedule_local_dq,
     "local_dkv": schedule_local_dkv,
     "local_dx": schedule_local_dx,

@@ -356,6 +356,7 @@ def _rest_one_thread_per_output(sch, knobs) -> None:
 SCHEDULES = {
     "local": schedule_local,
     "global": schedule_rows,
+    "cache": schedule_rows,
     "local_dq": schedule_local_dq,
     "local_dkv": schedule_local_dkv,
     "local_dx": schedule_rows,

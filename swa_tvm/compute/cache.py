@@ -1,0 +1,275 @@
+"""Tensor expression of attention against a KV cache (kernel kind "cache").
+
+Queries and keys live at absolute positions. Query row i of batch b is at position
+``q_pos[b] + i``; key slot j holds position ``kv_pos[b, j]``, or -1 for a slot that is
+padding or not written yet. Window, dilation, causality and sinks are the
+full-sequence call's, evaluated on these positions, so a decode step, a chunk of a
+prefill, a left-padded batch or a rolling buffer whose slots hold positions out of
+order all equal the corresponding rows of one full-sequence call.
+
+Layout, for one (batch, KV head): the rows are the query positions times the heads of
+the GQA group, position-major (row r = i * G + g is query head h = hkv * G + g at
+query position i), so the heads that share a KV head share every key they read. Rows
+come in blocks of ``block_q`` (``spec.block_q``). Block n scans the key slots
+``key_lo[b, n] .. key_lo[b, n] + nkeys - 1``: the caller (swa_tvm.eager) picks them so
+that they hold every key its rows see through their windows; the sinks outside that
+span come as a list of slots (``sink_slots``, -1 = none). The keys are split into
+chunks of CACHE_CHUNK (split-K), each chunk with its own max, sum and weighted
+values, merged by a combine stage as the global rows' kernel does
+(``forward.global_attention``): a long cache spreads over the cores at any batch size,
+and no [rows, keys] tensor exists.
+
+The NaN rule holds as in every kernel: a slot outside a row's view (padding, unwritten,
+beyond its window) adds nothing to it whatever it holds (``forward.product``). A row that
+sees no key and no learned sink gets out = 0 and lse = -inf.
+"""
+
+from __future__ import annotations
+
+from tvm import te, tirx
+
+from swa_tvm.compute.forward import _dims, _exp, _neg_inf, cast, div_nonneg, i64, mod_nonneg, product
+from swa_tvm.spec import KernelSpec, accum_dtype
+
+# Keys per chunk of a block's scan (the split-K granularity; one chunk's scores stay in L1).
+CACHE_CHUNK = 64
+
+
+def window_visible(left: int, right: int, dilated: bool, qp, p, d):
+    """Whether key position ``p`` is in the window of query position ``qp`` under
+    dilation ``d`` (int64 expressions): p = qp + s*d with -left <= s <= right (-1 =
+    unbounded). Without ``dilated`` (every dilation 1) no division is formed."""
+    off = p - qp
+    ok = []
+    if dilated:
+        ok.append(tirx.floormod(off, d) == 0)
+        if left >= 0:
+            ok.append(off >= -left * d)
+        if right >= 0:
+            ok.append(off <= right * d)
+    else:
+        if left >= 0:
+            ok.append(off >= -left)
+        if right >= 0:
+            ok.append(off <= right)
+    return tirx.all(*ok) if ok else tirx.const(True, "bool")
+
+
+def sink_visible(causal: bool, qp, p, nsinks):
+    """Whether key position ``p`` is one of the first ``nsinks`` positions and visible
+    to query position ``qp`` (a causal row sees no sink in its future)."""
+    ok = [p < nsinks]
+    if causal:
+        ok.append(p <= qp)
+    return tirx.all(*ok)
+
+
+def cache_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = False):
+    """TE for attention against a KV cache (see the module docstring).
+
+    Returns the PrimFunc argument list: q [B,H,Tq,D], k/v [B,Hkv,Tk,D], dilation [H]
+    int32, q_pos [B] int32, kv_pos [B,Tk] int32 (-1 = no key), key_lo [B,NB] int32
+    (first slot each block of rows scans; NB = ceil(Tq * H/Hkv / block_q)), with
+    ``spec.extras`` sink_slots [B,E] int32 (-1 = none), sink_logit [H] (-inf = none),
+    the scale, with ``spec.softcap`` the cap, with ``spec.extras`` the number of sink
+    positions, the number of slots each block scans (``nkeys``), out [B,H,Tq,D] and
+    lse [B,H,Tq]. ``shapes`` may fix B, H, Hkv, Tq, Tk, NB, E and NK (nkeys) to ints.
+    """
+    assert spec.kind == "cache"
+    B, H, Hkv, Tq, Tk, NB, E = _dims(shapes, "B H Hkv Tq Tk NB E")
+    shapes = shapes or {}
+    nk = shapes["NK"] if "NK" in shapes else te.var("nkeys", dtype="int64")
+    D, dt, BR, KC = spec.head_dim, spec.dtype, spec.block_q, CACHE_CHUNK
+    acc = accum_dtype(dt)
+    left, right = spec.left, spec.right
+
+    q = te.placeholder((B, H, Tq, D), dt, name="q")
+    k = te.placeholder((B, Hkv, Tk, D), dt, name="k")
+    v = te.placeholder((B, Hkv, Tk, D), dt, name="v")
+    dil = te.placeholder((H,), "int32", name="dilation")
+    q_pos = te.placeholder((B,), "int32", name="q_pos")
+    kv_pos = te.placeholder((B, Tk), "int32", name="kv_pos")
+    key_lo = te.placeholder((B, NB), "int32", name="key_lo")
+    xslots = te.placeholder((B, E), "int32", name="sink_slots") if spec.extras else None
+    sink = te.placeholder((H,), acc, name="sink_logit")
+    scale = te.var("scale", dtype=acc)
+    cap = te.var("softcap", dtype=acc) if spec.softcap else None
+    nsinks = te.var("num_sinks", dtype="int64") if spec.extras else None
+
+    group = div_nonneg(H, Hkv)
+    rows = i64(Tq) * group
+    ninf, zero = _neg_inf(acc), tirx.const(0, acc)
+    mul = product(spec.nonfinite or native_exp)
+    nscan = tirx.floordiv(nk + (KC - 1), KC)  # chunks of the scanned span
+    nchunk = nscan + (tirx.floordiv(E + (KC - 1), KC) if spec.extras else 0)  # then the sinks' chunks
+
+    def row(blk, ri):  # the block's ri-th row (padding repeats the last row; masked)
+        return tirx.min(i64(blk) * BR + ri, rows - 1)
+
+    def head(hkv, r):
+        return hkv * group + mod_nonneg(r, group)
+
+    def position(b, r):
+        return i64(q_pos[b]) + div_nonneg(r, group)
+
+    def span_index(ch, kk):
+        return i64(ch) * KC + kk
+
+    def sink_index(ch, kk):
+        return (i64(ch) - nscan) * KC + kk
+
+    def slot(b, blk, ch, kk):
+        """The key slot chunk ``ch`` reads at ``kk``, clamped into k (masked where not real)."""
+        s = i64(key_lo[b, blk]) + span_index(ch, kk)
+        if spec.extras:
+            s = tirx.Select(ch < nscan, s, i64(xslots[b, tirx.max(tirx.min(sink_index(ch, kk), E - 1), 0)]))
+        return tirx.max(tirx.min(s, Tk - 1), 0)
+
+    def visible(b, hkv, blk, ch, kk, ri):
+        r = i64(blk) * BR + ri
+        rc = row(blk, ri)
+        qp = position(b, rc)
+        p = i64(kv_pos[b, slot(b, blk, ch, kk)])
+        d = i64(dil[head(hkv, rc)])
+        seen = window_visible(left, right, spec.max_dilation > 1, qp, p, d)
+        if spec.extras:
+            seen = tirx.Or(seen, sink_visible(spec.causal, qp, p, nsinks))
+        lo = i64(key_lo[b, blk])
+        in_span = tirx.all(span_index(ch, kk) < nk, lo + span_index(ch, kk) < Tk)
+        ok = tirx.all(in_span, p >= 0, seen)
+        if spec.extras:
+            # A sink slot inside the scanned span is counted there, once.
+            x = i64(xslots[b, tirx.max(tirx.min(sink_index(ch, kk), E - 1), 0)])
+            listed = tirx.all(sink_index(ch, kk) < E, x >= 0, tirx.Or(x < lo, x >= lo + nk), p >= 0,
+                              sink_visible(spec.causal, qp, p, nsinks))
+            ok = tirx.Select(ch < nscan, ok, listed)
+        return tirx.all(r < rows, ok)
+
+    def capped(s):
+        if cap is None:
+            return s
+        return cap * tirx.tanh(s / cap)
+
+    qg_t = te.compute(
+        (B, Hkv, NB, D, BR),
+        lambda b, hkv, blk, c, ri: q[b, head(hkv, row(blk, ri)), div_nonneg(row(blk, ri), group), c],
+        name="qg_t",
+    )
+    c = te.reduce_axis((0, D), name="c")
+    gscore = te.compute(
+        (B, Hkv, NB, nchunk, KC, BR),
+        lambda b, hkv, blk, ch, kk, ri: te.sum(
+            cast(k[b, hkv, slot(b, blk, ch, kk), c], acc) * cast(qg_t[b, hkv, blk, c, ri], acc), axis=c
+        ),
+        name="gscore",
+    )
+    gmasked = te.compute(
+        (B, Hkv, NB, nchunk, KC, BR),
+        lambda b, hkv, blk, ch, kk, ri: tirx.Select(
+            visible(b, hkv, blk, ch, kk, ri), capped(gscore[b, hkv, blk, ch, kk, ri] * scale), ninf
+        ),
+        name="gmasked",
+    )
+    kr = te.reduce_axis((0, KC), name="kr")
+    cmax = te.compute(
+        (B, Hkv, NB, nchunk, BR), lambda b, hkv, blk, ch, ri: te.max(gmasked[b, hkv, blk, ch, kr, ri], axis=kr),
+        name="cmax",
+    )
+    # A chunk a row sees nothing of has max -inf: its probabilities are taken against 0
+    # (all exactly 0), never against -inf (NaN).
+    cref = te.compute(
+        (B, Hkv, NB, nchunk, BR),
+        lambda b, hkv, blk, ch, ri: tirx.Select(cmax[b, hkv, blk, ch, ri] == ninf, zero, cmax[b, hkv, blk, ch, ri]),
+        name="cref",
+    )
+    cprob = te.compute(
+        (B, Hkv, NB, nchunk, KC, BR),
+        lambda b, hkv, blk, ch, kk, ri: _exp(gmasked[b, hkv, blk, ch, kk, ri] - cref[b, hkv, blk, ch, ri], acc, native_exp),
+        name="cprob",
+    )
+    kr2 = te.reduce_axis((0, KC), name="kr2")
+    csum = te.compute(
+        (B, Hkv, NB, nchunk, BR), lambda b, hkv, blk, ch, ri: te.sum(cprob[b, hkv, blk, ch, kr2, ri], axis=kr2),
+        name="csum",
+    )
+    kr3 = te.reduce_axis((0, KC), name="kr3")
+    cacc = te.compute(
+        (B, Hkv, NB, nchunk, BR, D),
+        lambda b, hkv, blk, ch, ri, cc: te.sum(
+            mul(cprob[b, hkv, blk, ch, kr3, ri], cast(v[b, hkv, slot(b, blk, ch, kr3), cc], acc)), axis=kr3
+        ),
+        name="cacc",
+    )
+
+    # Combine the chunks of each row against the row's overall max (with its learned
+    # sink); a row that sees nothing at all (max -inf) against 0, so every factor is 0.
+    chr_ = te.reduce_axis((0, nchunk), name="chr")
+    gmax0 = te.compute(
+        (B, Hkv, NB, BR), lambda b, hkv, blk, ri: te.max(cmax[b, hkv, blk, chr_, ri], axis=chr_), name="gmax0"
+    )
+    gmax = te.compute(
+        (B, Hkv, NB, BR),
+        lambda b, hkv, blk, ri: tirx.max(gmax0[b, hkv, blk, ri], sink[head(hkv, row(blk, ri))]),
+        name="gmax",
+    )
+    gref = te.compute(
+        (B, Hkv, NB, BR),
+        lambda b, hkv, blk, ri: tirx.Select(gmax[b, hkv, blk, ri] == ninf, zero, gmax[b, hkv, blk, ri]),
+        name="gref",
+    )
+    cfac = te.compute(
+        (B, Hkv, NB, nchunk, BR),
+        lambda b, hkv, blk, ch, ri: _exp(cmax[b, hkv, blk, ch, ri] - gref[b, hkv, blk, ri], acc, native_exp),
+        name="cfac",
+    )
+    chr2 = te.reduce_axis((0, nchunk), name="chr2")
+    gsum = te.compute(
+        (B, Hkv, NB, BR),
+        lambda b, hkv, blk, ri: te.sum(csum[b, hkv, blk, chr2, ri] * cfac[b, hkv, blk, chr2, ri], axis=chr2),
+        name="gsum",
+    )
+    gden = te.compute(
+        (B, Hkv, NB, BR),
+        lambda b, hkv, blk, ri: gsum[b, hkv, blk, ri]
+        + _exp(sink[head(hkv, row(blk, ri))] - gref[b, hkv, blk, ri], acc, native_exp),
+        name="gden",
+    )
+    chr3 = te.reduce_axis((0, nchunk), name="chr3")
+    gacc = te.compute(
+        (B, Hkv, NB, BR, D),
+        lambda b, hkv, blk, ri, cc: te.sum(
+            mul(cfac[b, hkv, blk, chr3, ri], cacc[b, hkv, blk, chr3, ri, cc]), axis=chr3
+        ),
+        name="gacc",
+    )
+    # A denominator of exactly 0 is a row that sees nothing: out 0 (a NaN one stays NaN).
+    blk_out = te.compute(
+        (B, Hkv, NB, BR, D),
+        lambda b, hkv, blk, ri, cc: tirx.Select(
+            gden[b, hkv, blk, ri] == zero, zero, gacc[b, hkv, blk, ri, cc] / gden[b, hkv, blk, ri]
+        ),
+        name="blk_out",
+    )
+    blk_lse = te.compute(
+        (B, Hkv, NB, BR),
+        lambda b, hkv, blk, ri: gref[b, hkv, blk, ri] + tirx.log(gden[b, hkv, blk, ri]),
+        name="blk_lse",
+    )
+
+    def block_of(h, i):  # (kv head, block, row in block) of query head h at query position i
+        r = i64(i) * group + mod_nonneg(h, group)
+        return div_nonneg(h, group), div_nonneg(r, BR), mod_nonneg(r, BR)
+
+    out = te.compute(
+        (B, H, Tq, D), lambda b, h, i, cc: blk_out[(b,) + block_of(h, i) + (cc,)].astype(dt), name="out"
+    )
+    lse = te.compute((B, H, Tq), lambda b, h, i: blk_lse[(b,) + block_of(h, i)], name="lse")
+    args = [q, k, v, dil, q_pos, kv_pos, key_lo] + ([xslots] if spec.extras else []) + [sink, scale]
+    args += ([cap] if cap is not None else []) + ([nsinks] if nsinks is not None else [])
+    args += ([nk] if not isinstance(nk, int) else []) + [out, lse]
+    return args
+
+
+CACHE_COMPUTES = {"cache": cache_attention}
+
+__all__ = ["cache_attention", "window_visible", "sink_visible", "CACHE_CHUNK", "CACHE_COMPUTES"]

@@ -1,0 +1,327 @@
+"""Attention against a KV cache (swa_tvm.attention_with_kv_cache, RollingKVCache).
+
+The oracle for every case is the float64 full-sequence reference: a cache call's rows
+must equal the matching rows of one full-sequence call over the positions the cache
+holds (reference.sliding_window_attention_ref, dense with an explicit mask)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import swa_tvm
+from swa_tvm.reference import sliding_window_attention_ref as reference
+
+pytestmark = pytest.mark.xdist_group("kv_cache")
+
+# Patterns every scenario runs under: window, dilation (uniform and per head), sinks,
+# learned sinks, softcap, GQA (H=4 over H_kv=2 throughout).
+H, HKV, D = 4, 2, 16
+PATTERNS = {
+    "window": dict(window_size=(7, 0)),
+    "dilated": dict(window_size=(5, 0), dilation=2, num_sinks=3),
+    "per_head": dict(window_size=(6, 0), dilation=torch.tensor([1, 2, 3, 1]), sink_logits=torch.tensor([0.5, -1.0, 2.0, -0.2])),
+    "softcap": dict(window_size=(9, 0), softcap=1.5, num_sinks=2),
+    "full_causal": dict(window_size=(-1, 0), num_sinks=1),
+    "two_sided": dict(window_size=(4, 3), dilation=2),
+}
+
+
+def _inputs(B, N, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    return mk(B, H, N, D), mk(B, HKV, N, D), mk(B, HKV, N, D)
+
+
+def _reach(kw) -> int:
+    """How far past a query its window reaches (the keys a cache must hold after it)."""
+    right = kw["window_size"][1]
+    d = kw.get("dilation", 1)
+    dmax = int(d.max()) if isinstance(d, torch.Tensor) else d
+    return 0 if right == 0 else right * dmax
+
+
+def _close(out, lse, ro, rl, dtype=torch.float32):
+    tol = {torch.float32: 2e-5, torch.float64: 1e-10, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(out.double(), ro, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), rl, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+@pytest.mark.parametrize(
+    "q0,Tq",
+    [(44, 1), (5, 1), (30, 9), (0, 47), (12, 16)],
+    ids=["decode", "decode_early", "chunk", "whole", "chunk16"],
+)
+def test_rows_of_the_full_sequence(pattern, q0, Tq):
+    """Decode steps and prefill chunks: q rows [q0, q0 + Tq) against the cache of
+    every position up to what they may see equal those rows of the full call."""
+    kw = PATTERNS[pattern]
+    N = 47
+    q, k, v = _inputs(2, N)
+    ro, rl = reference(q, k, v, **kw)
+    Tk = min(N, q0 + Tq + _reach(kw))
+    out, lse = swa_tvm.attention_with_kv_cache(
+        q[:, :, q0 : q0 + Tq], k[:, :, :Tk], v[:, :, :Tk], q_offset=q0, return_lse=True, **kw
+    )
+    _close(out, lse, ro[:, :, q0 : q0 + Tq], rl[:, :, q0 : q0 + Tq])
+
+
+@pytest.mark.parametrize("pattern", ["window", "per_head", "softcap"])
+def test_bottom_right_default(pattern):
+    """Without q_offset the last query sits at the last valid key."""
+    kw = PATTERNS[pattern]
+    q, k, v = _inputs(1, 30)
+    ro, rl = reference(q, k, v, **kw)
+    out, lse = swa_tvm.attention_with_kv_cache(q[:, :, 26:], k, v, return_lse=True, **kw)
+    _close(out, lse, ro[:, :, 26:], rl[:, :, 26:])
+
+
+@pytest.mark.parametrize("pattern", ["window", "dilated", "per_head", "softcap"])
+def test_offsets_per_batch_row(pattern):
+    """Each batch row's cache starts at its own position (kv_offset) and its queries
+    at their own (q_offset): row b equals the full call over its positions."""
+    kw = PATTERNS[pattern]
+    N = 40
+    q, k, v = _inputs(3, N, seed=1)
+    ro, rl = reference(q, k, v, **kw)
+    kv_offset = torch.tensor([0, 4, 9])
+    Tk, Tq = 25, 3
+    q_offset = kv_offset + Tk - Tq  # the newest rows of each cache
+    # Slot j of row b holds position kv_offset[b] + j; the window must fit in it.
+    kb = torch.stack([k[b, :, int(o) : int(o) + Tk] for b, o in enumerate(kv_offset)])
+    vb = torch.stack([v[b, :, int(o) : int(o) + Tk] for b, o in enumerate(kv_offset)])
+    qb = torch.stack([q[b, :, int(o) : int(o) + Tq] for b, o in enumerate(q_offset)])
+    if kw.get("num_sinks"):
+        kw = {**kw, "num_sinks": 0}  # sinks at positions 0.. are outside rows 1 and 2's caches
+        ro, rl = reference(q, k, v, **kw)
+    out, lse = swa_tvm.attention_with_kv_cache(qb, kb, vb, q_offset=q_offset, kv_offset=kv_offset, return_lse=True, **kw)
+    for b, o in enumerate(q_offset.tolist()):
+        _close(out[b], lse[b], ro[b, :, o : o + Tq], rl[b, :, o : o + Tq])
+
+
+@pytest.mark.parametrize("pattern", ["window", "dilated", "per_head", "softcap", "full_causal"])
+def test_left_padding(pattern):
+    """A left-padded batch: each row's pad slots (NaN here) are never attended, and
+    the row equals its prompt run alone with the positions shifted by its padding."""
+    kw = dict(PATTERNS[pattern])
+    kw.pop("num_sinks", None)  # pads take the first positions: sinks would be pads
+    N = 24
+    pads = [0, 5, 11]
+    q, k, v = _inputs(len(pads), N, seed=2)
+    for b, p in enumerate(pads):
+        k[b, :, :p] = float("nan")
+        v[b, :, :p] = float("nan")
+    out, lse = swa_tvm.attention_with_kv_cache(q, k, v, kv_start=torch.tensor(pads), return_lse=True, **kw)
+    for b, p in enumerate(pads):
+        ro, rl = reference(q[b : b + 1, :, p:], k[b : b + 1, :, p:], v[b : b + 1, :, p:], **kw)
+        _close(out[b : b + 1, :, p:], lse[b : b + 1, :, p:], ro, rl)
+    # Query rows on pad positions see no key: out 0, lse -inf (with no learned sink).
+    if "sink_logits" not in kw:
+        assert torch.equal(out[2, :, :5], torch.zeros_like(out[2, :, :5]))
+        assert bool(torch.isneginf(lse[2, :, :5]).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_dtypes(dtype):
+    kw = PATTERNS["dilated"]
+    q, k, v = _inputs(2, 33, dtype=dtype)
+    ro, rl = reference(q, k, v, **kw)
+    out, lse = swa_tvm.attention_with_kv_cache(q[:, :, 20:23], k[:, :, :23], v[:, :, :23], return_lse=True, **kw)
+    assert out.dtype == dtype
+    _close(out, lse, ro[:, :, 20:23], rl[:, :, 20:23], dtype)
+
+
+def test_unwritten_slots_hold_anything():
+    """The NaN rule: slots outside every view (an unwritten tail, NaN and inf) add
+    nothing, and the result needs no second, guarded pass to be exact."""
+    kw = PATTERNS["window"]
+    q, k, v = _inputs(2, 20)
+    ro, rl = reference(q, k, v, **kw)
+    kc = torch.cat([k, torch.full((2, HKV, 12, D), float("nan"))], dim=2)
+    vc = torch.cat([v, torch.full((2, HKV, 12, D), float("inf"))], dim=2)
+    out, lse = swa_tvm.attention_with_kv_cache(q[:, :, 19:], kc, vc, q_offset=19, kv_len=20, return_lse=True, **kw)
+    _close(out, lse, ro[:, :, 19:], rl[:, :, 19:])
+    # A NaN the row does see reaches it, as in the reference.
+    vc[0, 0, 18, 0] = float("nan")
+    out = swa_tvm.attention_with_kv_cache(q[:, :, 19:], kc, vc, q_offset=19, kv_len=20, **kw)
+    assert bool(torch.isnan(out[0, :2, 0, 0]).all()) and bool(torch.isfinite(out[1]).all())
+
+
+def test_empty_rows_and_infinite_sink():
+    q, k, v = _inputs(1, 8)
+    out, lse = swa_tvm.attention_with_kv_cache(q[:, :, :2], k, v, q_offset=3, kv_len=0, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and bool(torch.isneginf(lse).all())
+    sink = torch.tensor([float("inf"), 0.0, 0.0, 0.0])
+    out, lse = swa_tvm.attention_with_kv_cache(q[:, :, 7:], k, v, sink_logits=sink, return_lse=True)
+    ro, rl = reference(q, k, v, sink_logits=sink)
+    assert torch.equal(out[:, 0], torch.zeros_like(out[:, 0])) and bool(torch.isposinf(lse[:, 0]).all())
+    _close(out[:, 1:], lse[:, 1:], ro[:, 1:, 7:], rl[:, 1:, 7:])
+
+
+@pytest.mark.parametrize("pattern", ["window", "dilated", "softcap"])
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_rolling_cache_generates_like_the_full_sequence(pattern, chunk):
+    """A rolling buffer through 8x its window, written `chunk` positions at a time:
+    every step equals the full call's rows, and its memory never grows."""
+    kw = dict(PATTERNS[pattern])
+    W = kw["window_size"][0] + 1
+    d = kw.get("dilation", 1)
+    N = 8 * W * d
+    q, k, v = _inputs(2, N, seed=3)
+    ro, rl = reference(q, k, v, **kw)
+    cache = swa_tvm.RollingKVCache(2, HKV, D, window=W, num_sinks=kw.get("num_sinks", 0), dilation=d, max_chunk=chunk)
+    size = cache.nbytes
+    extra = {key: kw[key] for key in ("softcap",) if key in kw}
+    for t0 in range(0, N, chunk):
+        t1 = min(t0 + chunk, N)
+        out, lse = cache.attend(q[:, :, t0:t1], k[:, :, t0:t1], v[:, :, t0:t1], return_lse=True, **extra)
+        _close(out, lse, ro[:, :, t0:t1], rl[:, :, t0:t1])
+    assert cache.position == N and cache.nbytes == size
+    assert cache.k.shape[2] == kw.get("num_sinks", 0) + (W - 1) * d + chunk
+
+
+def test_full_layer_cache_grows_and_long_prompts_split():
+    """A full layer (window None) keeps every position; a sliding layer's prompt longer
+    than max_chunk is split into chunks; both equal the full call."""
+    q, k, v = _inputs(1, 70, seed=4)
+    full = swa_tvm.RollingKVCache(1, HKV, D, window=None, capacity=8)
+    ro, _ = reference(q, k, v, window_size=(-1, 0))
+    out = torch.cat([full.attend(q[:, :, :50], k[:, :, :50], v[:, :, :50]), full.attend(q[:, :, 50:], k[:, :, 50:], v[:, :, 50:])], 2)
+    torch.testing.assert_close(out.double(), ro, atol=2e-5, rtol=2e-5)
+    assert full.k.shape[2] == 128
+    sliding = swa_tvm.RollingKVCache(1, HKV, D, window=6, num_sinks=2, max_chunk=16)
+    ro, _ = reference(q, k, v, window_size=(5, 0), num_sinks=2)
+    out = sliding.attend(q, k, v)
+    torch.testing.assert_close(out.double(), ro, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None)
+@given(
+    N=st.integers(1, 40),
+    data=st.data(),
+    left=st.integers(-1, 12),
+    right=st.sampled_from([0, 0, 2, -1]),
+    dilation=st.integers(1, 3),
+    sinks=st.integers(0, 3),
+)
+def test_hypothesis_positions(N, data, left, right, dilation, sinks):
+    """Random (T_q, T_k, offsets, window, dilation, sinks): the cache call equals the
+    full call's rows over every position its rows may see."""
+    q0 = data.draw(st.integers(0, N - 1))
+    Tq = data.draw(st.integers(1, N - q0))
+    reach = N if right < 0 else q0 + Tq + right * dilation
+    Tk = min(N, reach)
+    kw = dict(window_size=(left, right), dilation=dilation, num_sinks=min(sinks, N))
+    q, k, v = _inputs(1, N, seed=N)
+    ro, rl = reference(q, k, v, **kw)
+    out, lse = swa_tvm.attention_with_kv_cache(q[:, :, q0 : q0 + Tq], k[:, :, :Tk], v[:, :, :Tk], q_offset=q0,
+                                               return_lse=True, **kw)
+    _close(out, lse, ro[:, :, q0 : q0 + Tq], rl[:, :, q0 : q0 + Tq])
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def _call(**kw):
+    q, k, v = _inputs(2, 10)
+    args = dict(q=q[:, :, 8:], k=k, v=v)
+    args.update(kw)
+    return swa_tvm.attention_with_kv_cache(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+@pytest.mark.parametrize(
+    "kw,err,match",
+    [
+        (dict(q_offset=-1), ValueError, "q_offset"),
+        (dict(q_offset=torch.tensor([1, 2, 3])), ValueError, "q_offset"),
+        (dict(q_offset=torch.tensor([1.0, 2.0])), TypeError, "q_offset"),
+        (dict(kv_offset=-3), ValueError, "kv_offset"),
+        (dict(kv_offset=2**40), ValueError, "kv_offset"),
+        (dict(kv_start=torch.tensor([[0, 1]])), ValueError, "kv_start"),
+        (dict(kv_len=11), ValueError, "kv_len"),
+        (dict(kv_start=4, kv_len=7), ValueError, "kv_len"),
+        (dict(kv_positions=torch.zeros(2, 9, dtype=torch.int32)), ValueError, "kv_positions"),
+        (dict(kv_positions=torch.full((2, 10), -2)), ValueError, "kv_positions"),
+        (dict(kv_positions=torch.zeros(2, 10)), TypeError, "kv_positions"),
+        (dict(kv_positions=torch.zeros(2, 10, dtype=torch.int32), kv_len=3), ValueError, "kv_positions"),
+        (dict(softcap=0.0), ValueError, "softcap"),
+        (dict(softcap=-1.0), ValueError, "softcap"),
+        (dict(softcap=float("inf")), ValueError, "softcap"),
+        (dict(softcap="1"), TypeError, "softcap"),
+        (dict(window_size=(-2, 0)), ValueError, "window_size"),
+        (dict(num_sinks=-1), ValueError, "num_sinks"),
+        (dict(dilation=0), ValueError, "dilation"),
+        (dict(scale=float("nan")), ValueError, "scale"),
+        (dict(sink_logits=[0.0] * H), TypeError, "sink_logits"),
+        (dict(q=torch.randn(2, H, 12, D)), ValueError, "q_offset"),  # T_q > T_k, bottom-right before position 0
+        (dict(q=torch.randn(2, 3, 1, D)), ValueError, "multiple"),
+        (dict(q=torch.randn(2, H, 1, D + 1)), ValueError, "D="),
+        (dict(q=torch.randn(2, H, 1, D, dtype=torch.float64)), TypeError, "dtype"),
+    ],
+)
+def test_bad_input_is_named(kw, err, match):
+    with pytest.raises(err, match=match):
+        _call(**kw)
+
+
+def test_bad_cache_use_is_named():
+    with pytest.raises(ValueError, match="window"):
+        swa_tvm.RollingKVCache(1, HKV, D, window=0)
+    cache = swa_tvm.RollingKVCache(1, HKV, D, window=4, max_chunk=2)
+    with pytest.raises(ValueError, match="max_chunk"):
+        cache.write(torch.randn(1, HKV, 3, D), torch.randn(1, HKV, 3, D))
+    with pytest.raises(ValueError, match="k must be"):
+        cache.write(torch.randn(1, HKV + 1, 1, D), torch.randn(1, HKV + 1, 1, D))
+    with pytest.raises(ValueError, match="dilation"):
+        cache.attend(torch.randn(1, H, 1, D), torch.randn(1, HKV, 1, D), torch.randn(1, HKV, 1, D), dilation=2)
+
+
+def test_no_gradient_yet_is_named():
+    q, k, v = _inputs(1, 6)
+    q.requires_grad_(True)
+    out = swa_tvm.attention_with_kv_cache(q[:, :, 5:], k, v)
+    with pytest.raises(NotImplementedError, match="no gradients"):
+        out.sum().backward()
+
+
+def test_compile_traces_without_graph_break():
+    q, k, v = _inputs(1, 12)
+    f = torch.compile(lambda q, k, v: swa_tvm.attention_with_kv_cache(q, k, v, window_size=(3, 0)), fullgraph=True)
+    ro, _ = reference(q, k, v, window_size=(3, 0))
+    torch.testing.assert_close(f(q[:, :, 11:], k, v).double(), ro[:, :, 11:], atol=2e-5, rtol=2e-5)
+
+
+def test_library_serves_cache_calls(tmp_path):
+    """An exported library with kvcache serves decode steps and chunks by its kernels."""
+    from swa_tvm.runtime import library
+
+    spec = swa_tvm.AttentionSpec.parse(f"head_dim={D},window=7:0,sinks,kvcache,softcap")
+    assert {k.block_q for k in spec.kernels() if k.kind == "cache"} == {4, 8, 16}
+    path = str(tmp_path / "kv.so")
+    swa_tvm.export_library([spec], path, logs=None, warn_untuned=False)
+    library.REGISTRY.clear()
+    try:
+        swa_tvm.load_library(path)
+        q, k, v = _inputs(1, 30)
+        kw = dict(window_size=(7, 0), num_sinks=2, softcap=3.0)
+        ro, rl = reference(q, k, v, **kw)
+        for q0, Tq in ((29, 1), (20, 10)):
+            out, lse = swa_tvm.attention_with_kv_cache(q[:, :, q0 : q0 + Tq], k[:, :, : q0 + Tq], v[:, :, : q0 + Tq],
+                                                       return_lse=True, **kw)
+            _close(out, lse, ro[:, :, q0 : q0 + Tq], rl[:, :, q0 : q0 + Tq])
+        with pytest.raises(ValueError, match="no kernel"):
+            swa_tvm.attention_with_kv_cache(q[:, :, 29:], k, v, window_size=(7, 0))  # no sinks: not exported
+    finally:
+        library.REGISTRY.clear()
+
+
+def test_scale_matches_default():
+    q, k, v = _inputs(1, 9)
+    a = swa_tvm.attention_with_kv_cache(q[:, :, 8:], k, v)
+    b = swa_tvm.attention_with_kv_cache(q[:, :, 8:], k, v, scale=1 / math.sqrt(D))
+    assert torch.equal(a, b)
