@@ -96,6 +96,8 @@ def cache_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
     cap = te.var("softcap", dtype=acc) if spec.softcap else None
     nsinks = te.var("num_sinks", dtype="int64") if spec.extras else None
 
+    # int64 extents throughout, so that a schedule may transform any stage's layout.
+    D64, BR64, KC64 = (tirx.const(x, "int64") for x in (D, BR, KC))
     group = div_nonneg(H, Hkv)
     rows = i64(Tq) * group
     ninf, zero = _neg_inf(acc), tirx.const(0, acc)
@@ -151,50 +153,50 @@ def cache_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
         return cap * tirx.tanh(s / cap)
 
     qg_t = te.compute(
-        (B, Hkv, NB, D, BR),
+        (B, Hkv, NB, D64, BR64),
         lambda b, hkv, blk, c, ri: q[b, head(hkv, row(blk, ri)), div_nonneg(row(blk, ri), group), c],
         name="qg_t",
     )
-    c = te.reduce_axis((0, D), name="c")
+    c = te.reduce_axis((0, D64), name="c")
     gscore = te.compute(
-        (B, Hkv, NB, nchunk, KC, BR),
+        (B, Hkv, NB, nchunk, KC64, BR64),
         lambda b, hkv, blk, ch, kk, ri: te.sum(
             cast(k[b, hkv, slot(b, blk, ch, kk), c], acc) * cast(qg_t[b, hkv, blk, c, ri], acc), axis=c
         ),
         name="gscore",
     )
     gmasked = te.compute(
-        (B, Hkv, NB, nchunk, KC, BR),
+        (B, Hkv, NB, nchunk, KC64, BR64),
         lambda b, hkv, blk, ch, kk, ri: tirx.Select(
             visible(b, hkv, blk, ch, kk, ri), capped(gscore[b, hkv, blk, ch, kk, ri] * scale), ninf
         ),
         name="gmasked",
     )
-    kr = te.reduce_axis((0, KC), name="kr")
+    kr = te.reduce_axis((0, KC64), name="kr")
     cmax = te.compute(
-        (B, Hkv, NB, nchunk, BR), lambda b, hkv, blk, ch, ri: te.max(gmasked[b, hkv, blk, ch, kr, ri], axis=kr),
+        (B, Hkv, NB, nchunk, BR64), lambda b, hkv, blk, ch, ri: te.max(gmasked[b, hkv, blk, ch, kr, ri], axis=kr),
         name="cmax",
     )
     # A chunk a row sees nothing of has max -inf: its probabilities are taken against 0
     # (all exactly 0), never against -inf (NaN).
     cref = te.compute(
-        (B, Hkv, NB, nchunk, BR),
+        (B, Hkv, NB, nchunk, BR64),
         lambda b, hkv, blk, ch, ri: tirx.Select(cmax[b, hkv, blk, ch, ri] == ninf, zero, cmax[b, hkv, blk, ch, ri]),
         name="cref",
     )
     cprob = te.compute(
-        (B, Hkv, NB, nchunk, KC, BR),
+        (B, Hkv, NB, nchunk, KC64, BR64),
         lambda b, hkv, blk, ch, kk, ri: _exp(gmasked[b, hkv, blk, ch, kk, ri] - cref[b, hkv, blk, ch, ri], acc, native_exp),
         name="cprob",
     )
-    kr2 = te.reduce_axis((0, KC), name="kr2")
+    kr2 = te.reduce_axis((0, KC64), name="kr2")
     csum = te.compute(
-        (B, Hkv, NB, nchunk, BR), lambda b, hkv, blk, ch, ri: te.sum(cprob[b, hkv, blk, ch, kr2, ri], axis=kr2),
+        (B, Hkv, NB, nchunk, BR64), lambda b, hkv, blk, ch, ri: te.sum(cprob[b, hkv, blk, ch, kr2, ri], axis=kr2),
         name="csum",
     )
-    kr3 = te.reduce_axis((0, KC), name="kr3")
+    kr3 = te.reduce_axis((0, KC64), name="kr3")
     cacc = te.compute(
-        (B, Hkv, NB, nchunk, BR, D),
+        (B, Hkv, NB, nchunk, BR64, D64),
         lambda b, hkv, blk, ch, ri, cc: te.sum(
             mul(cprob[b, hkv, blk, ch, kr3, ri], cast(v[b, hkv, slot(b, blk, ch, kr3), cc], acc)), axis=kr3
         ),
@@ -205,38 +207,38 @@ def cache_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
     # sink); a row that sees nothing at all (max -inf) against 0, so every factor is 0.
     chr_ = te.reduce_axis((0, nchunk), name="chr")
     gmax0 = te.compute(
-        (B, Hkv, NB, BR), lambda b, hkv, blk, ri: te.max(cmax[b, hkv, blk, chr_, ri], axis=chr_), name="gmax0"
+        (B, Hkv, NB, BR64), lambda b, hkv, blk, ri: te.max(cmax[b, hkv, blk, chr_, ri], axis=chr_), name="gmax0"
     )
     gmax = te.compute(
-        (B, Hkv, NB, BR),
+        (B, Hkv, NB, BR64),
         lambda b, hkv, blk, ri: tirx.max(gmax0[b, hkv, blk, ri], sink[head(hkv, row(blk, ri))]),
         name="gmax",
     )
     gref = te.compute(
-        (B, Hkv, NB, BR),
+        (B, Hkv, NB, BR64),
         lambda b, hkv, blk, ri: tirx.Select(gmax[b, hkv, blk, ri] == ninf, zero, gmax[b, hkv, blk, ri]),
         name="gref",
     )
     cfac = te.compute(
-        (B, Hkv, NB, nchunk, BR),
+        (B, Hkv, NB, nchunk, BR64),
         lambda b, hkv, blk, ch, ri: _exp(cmax[b, hkv, blk, ch, ri] - gref[b, hkv, blk, ri], acc, native_exp),
         name="cfac",
     )
     chr2 = te.reduce_axis((0, nchunk), name="chr2")
     gsum = te.compute(
-        (B, Hkv, NB, BR),
+        (B, Hkv, NB, BR64),
         lambda b, hkv, blk, ri: te.sum(csum[b, hkv, blk, chr2, ri] * cfac[b, hkv, blk, chr2, ri], axis=chr2),
         name="gsum",
     )
     gden = te.compute(
-        (B, Hkv, NB, BR),
+        (B, Hkv, NB, BR64),
         lambda b, hkv, blk, ri: gsum[b, hkv, blk, ri]
         + _exp(sink[head(hkv, row(blk, ri))] - gref[b, hkv, blk, ri], acc, native_exp),
         name="gden",
     )
     chr3 = te.reduce_axis((0, nchunk), name="chr3")
     gacc = te.compute(
-        (B, Hkv, NB, BR, D),
+        (B, Hkv, NB, BR64, D64),
         lambda b, hkv, blk, ri, cc: te.sum(
             mul(cfac[b, hkv, blk, chr3, ri], cacc[b, hkv, blk, chr3, ri, cc]), axis=chr3
         ),
@@ -244,14 +246,14 @@ def cache_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
     )
     # A denominator of exactly 0 is a row that sees nothing: out 0 (a NaN one stays NaN).
     blk_out = te.compute(
-        (B, Hkv, NB, BR, D),
+        (B, Hkv, NB, BR64, D64),
         lambda b, hkv, blk, ri, cc: tirx.Select(
             gden[b, hkv, blk, ri] == zero, zero, gacc[b, hkv, blk, ri, cc] / gden[b, hkv, blk, ri]
         ),
         name="blk_out",
     )
     blk_lse = te.compute(
-        (B, Hkv, NB, BR),
+        (B, Hkv, NB, BR64),
         lambda b, hkv, blk, ri: gref[b, hkv, blk, ri] + tirx.log(gden[b, hkv, blk, ri]),
         name="blk_lse",
     )

@@ -146,6 +146,40 @@ def _key_row_product(sch, name, rows_extent, cols_extent, lanes, knobs, vector_c
     sch.decompose_reduction(blk, c_l)
 
 
+def _key_vector_product(sch, name):
+    """The rfactor stage of a key-major [keys, rows] product reduced over the feature
+    axis, for blocks of fewer rows than a vector (a decode step's): each key row loaded
+    once as feature vectors and multiplied into one vector accumulator per row (summed
+    across lanes by the stage after). Rows as vectors (``_key_row_product``) would leave
+    such a block scalar."""
+    # At the item loop, both stages' lane axis (rfactor's) comes first: item, lanes, unit
+    # loops, keys, rows (, the feature vectors of the rfactor stage).
+    rf = sch.get_sblock(name + "_rf")
+    loops = sch.get_loops(rf)
+    ci, (k_l, r_l, co) = loops[1], loops[-3:]
+    sch.reorder(k_l, co, r_l, ci)
+    sch.unroll(r_l)
+    sch.vectorize(ci)
+    sch.decompose_reduction(rf, co)
+    total = sch.get_sblock(name)
+    loops = sch.get_loops(total)
+    sch.reorder(loops[-2], loops[-1], loops[1])
+
+
+def _row_major_chunk(sch, names, chunk: int, lanes: int):
+    """A chunk's [key, row] stages as [row, key], keys in vectors: for blocks of fewer
+    rows than a vector, where key-major tiles would leave the mask and exp scalar."""
+    for name in names:
+        blk = sch.get_sblock(name)
+        sch.transform_layout(blk, ("write", 0), lambda b, h, n, c, k, r: (b, h, n, c, r, k))
+    for name in names[1:]:
+        blk = sch.get_sblock(name)
+        k_l, r_l = sch.get_loops(blk)[-2:]
+        sch.reorder(r_l, k_l)
+        if chunk % lanes == 0:
+            _vectorize_inner(sch, k_l, lanes)
+
+
 def _largest_divisor_upto(n: int, cap: int) -> int:
     return max(x for x in range(1, min(n, cap) + 1) if n % x == 0)
 
@@ -277,15 +311,30 @@ def _schedule_split_k(sch, spec: KernelSpec, block: int, chunk: int, vector_lane
     # Items: (batch, head, block, chunk). The chunk's max, sum and P·V are all read by
     # the combine, so all three are roots of the item loop (compute_at needs every
     # consumer of a stage under the loop).
-    _items(sch, ["cmax", "csum", "cacc"], ["cprob", "cref", "gmasked", "gscore", "qg_t"], knobs, depth=4)
     rows_vec = block % vector_lanes == 0
+    # Too few rows to be vectors (a decode step's block): the feature axis is, factored
+    # out before the item loop takes the stage (rfactor wants its own loop nest).
+    feature_vectors = not rows_vec and spec.head_dim % vector_lanes == 0
+    if feature_vectors:
+        blk = sch.get_sblock("gscore")
+        _, ci = sch.split(sch.get_loops(blk)[-1], factors=[None, vector_lanes])
+        sch.rfactor(ci, factor_axis=len(sch.get(blk).iter_vars) - 1)
+    _items(sch, ["cmax", "csum", "cacc"], ["cprob", "cref", "gmasked", "gscore", "gscore_rf", "qg_t"], knobs, depth=4)
     blk = sch.get_sblock("qg_t")
     cc_l, gi_l = sch.get_loops(blk)[-2:]
     sch.reorder(gi_l, cc_l)
-    _key_row_product(sch, "gscore", chunk, block, vector_lanes, knobs, rows_vec, True)
-    _vectorize_block_axis(sch, ["gmasked", "cprob", "cref"], block, vector_lanes)
-    for name in ("cmax", "csum"):
-        _vertical_reduce(sch, name, vector_lanes, rows_vec)
+    if feature_vectors:
+        # Rows outside, features inside: the products read the query as feature vectors.
+        sch.transform_layout(blk, ("write", 0), lambda b, h, n, c, r: (b, h, n, r, c))
+        _key_vector_product(sch, "gscore")
+    else:
+        _key_row_product(sch, "gscore", chunk, block, vector_lanes, knobs, rows_vec, True)
+    if feature_vectors:
+        _row_major_chunk(sch, ["gscore", "gmasked", "cprob"], chunk, vector_lanes)
+    else:
+        _vectorize_block_axis(sch, ["gmasked", "cprob", "cref"], block, vector_lanes)
+        for name in ("cmax", "csum"):
+            _vertical_reduce(sch, name, vector_lanes, rows_vec)
     _prob_value_product(sch, "cacc", block, spec.head_dim, vector_lanes, knobs, None)
 
 
