@@ -172,6 +172,7 @@ def main(argv=None) -> int:
         "command": "python -m benchmarks.decode " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.date.today().isoformat(),
         "machine": machine_info(threads),
+        "versions": {"torch": torch.__version__, "tvm": swa_tvm.runtime.library.tvm_version(), "swa_tvm": swa_tvm.__version__},
         "read_bandwidth_gbs": bandwidth,
         "shape": {"H": H, "H_kv": HKV, "D": D, "context": args.context, "window": WINDOW},
         "rows": rows,

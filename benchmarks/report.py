@@ -6,7 +6,8 @@
 
 It reads benchmarks/results/<target-key>/ for results.json and results_bfloat16.json
 (python -m benchmarks.forward), training.json and training_bfloat16.json
-(python -m benchmarks.training) and gpu_results.json (bash tools/gpu_check.sh), and
+(python -m benchmarks.training), decode.json (python -m benchmarks.decode) and
+gpu_results.json (bash tools/gpu_check.sh), and
 writes one section per target key, each table with its command, date, machine and
 versions. Standard library only; the output depends on the JSON files alone.
 """
@@ -26,6 +27,7 @@ OUT = os.path.join(ROOT, "docs", "performance.md")
 FORWARD_FILES = ("results.json", "results_bfloat16.json")
 TRAINING_FILES = ("training.json", "training_bfloat16.json")
 GPU_FILE = "gpu_results.json"
+DECODE_FILE = "decode.json"
 
 # Methods in the order their columns appear; names a JSON row may carry.
 METHODS = ("swa_tvm tuned", "swa_tvm default", "swa_tvm", "FlexAttention", "sliding chunks", "SDPA + mask")
@@ -39,6 +41,10 @@ CLASSES = {
     "llvm-rocketlake": (
         "2 cores of an Intel Xeon, family 6 model 167 (LLVM names it rocketlake): AVX-512 with BF16 and FP16, "
         "and AMX, which no kernel here uses."
+    ),
+    "llvm-emeraldrapids": (
+        "2 cores of an Intel Xeon, family 6 model 207 (LLVM names it emeraldrapids): AVX-512 with BF16 and FP16, and AMX, which no "
+        "kernel here uses."
     ),
     "cuda-sm_90": "One NVIDIA H200 (sm_90), driver 580.159.04, on a machine with torch and no TVM (the runtime only).",
 }
@@ -477,6 +483,48 @@ def gpu_section(key: str, d: dict) -> list[str]:
 # ---------------------------------------------------------------- page
 
 
+# ---------------------------------------------------------------- KV-cache decode
+
+DECODE_METHODS = ("swa_tvm", "swa_tvm rolling", "SDPA + mask", "SDPA window", "FlexAttention")
+
+
+def decode_title(key: str, d: dict) -> str:
+    return f"{key}: KV-cache decode, {date_of(d)}"
+
+
+def decode_section(key: str, d: dict) -> list[str]:
+    """One decode step (and prefill chunks) against a 32K cache: times, the ratios the
+    bars ask for, and bandwidth against this run's read bandwidth."""
+    title = decode_title(key, d)
+    m, v, s = d.get("machine", {}), d.get("versions", {}), d.get("shape", {})
+    versions = ", ".join(f"{name} {v[name]}" for name in ("torch", "tvm", "swa_tvm") if name in v)
+    args = re.sub(r"^python -m benchmarks\.decode ?", "", " ".join(str(d.get("command", "")).split()))
+    args = re.sub(r"(^| )--out \S+", "", args).strip()
+    command = " ".join(p for p in ("python -m benchmarks.decode", args, f"--out benchmarks/results/{key}") if p)
+    lines = [f"### {title}", "", f"- Command: `{command}`",
+             f"- Date: {date_of(d)}. Machine: {m.get('cpu', '?')}, {m.get('threads', '?')} torch threads and "
+             f"{m.get('tvm_threads', '?')} TVM threads. Versions: {versions}.",
+             f"- Shape: H={s.get('H')}, H_kv={s.get('H_kv')}, D={s.get('D')}, a cache of {s.get('context')} positions; "
+             f"sliding layers see W={s.get('window')} keys, full layers all. This run's read bandwidth (a 256 MB "
+             f"`torch.dot`): {d.get('read_bandwidth_gbs', 0):.1f} GB/s.",
+             "- Bars: at least 2× the faster whole-cache peer (SDPA + mask, FlexAttention), at least 1.2× SDPA on "
+             "exactly the window's keys, at least 70% of the read bandwidth on the K/V bytes a step reads.", ""]
+    header = ["layer", "B", "T_q", "dtype"] + [f"{n} (ms)" for n in DECODE_METHODS]
+    header += ["whole-cache peer / ours", "window peer / ours", "GB/s (share of read bandwidth)"]
+    rows = []
+    for r in d.get("rows", []):
+        t, sm = r["ms"], r.get("summary", {})
+        cells = [ms(t.get(n), 2) if n in t else ("failed" if n in r.get("failed", {}) else "—") for n in DECODE_METHODS]
+        rows.append([r["layer"], str(r["B"]), str(r["Tq"]), r["dtype"]] + cells + [
+            times(sm.get("vs whole-cache peers")), times(sm.get("vs window peer")),
+            f"{sm.get('GB/s', 0):.1f} ({100 * sm.get('share of read bandwidth', 0):.0f}%)"])
+    lines += table(header, rows) + [""]
+    failed = sorted({f"{n}: {why}" for r in d.get("rows", []) for n, why in r.get("failed", {}).items()})
+    if failed:
+        lines += ["Peers that failed to compile at a shape: " + "; ".join(failed), ""]
+    return lines
+
+
 def load(results: str) -> dict:
     """{key: {file name: parsed JSON}} for every known file under results/<key>/."""
     found: dict = {}
@@ -484,7 +532,7 @@ def load(results: str) -> dict:
         folder = os.path.join(results, key)
         if not os.path.isdir(folder):
             continue
-        for name in FORWARD_FILES + TRAINING_FILES + (GPU_FILE,):
+        for name in FORWARD_FILES + TRAINING_FILES + (DECODE_FILE, GPU_FILE):
             path = os.path.join(folder, name)
             if os.path.exists(path):
                 with open(path) as f:
@@ -522,6 +570,15 @@ def glance(data: dict) -> list[str]:
                 title = training_title(key, d)
                 rows.append([f"[{key}](#{anchor(key)})", f"[{title}](#{anchor(title)})",
                              f"fastest CPU peer / swa_tvm: {span(best)}", extra])
+        if DECODE_FILE in files:
+            d = files[DECODE_FILE]
+            sums = [r.get("summary", {}) for r in d.get("rows", [])]
+            title = decode_title(key, d)
+            shares = [100 * x["share of read bandwidth"] for x in sums if "share of read bandwidth" in x]
+            rows.append([f"[{key}](#{anchor(key)})", f"[{title}](#{anchor(title)})",
+                         f"whole-cache peers / swa_tvm: {span([x.get('vs whole-cache peers') for x in sums])}; "
+                         f"window peer / swa_tvm: {span([x.get('vs window peer') for x in sums])}",
+                         f"{min(shares):.0f}% to {max(shares):.0f}% of the read bandwidth" if shares else ""])
         if GPU_FILE in files:
             d = files[GPU_FILE]
             t = {r["config"]: r for r in d.get("timing", [])}
@@ -551,6 +608,8 @@ def render(results: str = RESULTS) -> str:
         for name in TRAINING_FILES:
             if name in files:
                 lines += training_section(key, name, files[name])
+        if DECODE_FILE in files:
+            lines += decode_section(key, files[DECODE_FILE])
         if GPU_FILE in files:
             lines += gpu_section(key, files[GPU_FILE])
     while lines and not lines[-1]:

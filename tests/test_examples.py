@@ -51,6 +51,16 @@ def test_train_copy_runs():
                      out, re.M), out  # fmt: skip
 
 
+@pytest.mark.slow  # 256 generated tokens, each checked against a full-sequence call
+def test_streaming_generate():
+    """examples/streaming_generate.py: flat cache memory through 8x the window, every
+    step equal to the full-sequence call on the tokens in view."""
+    out = run_example("streaming_generate.py", "--window", 16, "--factor", 8)
+    sizes = re.findall(r"^position +\d+: cache memory (\d+) bytes", out, re.M)
+    assert len(sizes) == 8 and len(set(sizes)) == 1, out
+    assert re.search(r"^every step equals the full-sequence call on the tokens in view: yes", out, re.M), out
+
+
 @pytest.mark.slow  # exports four D=64 kernels, then a process of its own
 def test_export_and_load(tmp_path):
     """Exported with the compiler, served in a process where the TVM compiler cannot

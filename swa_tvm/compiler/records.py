@@ -55,6 +55,9 @@ RECORD_FILE = "database_tuning_record.json"
 TUNE_SHAPES = {
     "local": {"B": 1, "H": 8, "Hkv": 8, "T": 2048, "E": 16},
     "global": {"B": 1, "H": 8, "Hkv": 8, "T": 2048, "G": 16},
+    # A decode step (or a few rows of a chunk) of a GQA layer against 4096 cached keys:
+    # T_q and the block count follow the spec's block of rows (tune_shapes).
+    "cache": {"B": 1, "H": 32, "Hkv": 8, "Tk": 4096, "NK": 4096, "E": 1},
 }
 
 
@@ -62,6 +65,12 @@ def tune_shapes(spec: KernelSpec, shapes: dict | None = None) -> dict:
     """The tuning shape of ``spec``: TUNE_SHAPES, with T raised for windows that reach
     past T/2 (a multiple of 2048 at least twice the reach), so that most rows see their
     whole window, as at the lengths such windows serve (W=4096: T=8192)."""
+    if spec.kind == "cache":
+        base = dict(TUNE_SHAPES["cache"])
+        base["Tq"] = max(1, spec.block_q * base["Hkv"] // base["H"])
+        base["NB"] = 1
+        base.update(shapes or {})
+        return base
     base = dict(TUNE_SHAPES["global" if spec.is_global else "local"])
     if not spec.is_global and spec.left >= 0 and spec.right >= 0:
         reach = (spec.left + spec.right) * spec.max_dilation + 1
