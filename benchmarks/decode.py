@@ -135,8 +135,10 @@ def summarize(row: dict, bandwidth: float) -> dict:
     ms = row["ms"]
     ours = min(v for n, v in ms.items() if n.startswith("swa_tvm"))
     whole = min(ms[n] for n in ("SDPA + mask", "FlexAttention") if n in ms)
-    out = {"vs whole-cache peers": whole / ours, "GB/s": row["kv_bytes"] / ours / 1e6}
-    out["share of read bandwidth"] = out["GB/s"] / bandwidth
+    out = {"vs whole-cache peers": whole / ours}
+    if row["Tq"] <= 16:  # a decode step is bound by reading K and V; a prefill chunk by its products
+        out["GB/s"] = row["kv_bytes"] / ours / 1e6
+        out["share of read bandwidth"] = out["GB/s"] / bandwidth
     if "SDPA window" in ms:
         out["vs window peer"] = ms["SDPA window"] / ours
     return out
@@ -167,7 +169,8 @@ def main(argv=None) -> int:
         s = row["summary"]
         print(f"{layer:7s} B={B} Tq={Tq:<3d} {dt:8s}: {times} | {s['vs whole-cache peers']:.2f}x whole-cache peers"
               + (f", {s['vs window peer']:.2f}x window peer" if "vs window peer" in s else "")
-              + f", {s['GB/s']:.1f} GB/s ({100 * s['share of read bandwidth']:.0f}% of read bandwidth)", flush=True)
+              + (f", {s['GB/s']:.1f} GB/s ({100 * s['share of read bandwidth']:.0f}% of read bandwidth)"
+                 if "GB/s" in s else ""), flush=True)
     result = {
         "command": "python -m benchmarks.decode " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.date.today().isoformat(),

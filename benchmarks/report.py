@@ -517,7 +517,7 @@ def decode_section(key: str, d: dict) -> list[str]:
         cells = [ms(t.get(n), 2) if n in t else ("failed" if n in r.get("failed", {}) else "—") for n in DECODE_METHODS]
         rows.append([r["layer"], str(r["B"]), str(r["Tq"]), r["dtype"]] + cells + [
             times(sm.get("vs whole-cache peers")), times(sm.get("vs window peer")),
-            f"{sm.get('GB/s', 0):.1f} ({100 * sm.get('share of read bandwidth', 0):.0f}%)"])
+            f"{sm['GB/s']:.1f} ({100 * sm['share of read bandwidth']:.0f}%)" if "GB/s" in sm else "—"])
     lines += table(header, rows) + [""]
     failed = sorted({f"{n}: {why}" for r in d.get("rows", []) for n, why in r.get("failed", {}).items()})
     if failed:
