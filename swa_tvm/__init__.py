@@ -12,7 +12,7 @@ Public API::
 
 from swa_tvm import ops  # noqa: F401  (registers torch.ops.swa_tvm.*)
 from swa_tvm.cache import RollingKVCache
-from swa_tvm.functional import attention_with_kv_cache, sliding_window_attention
+from swa_tvm.functional import attention_with_kv_cache, sliding_window_attention, sliding_window_attention_varlen
 from swa_tvm.runtime.library import LibraryError, load_library
 from swa_tvm.spec import AttentionSpec, KernelSpec
 from swa_tvm.version import __version__
@@ -36,6 +36,7 @@ def export_library(specs, path, target=None, logs="default", warn_untuned=True):
 __all__ = [
     "sliding_window_attention",
     "attention_with_kv_cache",
+    "sliding_window_attention_varlen",
     "RollingKVCache",
     "load_library",
     "export_library",

@@ -11,7 +11,7 @@ import torch
 
 from swa_tvm.checks import check_inputs, check_kv_inputs, normalize_window
 from swa_tvm.runtime import library
-from swa_tvm.spec import BACKWARD_KINDS, CACHE_BLOCKS, DEFAULT_BLOCK_Q, MAX_SPEC_INT, KernelSpec
+from swa_tvm.spec import BACKWARD_KINDS, CACHE_BLOCKS, CACHE_KEY_BLOCK, DEFAULT_BLOCK_Q, MAX_SPEC_INT, KernelSpec
 
 
 def _available(device: str) -> str:
@@ -19,16 +19,23 @@ def _available(device: str) -> str:
     return ", ".join(sorted({k.spec.name for k in ks})) or "none"
 
 
-def _kernel(want: KernelSpec, device: str, also: KernelSpec | None = None) -> library.Kernel:
-    """The registered kernel for ``want``, else for ``also`` (the same pattern as the
-    caller wrote it, where ``want`` normalized its window: a library exported for window
-    (255, 0) serves T = 100, whose window is unbounded); compiled on first use when no
-    library is loaded. With libraries loaded, a missing kernel is an error naming what
-    they hold."""
-    for spec in (want, also):
-        hit = library.REGISTRY.find(spec, device) if spec is not None else None
+def _kernel_as_written(want: KernelSpec, device: str, left: int, right: int) -> library.Kernel:
+    """``_kernel(want)``, unless a loaded library holds the same pattern with the window
+    the caller wrote (``want`` normalized it: a library exported for window (255, 0)
+    serves T = 100, whose window is unbounded)."""
+    if (left, right) != (want.left, want.right) and max(left, right) <= MAX_SPEC_INT:
+        hit = library.REGISTRY.find(dataclasses.replace(want, left=left, right=right), device)
         if hit is not None:
             return hit
+    return _kernel(want, device)
+
+
+def _kernel(want: KernelSpec, device: str) -> library.Kernel:
+    """The registered kernel for ``want``; compiled on first use when no library is
+    loaded. With libraries loaded, a missing kernel is an error naming what they hold."""
+    hit = library.REGISTRY.find(want, device)
+    if hit is not None:
+        return hit
     if library.REGISTRY.libraries:
         have = library.REGISTRY.kernels(device)
         dims = sorted({k.spec.head_dim for k in have})
@@ -154,14 +161,6 @@ def _extra_positions(global_idx, num_sinks: int, B: int, device) -> Optional[tor
     return x.masked_fill(dup, -1).contiguous()
 
 
-def _as_written(spec: KernelSpec, left: int, right: int) -> KernelSpec | None:
-    """``spec`` with the window the caller wrote, where normalizing changed it and a
-    kernel spec can hold it (for ``_kernel``'s ``also``)."""
-    if (left, right) == (spec.left, spec.right) or max(left, right) > MAX_SPEC_INT:
-        return None
-    return dataclasses.replace(spec, left=left, right=right)
-
-
 def _local_spec(q, left, right, dil, extra, nonfinite: bool = False) -> KernelSpec:
     dtype = str(q.dtype).replace("torch.", "")
     return KernelSpec(
@@ -249,7 +248,7 @@ def _forward(
     sink = _sink_or_none(sink_logits, H, acc, q.device)
     extra = _extra_positions(global_idx, num_sinks, B, q.device)
     spec = _local_spec(q, left, right, dil, extra, nonfinite)
-    kern = _kernel(spec, device, _as_written(spec, *written))
+    kern = _kernel_as_written(spec, device, *written)
     out = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, T, dtype=acc, device=q.device)
     args = [q, k, v, dil] + ([extra] if extra is not None else []) + [sink, float(scale), out, lse]
@@ -343,7 +342,7 @@ def _backward(
 
     extra = _extra_positions(global_idx, num_sinks, B, q.device)
     fwd = _local_spec(q, left, right, dil, extra, nonfinite)
-    kernels = {s.kind: _kernel(s, device, _as_written(s, *written)) for s in fwd.backward_kernels()}
+    kernels = {s.kind: _kernel_as_written(s, device, *written) for s in fwd.backward_kernels()}
     common = [q, k, v, dil] + ([extra] if extra is not None else []) + [dout, _dense(lse_l), _dense(delta_l), float(scale)]
     dq = torch.empty_like(q)
     _launch(kernels["local_dq"], q.device, *common, dq)
@@ -495,3 +494,80 @@ def _kv_forward(q, k, v, dilation, q_pos, kv_pos, num_sinks, sink_logits, softca
     if sink_logits is not None:
         lse.masked_fill_(torch.isposinf(sink_logits).view(1, H, 1), float("inf"))
     return out, lse
+
+
+def cache_row_blocks(key_lo: torch.Tensor, nkeys: int, Tk: int):
+    """(row_lo [B, NKB] int32, nblocks): for each block of CACHE_KEY_BLOCK slots, the
+    first row block whose span meets it and how many blocks each key block takes, for
+    the dk/dv kernel (``compute.cache_backward.cache_dkv``). Spans start at
+    non-decreasing slots along the row blocks (``cache_scan``), so the blocks meeting a
+    key block are consecutive."""
+    KB = CACHE_KEY_BLOCK
+    lo = key_lo.to(torch.int64).contiguous()
+    nb = lo.shape[1]
+    starts = torch.arange(0, Tk, KB, device=lo.device, dtype=torch.int64).expand(lo.shape[0], -1).contiguous()
+    first = torch.searchsorted((lo + nkeys).contiguous(), starts, side="right")
+    last = torch.searchsorted(lo, (starts + KB - 1).contiguous(), side="right") - 1
+    count = (last - first + 1).clamp(min=0)
+    return first.clamp(max=nb - 1).to(torch.int32).contiguous(), max(1, int(count.max()))
+
+
+def attention_kv_backward(dout, dlse, q, k, v, dilation, q_pos, kv_pos, num_sinks, sink_logits, softcap, scale, left,
+                          right, out, lse):
+    """Eager implementation behind ``torch.ops.swa_tvm.attention_kv_backward``: (dq, dk,
+    dv, dsink_logits), an empty tensor for sink_logits when not given."""
+    args = (dout, dlse, q, k, v, dilation, q_pos, kv_pos, num_sinks, sink_logits, softcap, scale, left, right, out, lse)
+    grads = _kv_backward(*args, nonfinite=False)
+    if _redo_nonfinite(q.device.type, *grads[:3]):
+        grads = _kv_backward(*args, nonfinite=True)
+    return grads
+
+
+def _kv_backward(dout, dlse, q, k, v, dilation, q_pos, kv_pos, num_sinks, sink_logits, softcap, scale, left, right, out,
+                 lse, *, nonfinite):
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    acc = lse.dtype
+    q_pos32, kv_pos32 = _dense(q_pos.to(torch.int32)), _dense(kv_pos.to(torch.int32))
+    span = max(int(q_pos32.max()) + Tq, int(kv_pos32.max()) + 1)
+    left, right = _cache_side("left", left, span), _cache_side("right", right, span)
+    dil = _dilation(dilation, span)
+    dmax = int(dil.max())
+    group = H // k.shape[1]
+    block = cache_block_rows(Tq * group)
+    key_lo, nkeys = cache_scan(q_pos32, kv_pos32, Tq, group, block, left, right, dmax)
+    S = min(num_sinks, span)
+    fwd = KernelSpec(
+        "cache", D, str(q.dtype).replace("torch.", ""), left, right, 1 if dmax == 1 else 2, extras=S > 0,
+        block_q=block, nonfinite=nonfinite, softcap=softcap > 0,
+    )
+    kernels = {s.kind: _kernel(s, q.device.type) for s in fwd.backward_kernels()}
+    q, k, v, dout = _dense(q), _dense(k), _dense(v), _dense(dout)
+    delta = torch.einsum("bhtd,bhtd->bht", dout.to(acc), out.to(acc))
+    if dlse is not None:
+        delta = delta - dlse.to(acc)
+    lse, delta = _dense(lse), _dense(delta)
+    slots = cache_sinks(kv_pos32, S) if S else None
+    common = [q, k, v, dil, q_pos32, kv_pos32, key_lo] + ([slots] if S else []) + [dout, lse, delta]
+    scalars = ([float(softcap)] if softcap > 0 else []) + ([S] if S else []) + [nkeys]
+    dq = torch.empty_like(q)
+    _launch(kernels["cache_dq"], q.device, *common, float(scale), *scalars, dq)
+    row_lo, nblocks = cache_row_blocks(key_lo, nkeys, Tk)
+    dk = torch.empty(k.shape, dtype=acc, device=q.device)
+    dv = torch.empty_like(dk)
+    _launch(kernels["cache_dkv"], q.device, *common, row_lo, float(scale), *scalars, nblocks, dk, dv)
+    if S:
+        E = slots.shape[1]
+        dkx = torch.empty(B, k.shape[1], E, D, dtype=acc, device=q.device)
+        dvx = torch.empty_like(dkx)
+        _launch(kernels["cache_dx"], q.device, *common, float(scale), *scalars, dkx, dvx)
+        # Entries -1 have zero gradient; send them to slot 0 harmlessly.
+        xi = slots.long().clamp_min(0)[:, None, :, None].expand(B, k.shape[1], E, D)
+        dk.scatter_add_(2, xi, dkx)
+        dv.scatter_add_(2, xi, dvx)
+    dsink = q.new_empty(0)
+    if sink_logits is not None:
+        s = sink_logits.to(acc).view(1, H, 1)
+        p_sink = torch.where(torch.isposinf(s), 1.0, torch.exp(s - lse))
+        dsink = -(p_sink * delta).sum((0, 2)).to(sink_logits.dtype)
+    return dq, dk.to(k.dtype), dv.to(v.dtype), dsink

@@ -151,7 +151,7 @@ def attention_with_kv_cache(
     return_lse: bool = False,
 ):
     """Attention of query rows against a KV cache: decode steps, chunked prefill,
-    left-padded batches, rolling buffers. Forward only.
+    left-padded batches, rolling buffers.
 
     Shapes: ``q`` [B, H, T_q, D]; ``k``, ``v`` [B, H_kv, T_k, D] (the cache's slots),
     H % H_kv == 0. Returns ``out`` [B, H, T_q, D], or ``(out, lse)`` as
@@ -185,6 +185,9 @@ def attention_with_kv_cache(
     ``window_size``, ``dilation``, ``num_sinks``, ``sink_logits`` and ``scale`` are
     as in :func:`sliding_window_attention`; the NaN rule holds as there: a slot a row
     cannot see adds nothing to it.
+
+    **Gradients** flow to q, k, v (every slot, zero for slots no row sees) and
+    sink_logits, through out and lse, softcap included.
     """
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
         raise ValueError(f"window_size must be a (left, right) pair, got {window_size!r}")
@@ -313,3 +316,70 @@ def _q_positions(q_offset, kv_pos: torch.Tensor, B: int, Tq: int, device) -> tor
     if _checkable() and bool((pos + Tq - 1 > INT32_MAX).any()):
         raise ValueError(f"q_offset + T_q - 1 must lie within int32, got q_offset {pos.tolist()}")
     return pos.to(torch.int32)
+
+
+def sliding_window_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    window_size: tuple[int, int] = (-1, -1),
+    dilation: int | torch.Tensor = 1,
+    num_sinks: int = 0,
+    sink_logits: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+):
+    """Packed sequences (FlashAttention's varlen layout): several sequences of different
+    lengths in one tensor, none attending across its boundaries.
+
+    Shapes: ``q`` [total, H, D]; ``k``, ``v`` [total, H_kv, D]; ``cu_seqlens`` [N + 1]
+    integer, the sequences' start offsets: 0, then strictly increasing, ending at total.
+    Sequence s holds rows ``cu_seqlens[s] .. cu_seqlens[s + 1] - 1`` at positions 0, 1,
+    ... of its own, so window, dilation, causality and sinks apply within it as in
+    :func:`sliding_window_attention` on that sequence alone. Returns ``out`` [total, H, D],
+    or ``(out, lse)`` with lse [H, total]. Differentiable in q, k, v and sink_logits,
+    through out and lse.
+
+    The sequences are laid out as a batch of the longest one's length, the shorter ones'
+    tails masked as slots without keys (``attention_with_kv_cache``): work and memory
+    follow N x the longest length, not the total.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x, 3)
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be an integer tensor [N + 1], got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool or cu_seqlens.is_complex():
+        raise TypeError(f"cu_seqlens must have an integer dtype, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must be [N + 1] with N >= 1 sequences, got shape {tuple(cu_seqlens.shape)}")
+    total = q.shape[0]
+    if k.shape[0] != total or v.shape[0] != total:
+        raise ValueError(f"k and v must have q's {total} rows, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int64)
+    lens = cu[1:] - cu[:-1]
+    if _checkable():
+        if int(cu[0]) != 0:
+            raise ValueError(f"cu_seqlens must start at 0, got {int(cu[0])}")
+        if int(cu[-1]) != total:
+            raise ValueError(f"cu_seqlens must end at the number of rows, {total}, got {int(cu[-1])}")
+        if bool((lens <= 0).any()):
+            raise ValueError(f"cu_seqlens must be strictly increasing, got {cu_seqlens.tolist()}")
+    longest = int(lens.max())
+    j = torch.arange(longest, device=q.device)
+    valid = j[None, :] < lens[:, None]  # [N, longest]
+    rows = torch.where(valid, cu[:-1, None] + j[None, :], 0)  # a padding row reads row 0 (masked)
+
+    def batch(x):  # [total, heads, D] -> [N, heads, longest, D]
+        return x[rows].transpose(1, 2)
+
+    out, lse = attention_with_kv_cache(
+        batch(q), batch(k), batch(v), q_offset=0, kv_len=lens, window_size=window_size, dilation=dilation,
+        num_sinks=num_sinks, sink_logits=sink_logits, softcap=softcap, scale=scale, return_lse=True,
+    )
+    out = out.transpose(1, 2)[valid]  # [total, H, D], the sequences in order
+    if not return_lse:
+        return out
+    return out, lse.transpose(1, 2)[valid].transpose(0, 1)

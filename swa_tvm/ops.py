@@ -15,6 +15,7 @@ import torch
 from swa_tvm.checks import check_inputs, check_kv_inputs
 from swa_tvm.eager import attention_backward as _backward_impl
 from swa_tvm.eager import attention_forward, attention_kv_forward
+from swa_tvm.eager import attention_kv_backward as _kv_backward_impl
 
 
 @torch.library.custom_op("swa_tvm::attention", mutates_args=())
@@ -160,16 +161,55 @@ def _attention_kv_fake(q, k, v, dilation, q_positions, kv_positions, num_sinks, 
     return q.new_empty(B, H, Tq, D), q.new_empty(B, H, Tq, dtype=acc)
 
 
+@torch.library.custom_op("swa_tvm::attention_kv_backward", mutates_args=())
+def attention_kv_backward(
+    dout: torch.Tensor,
+    dlse: Optional[torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dilation: torch.Tensor,
+    q_positions: torch.Tensor,
+    kv_positions: torch.Tensor,
+    num_sinks: int,
+    sink_logits: Optional[torch.Tensor],
+    softcap: float,
+    scale: float,
+    left: int,
+    right: int,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsink_logits) of attention_kv; dsink_logits is empty without sink_logits."""
+    return _kv_backward_impl(dout, dlse, q, k, v, dilation, q_positions, kv_positions, num_sinks, sink_logits, softcap,
+                             scale, left, right, out, lse)
+
+
+@attention_kv_backward.register_fake
+def _attention_kv_backward_fake(dout, dlse, q, k, v, dilation, q_positions, kv_positions, num_sinks, sink_logits,
+                                softcap, scale, left, right, out, lse):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            torch.empty_like(sink_logits) if sink_logits is not None else q.new_empty(0))
+
+
 def _attention_kv_setup(ctx, inputs, output):
-    pass
+    q, k, v, dilation, q_positions, kv_positions, num_sinks, sink_logits, softcap, scale, left, right = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, dilation, q_positions, kv_positions, sink_logits, out, lse)
+    ctx.num_sinks, ctx.softcap, ctx.scale, ctx.window = num_sinks, softcap, scale, (left, right)
+    ctx.set_materialize_grads(False)
 
 
 def _attention_kv_backward(ctx, dout, dlse):
-    # Refused by name rather than left to torch's generic message.
-    raise NotImplementedError(
-        "swa_tvm.attention_with_kv_cache has no gradients yet (the cache kernels are forward only); "
-        "train with swa_tvm.sliding_window_attention on full sequences"
+    q, k, v, dilation, q_positions, kv_positions, sink_logits, out, lse = ctx.saved_tensors
+    if dout is None:  # only lse reaches the loss
+        dout = torch.zeros_like(out)
+    dq, dk, dv, dsink = torch.ops.swa_tvm.attention_kv_backward(
+        dout, dlse, q, k, v, dilation, q_positions, kv_positions, ctx.num_sinks, sink_logits, ctx.softcap, ctx.scale,
+        *ctx.window, out, lse,
     )
+    # One entry per op input: the integer inputs, softcap and scale have no gradient.
+    return dq, dk, dv, None, None, None, None, (dsink if sink_logits is not None else None), None, None, None, None
 
 
 attention_kv.register_autograd(_attention_kv_backward, setup_context=_attention_kv_setup)

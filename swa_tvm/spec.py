@@ -24,7 +24,7 @@ def accum_dtype(dtype: str) -> str:
     return "float64" if dtype == "float64" else "float32"
 
 FORWARD_KINDS = ("local", "global", "cache")
-BACKWARD_KINDS = ("local_dq", "local_dkv", "local_dx", "global_bwd")
+BACKWARD_KINDS = ("local_dq", "local_dkv", "local_dx", "global_bwd", "cache_dq", "cache_dkv", "cache_dx")
 KINDS = FORWARD_KINDS + BACKWARD_KINDS
 
 # Rows per query block in the blocked ("chunks") formulation. The window's keys for one
@@ -37,6 +37,8 @@ DEFAULT_BLOCK_Q = 32
 # Rows per block of the KV-cache kernels (query positions x a GQA group's heads): the
 # caller (swa_tvm.eager.cache_block_rows) takes the smallest that holds a call's rows.
 CACHE_BLOCKS = (4, 8, 16)
+# Key slots per block of the KV-cache dk/dv kernel (the caller lays out its row ranges).
+CACHE_KEY_BLOCK = 32
 
 # The largest window side, dilation bound or block a kernel spec takes.
 MAX_SPEC_INT = 1 << 24
@@ -95,7 +97,7 @@ class KernelSpec:
             raise ValueError(f"max_dilation must be >= 1, got {self.max_dilation}")
         if self.block_q < 1:
             raise ValueError(f"block_q must be >= 1, got {self.block_q}")
-        if self.softcap and self.kind != "cache":
+        if self.softcap and not self.kind.startswith("cache"):
             raise ValueError(f"softcap is served by the cache kernels only, not by kind {self.kind!r}")
         # Bounds that keep every constant a kernel is built with far inside int32 and every
         # band allocatable: a side reaching the whole sequence is -1, and the op turns any
@@ -124,9 +126,9 @@ class KernelSpec:
             nf = "_nf" if self.nonfinite else ""
             return f"swa_{self.kind}_d{self.head_dim}_{dt}_{'causal' if self.causal else 'full'}{nf}"
         side = lambda x: "inf" if x < 0 else str(x)  # noqa: E731
-        if self.kind == "cache":
+        if self.kind.startswith("cache"):
             return (
-                f"swa_cache_d{self.head_dim}_{dt}_l{side(self.left)}_r{side(self.right)}_md{self.max_dilation}"
+                f"swa_{self.kind}_d{self.head_dim}_{dt}_l{side(self.left)}_r{side(self.right)}_md{self.max_dilation}"
                 f"_x{int(self.extras)}_br{self.block_q}"
             ) + ("_sc" if self.softcap else "") + ("_nf" if self.nonfinite else "")
         return (
@@ -139,7 +141,8 @@ class KernelSpec:
         if self.kind == "global":
             return [dataclasses.replace(self, kind="global_bwd")]
         if self.kind == "cache":
-            raise ValueError(f"{self.name}: the cache kernels have no gradient kernels yet")
+            kinds = ("cache_dq", "cache_dkv") + (("cache_dx",) if self.extras else ())
+            return [dataclasses.replace(self, kind=k) for k in kinds]
         if self.kind != "local":
             raise ValueError(f"{self.name} is not a forward kernel")
         kinds = ("local_dq", "local_dkv") + (("local_dx",) if self.extras else ())
@@ -205,14 +208,14 @@ class AttentionSpec:
             # Only causality matters to a global row; left/right are normalised so that
             # every causal pattern shares one global kernel.
             out.append(KernelSpec("global", self.head_dim, self.dtype, 0, 0 if right == 0 else -1))
-        if self.backward:
-            out += [b for f in out for b in f.backward_kernels()]
         if self.kvcache:
             out += [
                 KernelSpec("cache", self.head_dim, self.dtype, left, right, 1 if self.max_dilation == 1 else 2,
                            self.sinks, rows, softcap=self.softcap)
                 for rows in CACHE_BLOCKS
             ]
+        if self.backward:
+            out += [b for f in out for b in f.backward_kernels()]
         if self.nonfinite:
             out += [dataclasses.replace(k, nonfinite=True) for k in out]
         return out

@@ -31,6 +31,11 @@ PATTERNS = {
 }
 
 
+def _patterns(*quick):
+    """Every pattern, those not named in ``quick`` left to the full suite (slow)."""
+    return [p if p in quick else pytest.param(p, marks=pytest.mark.slow) for p in sorted(PATTERNS)]
+
+
 def _inputs(B, N, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     mk = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
@@ -51,7 +56,7 @@ def _close(out, lse, ro, rl, dtype=torch.float32):
     torch.testing.assert_close(lse.double(), rl, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+@pytest.mark.parametrize("pattern", _patterns("dilated", "softcap"))
 @pytest.mark.parametrize(
     "q0,Tq",
     [(44, 1), (5, 1), (30, 9), (0, 47), (12, 16)],
@@ -71,7 +76,8 @@ def test_rows_of_the_full_sequence(pattern, q0, Tq):
     _close(out, lse, ro[:, :, q0 : q0 + Tq], rl[:, :, q0 : q0 + Tq])
 
 
-@pytest.mark.parametrize("pattern", ["window", "per_head", "softcap"])
+@pytest.mark.parametrize("pattern", ["window", pytest.param("per_head", marks=pytest.mark.slow),
+                                     pytest.param("softcap", marks=pytest.mark.slow)])
 def test_bottom_right_default(pattern):
     """Without q_offset the last query sits at the last valid key."""
     kw = PATTERNS[pattern]
@@ -81,7 +87,8 @@ def test_bottom_right_default(pattern):
     _close(out, lse, ro[:, :, 26:], rl[:, :, 26:])
 
 
-@pytest.mark.parametrize("pattern", ["window", "dilated", "per_head", "softcap"])
+@pytest.mark.parametrize("pattern", [p for p in _patterns("per_head") if getattr(p, "values", [p])[0] in
+                                     ("window", "dilated", "per_head", "softcap")])
 def test_offsets_per_batch_row(pattern):
     """Each batch row's cache starts at its own position (kv_offset) and its queries
     at their own (q_offset): row b equals the full call over its positions."""
@@ -104,7 +111,7 @@ def test_offsets_per_batch_row(pattern):
         _close(out[b], lse[b], ro[b, :, o : o + Tq], rl[b, :, o : o + Tq])
 
 
-@pytest.mark.parametrize("pattern", ["window", "dilated", "per_head", "softcap", "full_causal"])
+@pytest.mark.parametrize("pattern", [p for p in _patterns("window") if getattr(p, "values", [p])[0] != "two_sided"])
 def test_left_padding(pattern):
     """A left-padded batch: each row's pad slots (NaN here) are never attended, and
     the row equals its prompt run alone with the positions shifted by its padding."""
@@ -126,6 +133,7 @@ def test_left_padding(pattern):
         assert bool(torch.isneginf(lse[2, :, :5]).all())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_dtypes(dtype):
     kw = PATTERNS["dilated"]
@@ -163,8 +171,9 @@ def test_empty_rows_and_infinite_sink():
     _close(out[:, 1:], lse[:, 1:], ro[:, 1:, 7:], rl[:, 1:, 7:])
 
 
-@pytest.mark.parametrize("pattern", ["window", "dilated", "softcap"])
-@pytest.mark.parametrize("chunk", [1, 5])
+@pytest.mark.parametrize("pattern,chunk", [("window", 1)] + [
+    pytest.param(p, c, marks=pytest.mark.slow) for p in ("window", "dilated", "softcap") for c in (1, 5) if (p, c) != ("window", 1)
+])
 def test_rolling_cache_generates_like_the_full_sequence(pattern, chunk):
     """A rolling buffer through 8x its window, written `chunk` positions at a time:
     every step equals the full call's rows, and its memory never grows."""
@@ -281,12 +290,97 @@ def test_bad_cache_use_is_named():
         cache.attend(torch.randn(1, H, 1, D), torch.randn(1, HKV, 1, D), torch.randn(1, HKV, 1, D), dilation=2)
 
 
-def test_no_gradient_yet_is_named():
-    q, k, v = _inputs(1, 6)
-    q.requires_grad_(True)
-    out = swa_tvm.attention_with_kv_cache(q[:, :, 5:], k, v)
-    with pytest.raises(NotImplementedError, match="no gradients"):
-        out.sum().backward()
+def _grads(out, lse, leaves, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    dlse = torch.randn(lse.shape, generator=g, dtype=torch.float64)
+    return torch.autograd.grad((out.double() * dout).sum() + (lse.double() * dlse).sum(), leaves)
+
+
+@pytest.mark.parametrize("pattern", _patterns("softcap"))
+def test_gradients_of_the_full_sequence_rows(pattern):
+    """Gradients through out and lse (q, k, v and sink logits) equal those of the
+    matching rows of the full call, for a chunk of queries against the cache."""
+    kw = dict(PATTERNS[pattern])
+    q, k, v = (x.double().requires_grad_(True) for x in _inputs(2, 30, seed=6))
+    leaves = [q, k, v]
+    if "sink_logits" in kw:
+        kw["sink_logits"] = kw["sink_logits"].double().requires_grad_(True)
+        leaves.append(kw["sink_logits"])
+    q0, Tq = 17, 9
+    Tk = min(30, q0 + Tq + _reach(kw))
+    out, lse = swa_tvm.attention_with_kv_cache(q[:, :, q0 : q0 + Tq], k[:, :, :Tk], v[:, :, :Tk], q_offset=q0,
+                                               return_lse=True, **kw)
+    ro, rl = reference(q, k, v, **kw)
+    got = _grads(out, lse, leaves)
+    want = _grads(ro[:, :, q0 : q0 + Tq], rl[:, :, q0 : q0 + Tq], leaves)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.slow
+def test_gradients_through_a_rolling_buffer_and_padding():
+    """Slots out of order (a wrapped ring) and left padding: gradients flow to the
+    slots that hold the keys, and none to slots outside every view."""
+    kw = dict(window_size=(5, 0), num_sinks=2, softcap=2.0)
+    q, k, v = (x.double() for x in _inputs(1, 24, seed=7))
+    # A ring of 2 sinks + 8 slots after position 23: slot 2 + (p - 2) % 8.
+    pos = torch.tensor([0, 1] + [p for p in range(16, 24)])
+    slot = torch.tensor([0, 1] + [2 + (p - 2) % 8 for p in range(16, 24)])
+    kr = torch.zeros(1, HKV, 10, D, dtype=torch.float64)
+    vr = torch.zeros_like(kr)
+    kr[:, :, slot], vr[:, :, slot] = k[:, :, pos], v[:, :, pos]
+    slot_pos = torch.full((10,), -1, dtype=torch.int32)
+    slot_pos[slot] = pos.to(torch.int32)
+    qs, kr, vr = (x.clone().requires_grad_(True) for x in (q[:, :, 21:], kr, vr))
+    out, lse = swa_tvm.attention_with_kv_cache(qs, kr, vr, kv_positions=slot_pos, return_lse=True, **kw)
+    q2, k2, v2 = (x.clone().requires_grad_(True) for x in (q, k, v))
+    ro, rl = reference(q2, k2, v2, **kw)
+    got = _grads(out, lse, [qs, kr, vr])
+    want = _grads(ro[:, :, 21:], rl[:, :, 21:], [q2, k2, v2])
+    torch.testing.assert_close(got[0], want[0][:, :, 21:], atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(got[1][:, :, slot], want[1][:, :, pos], atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(got[2][:, :, slot], want[2][:, :, pos], atol=1e-10, rtol=1e-10)
+    # Left padding (NaN in the pads): the pad slots get zero gradient, the rest the
+    # gradient of the prompt run alone.
+    pad = 4
+    kp, vp = k.clone(), v.clone()
+    kp[:, :, :pad] = float("nan")
+    vp[:, :, :pad] = float("nan")
+    qp, kp, vp = (x.requires_grad_(True) for x in (q.clone(), kp, vp))
+    out, lse = swa_tvm.attention_with_kv_cache(qp, kp, vp, kv_start=pad, return_lse=True, window_size=(5, 0))
+    got = _grads(out[:, :, pad:], lse[:, :, pad:], [qp, kp, vp])
+    q3, k3, v3 = (x[:, :, pad:].clone().requires_grad_(True) for x in (q, k, v))
+    ro, rl = reference(q3, k3, v3, window_size=(5, 0))
+    want = _grads(ro, rl, [q3, k3, v3])
+    for a, b in zip(got, want):
+        assert bool((a[:, :, :pad] == 0).all())
+        torch.testing.assert_close(a[:, :, pad:], b, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.slow
+def test_gradcheck_softcap_and_sinks():
+    q, k, v = (x.double().requires_grad_(True) for x in _inputs(1, 9, seed=8))
+    sink = torch.tensor([0.1, -0.3, 0.7, 0.0], dtype=torch.float64, requires_grad=True)
+
+    def f(q, k, v, sink):
+        return swa_tvm.attention_with_kv_cache(q[:, :, 5:], k, v, window_size=(3, 0), dilation=2, num_sinks=1,
+                                               sink_logits=sink, softcap=1.1, return_lse=True)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, sink), eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_float32_gradients():
+    kw = PATTERNS["softcap"]
+    q, k, v = (x.requires_grad_(True) for x in _inputs(2, 40, seed=9))
+    out, lse = swa_tvm.attention_with_kv_cache(q[:, :, 30:], k, v, q_offset=30, return_lse=True, **kw)
+    q2, k2, v2 = (x.detach().double().requires_grad_(True) for x in (q, k, v))
+    ro, rl = reference(q2, k2, v2, **kw)
+    got = _grads(out, lse, [q, k, v])
+    want = _grads(ro[:, :, 30:], rl[:, :, 30:], [q2, k2, v2])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=2e-5)
 
 
 def test_compile_traces_without_graph_break():
@@ -296,6 +390,7 @@ def test_compile_traces_without_graph_break():
     torch.testing.assert_close(f(q[:, :, 11:], k, v).double(), ro[:, :, 11:], atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.slow  # exports nine kernels
 def test_library_serves_cache_calls(tmp_path):
     """An exported library with kvcache serves decode steps and chunks by its kernels."""
     from swa_tvm.runtime import library
@@ -325,3 +420,65 @@ def test_scale_matches_default():
     a = swa_tvm.attention_with_kv_cache(q[:, :, 8:], k, v)
     b = swa_tvm.attention_with_kv_cache(q[:, :, 8:], k, v, scale=1 / math.sqrt(D))
     assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- packed
+
+
+@pytest.mark.parametrize("pattern", _patterns("dilated", "two_sided"))
+def test_packed_sequences_attend_within_each(pattern):
+    """Sequences of different lengths packed together (cu_seqlens): each equals the
+    full call on that sequence alone, forward and gradients (out and lse), and no
+    window crosses a boundary."""
+    kw = dict(PATTERNS[pattern])
+    lens = [7, 1, 19, 12]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    total = int(cu[-1])
+    g = torch.Generator().manual_seed(10)
+    q = torch.randn(total, H, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(total, HKV, D, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(total, HKV, D, generator=g, dtype=torch.float64, requires_grad=True)
+    out, lse = swa_tvm.sliding_window_attention_varlen(q, k, v, cu, return_lse=True, **kw)
+    assert out.shape == (total, H, D) and lse.shape == (H, total)
+    got = _grads(out, lse, [q, k, v])
+    ro, rl = [], []
+    for s in range(len(lens)):
+        a, b = int(cu[s]), int(cu[s + 1])
+        o, l_ = reference(*(x[a:b].transpose(0, 1)[None] for x in (q, k, v)), **kw)
+        ro.append(o[0].transpose(0, 1))
+        rl.append(l_[0])
+    ro, rl = torch.cat(ro), torch.cat(rl, dim=1)
+    torch.testing.assert_close(out, ro, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(lse, rl, atol=1e-10, rtol=1e-10)
+    want = _grads(ro, rl, [q, k, v])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.slow
+def test_gradcheck_packed():
+    cu = torch.tensor([0, 3, 8])
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(8, H, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(8, HKV, D, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(8, HKV, D, generator=g, dtype=torch.float64, requires_grad=True)
+    f = lambda q, k, v: swa_tvm.sliding_window_attention_varlen(q, k, v, cu, window_size=(2, 1), num_sinks=1)  # noqa: E731
+    assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "cu,err,match",
+    [
+        (torch.tensor([1, 4, 10]), ValueError, "start at 0"),
+        (torch.tensor([0, 4, 9]), ValueError, "end at"),
+        (torch.tensor([0, 6, 4, 10]), ValueError, "increasing"),
+        (torch.tensor([0, 4, 4, 10]), ValueError, "increasing"),
+        (torch.tensor([0.0, 10.0]), TypeError, "integer"),
+        (torch.tensor([[0, 10]]), ValueError, "cu_seqlens"),
+        ([0, 10], TypeError, "cu_seqlens"),
+    ],
+)
+def test_bad_cu_seqlens_is_named(cu, err, match):
+    q, k = torch.randn(10, H, D), torch.randn(10, HKV, D)
+    with pytest.raises(err, match=match):
+        swa_tvm.sliding_window_attention_varlen(q, k, k, cu)

@@ -65,10 +65,10 @@ def tune_shapes(spec: KernelSpec, shapes: dict | None = None) -> dict:
     """The tuning shape of ``spec``: TUNE_SHAPES, with T raised for windows that reach
     past T/2 (a multiple of 2048 at least twice the reach), so that most rows see their
     whole window, as at the lengths such windows serve (W=4096: T=8192)."""
-    if spec.kind == "cache":
+    if spec.kind.startswith("cache"):
         base = dict(TUNE_SHAPES["cache"])
         base["Tq"] = max(1, spec.block_q * base["Hkv"] // base["H"])
-        base["NB"] = 1
+        base["NB"], base["NRB"] = 1, 1
         base.update(shapes or {})
         return base
     base = dict(TUNE_SHAPES["global" if spec.is_global else "local"])

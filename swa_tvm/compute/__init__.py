@@ -10,9 +10,10 @@ from tvm import te
 
 from swa_tvm.compute.backward import BACKWARD_COMPUTES
 from swa_tvm.compute.cache import CACHE_COMPUTES
+from swa_tvm.compute.cache_backward import CACHE_BACKWARD_COMPUTES
 from swa_tvm.compute.forward import FORWARD_COMPUTES
 
-COMPUTES = {**FORWARD_COMPUTES, **CACHE_COMPUTES, **BACKWARD_COMPUTES}
+COMPUTES = {**FORWARD_COMPUTES, **CACHE_COMPUTES, **BACKWARD_COMPUTES, **CACHE_BACKWARD_COMPUTES}
 from swa_tvm.spec import KernelSpec
 
 
@@ -30,7 +31,8 @@ def flops(spec: KernelSpec, B: int, H: int, T: int, G: int = 0, window_entries: 
     QK^T and PV; dq: QK^T, dO V^T, dS K; dk/dv: those plus P^T dO, dS^T Q recomputed).
     For "local_dx" the visible scores are the E extras of every row (pass them as
     window_entries)."""
-    products = {"local": 2, "global": 2, "cache": 2, "local_dq": 3, "local_dkv": 4, "local_dx": 4, "global_bwd": 5}[spec.kind]
+    products = {"local": 2, "global": 2, "cache": 2, "local_dq": 3, "local_dkv": 4, "local_dx": 4, "global_bwd": 5,
+                "cache_dq": 3, "cache_dkv": 4, "cache_dx": 4}[spec.kind]
     if spec.is_global:
         return 2.0 * products * B * H * G * T * spec.head_dim
     w = window_entries if window_entries is not None else spec.left + spec.right + 1

@@ -64,99 +64,149 @@ def sink_visible(causal: bool, qp, p, nsinks):
     return tirx.all(*ok)
 
 
+class CacheGeometry:
+    """The placeholders and index arithmetic the cache kernels share (forward and
+    gradients): rows of a (batch, KV head) in blocks, key slots in chunks of a block's
+    span then of the sink list, positions, and which (row, slot) pairs are visible."""
+
+    def __init__(self, spec: KernelSpec, shapes: dict | None):
+        shapes = shapes or {}
+        B, H, Hkv, Tq, Tk, NB, E = _dims(shapes, "B H Hkv Tq Tk NB E")
+        self.B, self.H, self.Hkv, self.Tq, self.Tk, self.NB, self.E = B, H, Hkv, Tq, Tk, NB, E
+        self.spec = spec
+        self.nk = shapes["NK"] if "NK" in shapes else te.var("nkeys", dtype="int64")
+        D, dt, BR, KC = spec.head_dim, spec.dtype, spec.block_q, CACHE_CHUNK
+        self.D, self.dt, self.BR, self.KC, self.acc = D, dt, BR, KC, accum_dtype(dt)
+        self.q = te.placeholder((B, H, Tq, D), dt, name="q")
+        self.k = te.placeholder((B, Hkv, Tk, D), dt, name="k")
+        self.v = te.placeholder((B, Hkv, Tk, D), dt, name="v")
+        self.dil = te.placeholder((H,), "int32", name="dilation")
+        self.q_pos = te.placeholder((B,), "int32", name="q_pos")
+        self.kv_pos = te.placeholder((B, Tk), "int32", name="kv_pos")
+        self.key_lo = te.placeholder((B, NB), "int32", name="key_lo")
+        self.xslots = te.placeholder((B, E), "int32", name="sink_slots") if spec.extras else None
+        self.scale = te.var("scale", dtype=self.acc)
+        self.cap = te.var("softcap", dtype=self.acc) if spec.softcap else None
+        self.nsinks = te.var("num_sinks", dtype="int64") if spec.extras else None
+        # int64 extents throughout, so that a schedule may transform any stage's layout.
+        self.D64, self.BR64, self.KC64 = (tirx.const(x, "int64") for x in (D, BR, KC))
+        self.group = div_nonneg(H, Hkv)
+        self.rows = i64(Tq) * self.group
+        self.nscan = tirx.floordiv(self.nk + (KC - 1), KC)  # chunks of the scanned span
+        # then the sinks' chunks
+        self.nchunk = self.nscan + (tirx.floordiv(E + (KC - 1), KC) if spec.extras else 0)
+
+    def head_args(self) -> list:
+        """q, k, v, dilation, q_pos, kv_pos, key_lo[, sink_slots]."""
+        return [self.q, self.k, self.v, self.dil, self.q_pos, self.kv_pos, self.key_lo] + (
+            [self.xslots] if self.xslots is not None else [])
+
+    def scalar_args(self) -> list:
+        """[softcap][, num_sinks], then nkeys (unless fixed)."""
+        out = ([self.cap] if self.cap is not None else []) + ([self.nsinks] if self.nsinks is not None else [])
+        return out + ([self.nk] if not isinstance(self.nk, int) else [])
+
+    def row(self, blk, ri):  # the block's ri-th row (padding repeats the last row; masked)
+        return tirx.min(i64(blk) * self.BR + ri, self.rows - 1)
+
+    def head(self, hkv, r):
+        return hkv * self.group + mod_nonneg(r, self.group)
+
+    def query(self, r):
+        """The query row index (in q's T_q axis) of row r."""
+        return div_nonneg(r, self.group)
+
+    def position(self, b, r):
+        return i64(self.q_pos[b]) + div_nonneg(r, self.group)
+
+    def span_index(self, ch, kk):
+        return i64(ch) * self.KC + kk
+
+    def sink_index(self, ch, kk):
+        return (i64(ch) - self.nscan) * self.KC + kk
+
+    def listed(self, b, e):
+        """Slot of sink-list entry e (clamped into the list)."""
+        return i64(self.xslots[b, tirx.max(tirx.min(e, self.E - 1), 0)])
+
+    def slot(self, b, blk, ch, kk):
+        """The key slot chunk ``ch`` reads at ``kk``, clamped into k (masked where not real)."""
+        s = i64(self.key_lo[b, blk]) + self.span_index(ch, kk)
+        if self.spec.extras:
+            s = tirx.Select(ch < self.nscan, s, self.listed(b, self.sink_index(ch, kk)))
+        return self.clamp_slot(s)
+
+    def clamp_slot(self, s):
+        return tirx.max(tirx.min(s, self.Tk - 1), 0)
+
+    def sees(self, hkv, qp, r, p):
+        """Whether the row r (at position qp) of KV head hkv sees key position p >= 0 by
+        its window or as a sink."""
+        spec = self.spec
+        d = i64(self.dil[self.head(hkv, r)])
+        seen = window_visible(spec.left, spec.right, spec.max_dilation > 1, qp, p, d)
+        if spec.extras:
+            seen = tirx.Or(seen, sink_visible(spec.causal, qp, p, self.nsinks))
+        return seen
+
+    def visible(self, b, hkv, blk, ch, kk, ri):
+        """Whether chunk ``ch``'s key ``kk`` counts for row ri of block blk (each visible
+        (row, key) pair once: a sink inside the span there, not in the list)."""
+        spec, nk = self.spec, self.nk
+        r = i64(blk) * self.BR + ri
+        rc = self.row(blk, ri)
+        qp = self.position(b, rc)
+        p = i64(self.kv_pos[b, self.slot(b, blk, ch, kk)])
+        lo = i64(self.key_lo[b, blk])
+        in_span = tirx.all(self.span_index(ch, kk) < nk, lo + self.span_index(ch, kk) < self.Tk)
+        ok = tirx.all(in_span, p >= 0, self.sees(hkv, qp, rc, p))
+        if spec.extras:
+            x = self.listed(b, self.sink_index(ch, kk))
+            listed = tirx.all(self.sink_index(ch, kk) < self.E, x >= 0, tirx.Or(x < lo, x >= lo + nk), p >= 0,
+                              sink_visible(spec.causal, qp, p, self.nsinks))
+            ok = tirx.Select(ch < self.nscan, ok, listed)
+        return tirx.all(r < self.rows, ok)
+
+    def capped(self, s):
+        """The score the softmax takes: s, or cap * tanh(s / cap) with a softcap."""
+        return s if self.cap is None else self.cap * tirx.tanh(s / self.cap)
+
+    def block_of(self, h, i):
+        """(KV head, block, row in block) of query head h at query row i."""
+        r = i64(i) * self.group + mod_nonneg(h, self.group)
+        return div_nonneg(h, self.group), div_nonneg(r, self.BR), mod_nonneg(r, self.BR)
+
+    def rows_t(self, x, name):
+        """[B, Hkv, NB, D, BR]: the block's rows of x [B, H, T_q, D], transposed."""
+        return te.compute(
+            (self.B, self.Hkv, self.NB, self.D64, self.BR64),
+            lambda b, hkv, blk, c, ri: x[b, self.head(hkv, self.row(blk, ri)), self.query(self.row(blk, ri)), c],
+            name=name,
+        )
+
+
 def cache_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = False):
     """TE for attention against a KV cache (see the module docstring).
 
     Returns the PrimFunc argument list: q [B,H,Tq,D], k/v [B,Hkv,Tk,D], dilation [H]
     int32, q_pos [B] int32, kv_pos [B,Tk] int32 (-1 = no key), key_lo [B,NB] int32
     (first slot each block of rows scans; NB = ceil(Tq * H/Hkv / block_q)), with
-    ``spec.extras`` sink_slots [B,E] int32 (-1 = none), sink_logit [H] (-inf = none),
-    the scale, with ``spec.softcap`` the cap, with ``spec.extras`` the number of sink
-    positions, the number of slots each block scans (``nkeys``), out [B,H,Tq,D] and
-    lse [B,H,Tq]. ``shapes`` may fix B, H, Hkv, Tq, Tk, NB, E and NK (nkeys) to ints.
+    ``spec.extras`` sink_slots [B,E] int32 (-1 = none; E >= 1), sink_logit [H] (-inf =
+    none), the scale, with ``spec.softcap`` the cap, with ``spec.extras`` the number of
+    sink positions, the number of slots each block scans (``nkeys``), out [B,H,Tq,D]
+    and lse [B,H,Tq]. ``shapes`` may fix B, H, Hkv, Tq, Tk, NB, E and NK (nkeys) to ints.
     """
     assert spec.kind == "cache"
-    B, H, Hkv, Tq, Tk, NB, E = _dims(shapes, "B H Hkv Tq Tk NB E")
-    shapes = shapes or {}
-    nk = shapes["NK"] if "NK" in shapes else te.var("nkeys", dtype="int64")
-    D, dt, BR, KC = spec.head_dim, spec.dtype, spec.block_q, CACHE_CHUNK
-    acc = accum_dtype(dt)
-    left, right = spec.left, spec.right
-
-    q = te.placeholder((B, H, Tq, D), dt, name="q")
-    k = te.placeholder((B, Hkv, Tk, D), dt, name="k")
-    v = te.placeholder((B, Hkv, Tk, D), dt, name="v")
-    dil = te.placeholder((H,), "int32", name="dilation")
-    q_pos = te.placeholder((B,), "int32", name="q_pos")
-    kv_pos = te.placeholder((B, Tk), "int32", name="kv_pos")
-    key_lo = te.placeholder((B, NB), "int32", name="key_lo")
-    xslots = te.placeholder((B, E), "int32", name="sink_slots") if spec.extras else None
+    g = CacheGeometry(spec, shapes)
+    B, H, Hkv, Tq, NB = g.B, g.H, g.Hkv, g.Tq, g.NB
+    dt, acc, D64, BR64, KC64, nchunk = g.dt, g.acc, g.D64, g.BR64, g.KC64, g.nchunk
+    q, k, v, scale = g.q, g.k, g.v, g.scale
     sink = te.placeholder((H,), acc, name="sink_logit")
-    scale = te.var("scale", dtype=acc)
-    cap = te.var("softcap", dtype=acc) if spec.softcap else None
-    nsinks = te.var("num_sinks", dtype="int64") if spec.extras else None
-
-    # int64 extents throughout, so that a schedule may transform any stage's layout.
-    D64, BR64, KC64 = (tirx.const(x, "int64") for x in (D, BR, KC))
-    group = div_nonneg(H, Hkv)
-    rows = i64(Tq) * group
     ninf, zero = _neg_inf(acc), tirx.const(0, acc)
     mul = product(spec.nonfinite or native_exp)
-    nscan = tirx.floordiv(nk + (KC - 1), KC)  # chunks of the scanned span
-    nchunk = nscan + (tirx.floordiv(E + (KC - 1), KC) if spec.extras else 0)  # then the sinks' chunks
+    row, head, slot, visible, capped = g.row, g.head, g.slot, g.visible, g.capped
 
-    def row(blk, ri):  # the block's ri-th row (padding repeats the last row; masked)
-        return tirx.min(i64(blk) * BR + ri, rows - 1)
-
-    def head(hkv, r):
-        return hkv * group + mod_nonneg(r, group)
-
-    def position(b, r):
-        return i64(q_pos[b]) + div_nonneg(r, group)
-
-    def span_index(ch, kk):
-        return i64(ch) * KC + kk
-
-    def sink_index(ch, kk):
-        return (i64(ch) - nscan) * KC + kk
-
-    def slot(b, blk, ch, kk):
-        """The key slot chunk ``ch`` reads at ``kk``, clamped into k (masked where not real)."""
-        s = i64(key_lo[b, blk]) + span_index(ch, kk)
-        if spec.extras:
-            s = tirx.Select(ch < nscan, s, i64(xslots[b, tirx.max(tirx.min(sink_index(ch, kk), E - 1), 0)]))
-        return tirx.max(tirx.min(s, Tk - 1), 0)
-
-    def visible(b, hkv, blk, ch, kk, ri):
-        r = i64(blk) * BR + ri
-        rc = row(blk, ri)
-        qp = position(b, rc)
-        p = i64(kv_pos[b, slot(b, blk, ch, kk)])
-        d = i64(dil[head(hkv, rc)])
-        seen = window_visible(left, right, spec.max_dilation > 1, qp, p, d)
-        if spec.extras:
-            seen = tirx.Or(seen, sink_visible(spec.causal, qp, p, nsinks))
-        lo = i64(key_lo[b, blk])
-        in_span = tirx.all(span_index(ch, kk) < nk, lo + span_index(ch, kk) < Tk)
-        ok = tirx.all(in_span, p >= 0, seen)
-        if spec.extras:
-            # A sink slot inside the scanned span is counted there, once.
-            x = i64(xslots[b, tirx.max(tirx.min(sink_index(ch, kk), E - 1), 0)])
-            listed = tirx.all(sink_index(ch, kk) < E, x >= 0, tirx.Or(x < lo, x >= lo + nk), p >= 0,
-                              sink_visible(spec.causal, qp, p, nsinks))
-            ok = tirx.Select(ch < nscan, ok, listed)
-        return tirx.all(r < rows, ok)
-
-    def capped(s):
-        if cap is None:
-            return s
-        return cap * tirx.tanh(s / cap)
-
-    qg_t = te.compute(
-        (B, Hkv, NB, D64, BR64),
-        lambda b, hkv, blk, c, ri: q[b, head(hkv, row(blk, ri)), div_nonneg(row(blk, ri), group), c],
-        name="qg_t",
-    )
+    qg_t = g.rows_t(q, "qg_t")
     c = te.reduce_axis((0, D64), name="c")
     gscore = te.compute(
         (B, Hkv, NB, nchunk, KC64, BR64),
@@ -258,18 +308,11 @@ def cache_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
         name="blk_lse",
     )
 
-    def block_of(h, i):  # (kv head, block, row in block) of query head h at query position i
-        r = i64(i) * group + mod_nonneg(h, group)
-        return div_nonneg(h, group), div_nonneg(r, BR), mod_nonneg(r, BR)
-
     out = te.compute(
-        (B, H, Tq, D), lambda b, h, i, cc: blk_out[(b,) + block_of(h, i) + (cc,)].astype(dt), name="out"
+        (B, H, Tq, g.D), lambda b, h, i, cc: blk_out[(b,) + g.block_of(h, i) + (cc,)].astype(dt), name="out"
     )
-    lse = te.compute((B, H, Tq), lambda b, h, i: blk_lse[(b,) + block_of(h, i)], name="lse")
-    args = [q, k, v, dil, q_pos, kv_pos, key_lo] + ([xslots] if spec.extras else []) + [sink, scale]
-    args += ([cap] if cap is not None else []) + ([nsinks] if nsinks is not None else [])
-    args += ([nk] if not isinstance(nk, int) else []) + [out, lse]
-    return args
+    lse = te.compute((B, H, Tq), lambda b, h, i: blk_lse[(b,) + g.block_of(h, i)], name="lse")
+    return g.head_args() + [sink, scale] + g.scalar_args() + [out, lse]
 
 
 CACHE_COMPUTES = {"cache": cache_attention}

@@ -612,7 +612,13 @@ def global_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: b
     chr3 = te.reduce_axis((0, nchunk), name="chr3")
     gacc = te.compute(
         (B, H, nblk, GB, D),
-        lambda b, h, gb, gi, cc: te.sum(cacc[b, h, gb, chr3, gi, cc] * cfac[b, h, gb, chr3, gi], axis=chr3),
+        # Guarded: a chunk's factor of 0 (a +inf sink takes the softmax) adds nothing, even
+        # where the chunk's values are NaN. (Plain: the product as tuning records know it.)
+        lambda b, h, gb, gi, cc: te.sum(
+            weigh(cfac[b, h, gb, chr3, gi], cacc[b, h, gb, chr3, gi, cc]) if exact
+            else cacc[b, h, gb, chr3, gi, cc] * cfac[b, h, gb, chr3, gi],
+            axis=chr3,
+        ),
         name="gacc",
     )
     blk_out = te.compute(

@@ -180,6 +180,69 @@ def _row_major_chunk(sch, names, chunk: int, lanes: int):
             _vectorize_inner(sch, k_l, lanes)
 
 
+def _feature_inner(sch, name, lanes, head_dim):
+    """A [.., D] result reduced over its last loops: the reductions outside, the feature
+    axis innermost and in vectors."""
+    blk = sch.get_sblock(name)
+    nred = sum(1 for iv in sch.get(blk).iter_vars if iv.iter_type == 2)  # IterVar.CommReduce
+    loops = sch.get_loops(blk)
+    cc, red = loops[-nred - 1], loops[-nred:]
+    sch.reorder(*red, cc)
+    if head_dim % lanes == 0:
+        _vectorize_inner(sch, cc, lanes)
+    sch.decompose_reduction(blk, red[0])
+
+
+def _products_feature_outer(sch, names):
+    """[.., key, row] products reduced over the feature axis: the feature loop outside
+    the innermost spatial loop, so the row (or key) loop runs along contiguous tiles."""
+    for name in names:
+        blk = sch.get_sblock(name)
+        a, b_, c = sch.get_loops(blk)[-3:]
+        sch.reorder(a, c, b_)
+        sch.decompose_reduction(blk, c)
+
+
+def schedule_cache_dq(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
+    """Items of (batch, KV head, row block), every stage of an item at the item loop;
+    then the gather back to [B, H, T_q, D]."""
+    knobs = knobs or Defaults()
+    _items(sch, ["dq_acc"], ["ds", "prob", "dp", "score", "dg_t", "qg_t", "row_delta", "row_lse"], knobs, depth=3)
+    _products_feature_outer(sch, ["score", "dp"])
+    _feature_inner(sch, "dq_acc", vector_lanes, spec.head_dim)
+    _gather_rows(sch, "dq", vector_lanes, spec.head_dim)
+
+
+def schedule_cache_dkv(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
+    """Items of (batch, KV head, key block), every stage of an item at the item loop
+    (the rows' lse and delta before them); then the gathers back to [B, H_kv, T_k, D]."""
+    knobs = knobs or Defaults()
+    # Roots in reverse program order: the merged loop lands at dk_blk, before dk reads it.
+    _items(sch, ["dv_blk", "dk_blk"], ["ds", "prob", "dp", "score", "vt", "kt"], knobs, depth=3)
+    _products_feature_outer(sch, ["score", "dp"])
+    for name in ("dk_blk", "dv_blk"):
+        _feature_inner(sch, name, vector_lanes, spec.head_dim)
+    for name in ("dk", "dv"):
+        _gather_rows(sch, name, vector_lanes, spec.head_dim)
+
+
+def schedule_cache_dx(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
+    """Items of (batch, KV head): the sink slots against every row."""
+    knobs = knobs or Defaults()
+    _items(sch, ["dvx", "dkx_acc"], ["ds", "prob", "dp", "score"], knobs, depth=2)  # lands before dkx
+    for name in ("dkx_acc", "dvx"):
+        _feature_inner(sch, name, vector_lanes, spec.head_dim)
+    _gather_rows(sch, "dkx", vector_lanes, spec.head_dim)
+
+
+def _gather_rows(sch, name, lanes, head_dim):
+    """A [.., D] output stage: its outer loops fused and parallel, D in vectors."""
+    loops = sch.get_loops(sch.get_sblock(name))
+    sch.parallel(sch.fuse(*loops[:-1]))
+    if head_dim % lanes == 0:
+        _vectorize_inner(sch, loops[-1], lanes)
+
+
 def _largest_divisor_upto(n: int, cap: int) -> int:
     return max(x for x in range(1, min(n, cap) + 1) if n % x == 0)
 
@@ -629,6 +692,9 @@ SCHEDULES = {
     "local": schedule_local,
     "global": schedule_global,
     "cache": schedule_cache,
+    "cache_dq": schedule_cache_dq,
+    "cache_dkv": schedule_cache_dkv,
+    "cache_dx": schedule_cache_dx,
     "local_dq": schedule_local_dq,
     "local_dkv": schedule_local_dkv,
     "local_dx": schedule_local_dx,
