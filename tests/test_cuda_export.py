@@ -187,3 +187,27 @@ def test_fatbin_cubin_is_the_machine_code_nvcc_writes():
     ptx_only[16:18] = (1).to_bytes(2, "little")  # the entry's kind: PTX
     assert fatbin_cubin(bytes(ptx_only)) is None
     assert fatbin_cubin(cubin) is None and fatbin_cubin(FATBIN_MAGIC + bytes(12)) is None
+
+
+@pytest.mark.slow  # nvcc, twice
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_kv_cache_kernels_compile_for_cuda(tmp_path, arch, fresh_registry):
+    """The KV-cache kernels (forward and gradients, sinks and softcap) compile for both
+    archs on the TE schedule (no fused kernel serves them yet), with what ptxas reports
+    in the manifest: no spill, registers within a thread's 255; and the library loads."""
+    spec = AttentionSpec.parse("head_dim=32,window=15:0,sinks,kvcache,softcap,backward,dtype=bfloat16")
+    kernels = [k for k in spec.kernels() if k.kind.startswith("cache") and k.block_q == 4]
+    assert {k.kind for k in kernels} == {"cache", "cache_dq", "cache_dkv", "cache_dx"}
+    path = tmp_path / f"kv_{arch}.so"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UntunedKernelWarning)
+        manifest = swa_tvm.export_library(kernels, path, target=f"cuda -arch={arch}")
+    assert manifest["cuda_arch"] == arch
+    assert {k["spec"]["kind"]: k["schedule"] for k in manifest["kernels"]} == {k.kind: "default" for k in kernels}
+    for k in manifest["kernels"]:
+        assert k["ptxas"], k["name"]
+        for f, r in k["ptxas"].items():
+            assert r["registers"] <= 255 and r["spill_stores"] == 0, (f, r)
+    swa_tvm.load_library(path)
+    assert {k.spec.name for k in library.REGISTRY.kernels("cuda")} == {k.name for k in kernels}

@@ -13,7 +13,12 @@ import importlib
 from dataclasses import dataclass, field
 
 from swa_tvm.runtime.library import GLOBAL_BWD_WORKSPACE, GLOBAL_WORKSPACE
-from swa_tvm.spec import BACKWARD_KINDS, FORWARD_KINDS, KernelSpec
+from swa_tvm.spec import KernelSpec
+
+# The kinds the fused kernels serve: the full-sequence ones (the KV-cache kinds take the
+# TE schedule, schedules/cuda.py).
+FULL_FORWARD = ("local", "global")
+FULL_BACKWARD = ("local_dq", "local_dkv", "local_dx", "global_bwd")
 
 
 @dataclass(frozen=True)
@@ -53,21 +58,21 @@ class FusedKernel:
 # In order of preference: tensor cores where the dtype allows, then CUDA cores.
 FUSED_KERNELS = (
     FusedKernel(
-        "cuda_flash_tc", "cuda_flash_tc", "flash_tc", FORWARD_KINDS,
+        "cuda_flash_tc", "cuda_flash_tc", "flash_tc", FULL_FORWARD,
         "fused kernel on tensor cores (schedules/cuda_flash_tc.py)", "TCConfig",
         swept_kinds=("local",), workspaces={"global": GLOBAL_WORKSPACE},
     ),
     FusedKernel(
-        "cuda_flash", "cuda_flash", "flash", FORWARD_KINDS,
+        "cuda_flash", "cuda_flash", "flash", FULL_FORWARD,
         "fused kernel on CUDA cores (schedules/cuda_flash.py)", "FlashConfig",
     ),
     FusedKernel(
-        "cuda_flash_bwd_tc", "cuda_flash_bwd_tc", "flash_bwd_tc", BACKWARD_KINDS,
+        "cuda_flash_bwd_tc", "cuda_flash_bwd_tc", "flash_bwd_tc", FULL_BACKWARD,
         "fused gradient kernel on tensor cores (schedules/cuda_flash_bwd_tc.py)", "TCBwdConfig",
         swept_kinds=("local_dq", "local_dkv"), workspaces={"global_bwd": GLOBAL_BWD_WORKSPACE},
     ),
     FusedKernel(
-        "cuda_flash_bwd", "cuda_flash_bwd", "flash_bwd", BACKWARD_KINDS,
+        "cuda_flash_bwd", "cuda_flash_bwd", "flash_bwd", FULL_BACKWARD,
         "fused gradient kernel on CUDA cores (schedules/cuda_flash_bwd.py)", "BwdConfig",
     ),
 )  # fmt: skip

@@ -273,7 +273,7 @@ class Registry:
                 want.softcap,
             ):
                 continue
-            if s.kind == "cache" and s.block_q != want.block_q:
+            if s.kind.startswith("cache") and s.block_q != want.block_q:
                 continue  # the caller lays out the key ranges per block of rows
             if best is None or (s.nonfinite, s.max_dilation) < (best.spec.nonfinite, best.spec.max_dilation):
                 best = k
