@@ -64,6 +64,30 @@ def _check_tensor(name: str, x, rank: int) -> None:
         raise ValueError(f"{name} must have rank {rank}, got shape {tuple(x.shape)}")
 
 
+def _check_heads_dtypes_scale(q, k, v, scale) -> None:
+    """q [B, H, T_q, D] against k, v [B, H_kv, T_k, D] (batch and D already matched):
+    non-empty, GQA groups whole, one dtype, a scale the kernels take."""
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if min(q.shape) < 1 or min(k.shape) < 1:
+        raise ValueError(f"q and k must have non-empty dimensions, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    H, Hkv = q.shape[1], k.shape[1]
+    if H % Hkv:
+        raise ValueError(f"the number of query heads H={H} must be a multiple of k/v heads H_kv={Hkv}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype}, but q has {q.dtype}; all must match")
+    # Types of the ints (and of scale) are checked by the op schema and the public function.
+    # A positive scale: the GPU kernels take each row's max of the unscaled scores.
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
+    if q.dtype != torch.float64 and scale > FLOAT32_MAX:
+        raise ValueError(
+            f"scale must be at most {FLOAT32_MAX:.4g} (float32's largest) for {q.dtype} inputs, whose scores "
+            f"are float32; got {scale}"
+        )
+
+
 def check_inputs(
     q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, scale, left, right, *,
     values: bool
@@ -80,22 +104,7 @@ def check_inputs(
         raise ValueError(
             f"k/v must be [B={B}, H_kv, T={T}, D={D}] to match q {tuple(q.shape)}, got {tuple(k.shape)}",
         )
-    if T < 1 or D < 1 or H < 1 or Hkv < 1 or B < 1:
-        raise ValueError(f"q and k must have non-empty dimensions, got q {tuple(q.shape)}, k {tuple(k.shape)}")
-    if H % Hkv:
-        raise ValueError(f"the number of query heads H={H} must be a multiple of k/v heads H_kv={Hkv}")
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {x.dtype}, but q has {q.dtype}; all must match")
-    # Types of the ints (and of scale) are checked by the op schema and the public function.
-    # A positive scale: the GPU kernels take each row's max of the unscaled scores.
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite number, got {scale}")
-    if q.dtype != torch.float64 and scale > FLOAT32_MAX:
-        raise ValueError(
-            f"scale must be at most {FLOAT32_MAX:.4g} (float32's largest) for {q.dtype} inputs, whose scores "
-            f"are float32; got {scale}"
-        )
+    _check_heads_dtypes_scale(q, k, v, scale)
     check_window_and_sinks(left, right, num_sinks, T)
 
     # dilation: per-head int tensor (the public function turns an int into one).
@@ -172,22 +181,10 @@ def check_kv_inputs(q, k, v, dilation, q_pos, kv_pos, num_sinks, sink_logits, so
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x, 4)
     B, H, Tq, D = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
     Bk, Hkv, Tk, Dk = k.shape
     if (Bk, Dk) != (B, D):
         raise ValueError(f"k/v must be [B={B}, H_kv, T_k, D={D}] to match q {tuple(q.shape)}, got {tuple(k.shape)}")
-    if Tq < 1 or Tk < 1 or D < 1 or H < 1 or Hkv < 1 or B < 1:
-        raise ValueError(f"q and k must have non-empty dimensions, got q {tuple(q.shape)}, k {tuple(k.shape)}")
-    if H % Hkv:
-        raise ValueError(f"the number of query heads H={H} must be a multiple of k/v heads H_kv={Hkv}")
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {x.dtype}, but q has {q.dtype}; all must match")
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite number, got {scale}")
-    if q.dtype != torch.float64 and scale > FLOAT32_MAX:
-        raise ValueError(f"scale must be at most {FLOAT32_MAX:.4g} (float32's largest) for {q.dtype} inputs, got {scale}")
+    _check_heads_dtypes_scale(q, k, v, scale)
     if not (softcap == 0 or (math.isfinite(softcap) and softcap > 0)):
         raise ValueError(f"softcap must be a positive finite number (0 or None: no cap), got {softcap}")
     for name, x in (("left", left), ("right", right)):

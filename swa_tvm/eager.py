@@ -456,6 +456,26 @@ def cache_sinks(kv_pos, num_sinks: int):
     return torch.where(is_sink.gather(1, order), order, -1).to(torch.int32).contiguous()
 
 
+def _cache_plan(q, k, dilation, q_pos, kv_pos, num_sinks, softcap, left, right, nonfinite):
+    """What a cache call's kernels get, forward and gradients alike: (forward spec,
+    dilation [H] int32, q_pos, kv_pos int32, key_lo, nkeys, number of sink positions)."""
+    H, Tq, D = q.shape[1], q.shape[2], q.shape[3]
+    q_pos32, kv_pos32 = _dense(q_pos.to(torch.int32)), _dense(kv_pos.to(torch.int32))
+    span = max(int(q_pos32.max()) + Tq, int(kv_pos32.max()) + 1)
+    left, right = _cache_side("left", left, span), _cache_side("right", right, span)
+    dil = _dilation(dilation, span)
+    dmax = int(dil.max())
+    group = H // k.shape[1]
+    block = cache_block_rows(Tq * group)
+    key_lo, nkeys = cache_scan(q_pos32, kv_pos32, Tq, group, block, left, right, dmax)
+    S = min(num_sinks, span)
+    spec = KernelSpec(
+        "cache", D, str(q.dtype).replace("torch.", ""), left, right, 1 if dmax == 1 else 2, extras=S > 0,
+        block_q=block, nonfinite=nonfinite, softcap=softcap > 0,
+    )
+    return spec, dil, q_pos32, kv_pos32, key_lo, nkeys, S
+
+
 def attention_kv_forward(q, k, v, dilation, q_pos, kv_pos, num_sinks, sink_logits, softcap, scale, left, right):
     """Eager implementation behind ``torch.ops.swa_tvm.attention_kv``: (out, lse)."""
     check_kv_inputs(q, k, v, dilation, q_pos, kv_pos, num_sinks, sink_logits, softcap, scale, left, right, values=True)
@@ -468,20 +488,9 @@ def attention_kv_forward(q, k, v, dilation, q_pos, kv_pos, num_sinks, sink_logit
 
 def _kv_forward(q, k, v, dilation, q_pos, kv_pos, num_sinks, sink_logits, softcap, scale, left, right, *, nonfinite):
     B, H, Tq, D = q.shape
-    group = H // k.shape[1]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    q_pos32, kv_pos32 = _dense(q_pos.to(torch.int32)), _dense(kv_pos.to(torch.int32))
-    span = max(int(q_pos32.max()) + Tq, int(kv_pos32.max()) + 1)
-    left, right = _cache_side("left", left, span), _cache_side("right", right, span)
-    dil = _dilation(dilation, span)
-    dmax = int(dil.max())
-    block = cache_block_rows(Tq * group)
-    key_lo, nkeys = cache_scan(q_pos32, kv_pos32, Tq, group, block, left, right, dmax)
-    S = min(num_sinks, span)
-    spec = KernelSpec(
-        "cache", D, str(q.dtype).replace("torch.", ""), left, right, 1 if dmax == 1 else 2, extras=S > 0,
-        block_q=block, nonfinite=nonfinite, softcap=softcap > 0,
-    )
+    plan = _cache_plan(q, k, dilation, q_pos, kv_pos, num_sinks, softcap, left, right, nonfinite)
+    spec, dil, q_pos32, kv_pos32, key_lo, nkeys, S = plan
     kern = _kernel(spec, q.device.type)
     q, k, v = _dense(q), _dense(k), _dense(v)
     sink = _sink_or_none(sink_logits, H, acc, q.device)
@@ -528,18 +537,8 @@ def _kv_backward(dout, dlse, q, k, v, dilation, q_pos, kv_pos, num_sinks, sink_l
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
     acc = lse.dtype
-    q_pos32, kv_pos32 = _dense(q_pos.to(torch.int32)), _dense(kv_pos.to(torch.int32))
-    span = max(int(q_pos32.max()) + Tq, int(kv_pos32.max()) + 1)
-    left, right = _cache_side("left", left, span), _cache_side("right", right, span)
-    dil = _dilation(dilation, span)
-    dmax = int(dil.max())
-    group = H // k.shape[1]
-    block = cache_block_rows(Tq * group)
-    key_lo, nkeys = cache_scan(q_pos32, kv_pos32, Tq, group, block, left, right, dmax)
-    S = min(num_sinks, span)
-    fwd = KernelSpec(
-        "cache", D, str(q.dtype).replace("torch.", ""), left, right, 1 if dmax == 1 else 2, extras=S > 0,
-        block_q=block, nonfinite=nonfinite, softcap=softcap > 0,
+    fwd, dil, q_pos32, kv_pos32, key_lo, nkeys, S = _cache_plan(
+        q, k, dilation, q_pos, kv_pos, num_sinks, softcap, left, right, nonfinite
     )
     kernels = {s.kind: _kernel(s, q.device.type) for s in fwd.backward_kernels()}
     q, k, v, dout = _dense(q), _dense(k), _dense(v), _dense(dout)
