@@ -34,6 +34,7 @@ def sliding_window_attention(
     v_global: Optional[torch.Tensor] = None,
     num_sinks: int = 0,
     sink_logits: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
     scale: Optional[float] = None,
     return_lse: bool = False,
 ):
@@ -85,6 +86,9 @@ def sliding_window_attention(
       included when given, so out[i] = sum_j exp(score_ij - lse_i) * v_j exactly. Use it
       to merge partial results. A sink of +inf takes the whole softmax: out = 0 and
       lse = +inf for its head (the limit, never NaN).
+    * **Softcap.** ``softcap=c`` maps each scaled score s to c * tanh(s / c) before
+      masking (Gemma 2). It runs on the KV-cache kernels (:func:`attention_with_kv_cache`
+      with every key valid), gradients included, and is not served with global tokens.
 
     **Gradients.** Differentiable in q, k, v, q_global, k_global, v_global and
     sink_logits, through both out and lse (GQA: dk/dv summed over each group);
@@ -126,6 +130,16 @@ def sliding_window_attention(
             raise ValueError(f"dilation must be >= 1, got {dilation}")
         dilation = torch.full((H,), normalize_dilation(dilation, T), dtype=torch.int32, device=q.device)
     scale = _scale(scale, D)
+    if softcap is not None:
+        if global_idx is not None:
+            raise ValueError("softcap is not served with global tokens (global_idx); pass one or the other")
+        _check_tensor("k", k, 4)
+        if k.shape[2] != T:
+            raise ValueError(f"k/v must have q's T={T} positions, got {tuple(k.shape)}; attention_with_kv_cache "
+                             "takes a cache of another length")
+        return attention_with_kv_cache(q, k, v, q_offset=0, window_size=(left, right), dilation=dilation,
+                                       num_sinks=num_sinks, sink_logits=sink_logits, softcap=softcap, scale=scale,
+                                       return_lse=return_lse)
     out, lse = torch.ops.swa_tvm.attention(
         q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, scale, left, right
     )

@@ -482,3 +482,19 @@ def test_bad_cu_seqlens_is_named(cu, err, match):
     q, k = torch.randn(10, H, D), torch.randn(10, HKV, D)
     with pytest.raises(err, match=match):
         swa_tvm.sliding_window_attention_varlen(q, k, k, cu)
+
+
+def test_softcap_in_the_full_sequence_function():
+    """sliding_window_attention(softcap=...) equals the reference, forward and gradients,
+    with every other option but global tokens, which it refuses by name."""
+    kw = dict(window_size=(4, 0), dilation=torch.tensor([1, 2, 1, 2]), num_sinks=2, softcap=1.7)
+    q, k, v = (x.double().requires_grad_(True) for x in _inputs(2, 21, seed=12))
+    out, lse = swa_tvm.sliding_window_attention(q, k, v, return_lse=True, **kw)
+    ro, rl = reference(q, k, v, **kw)
+    _close(out, lse, ro, rl, torch.float64)
+    for a, b in zip(_grads(out, lse, [q, k, v]), _grads(ro, rl, [q, k, v])):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    with pytest.raises(ValueError, match="global"):
+        swa_tvm.sliding_window_attention(q, k, v, softcap=1.0, global_idx=torch.tensor([[0], [3]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="softcap"):
+        swa_tvm.sliding_window_attention(q, k, v, softcap=-1.0)
