@@ -113,13 +113,6 @@ def _cmd_tune(args) -> int:
     if target.get("kind") == "cuda" and args.kernels == "all":
 
         specs = [k for k in specs if k.kind not in BACKWARD_KINDS]  # CUDA tuning covers the forward kernels
-    cache = [k for k in specs if k.kind.startswith("cache")]
-    if cache:
-        print(f"skipping {len(cache)} KV-cache kernel(s): tuning does not cover them yet (they export with their "
-              "default schedule)", file=sys.stderr)
-        specs = [k for k in specs if not k.kind.startswith("cache")]
-        if not specs:
-            raise ValueError("the specs hold only KV-cache kernels, which tuning does not cover yet")
     logs = args.logs or _default_logs()
     if args.batch_out:
         from swa_tvm.tuning.batch import build_batch

@@ -435,3 +435,66 @@ def test_tuning_inputs_are_in_range_and_distinct():
             elif dtype == "int32":
                 assert (x >= 0).all() and (x < T).all() and (np.diff(x, axis=1) > 0).all(), k.kind
                 assert x.max() > T // 2, "positions spread over the sequence"
+
+
+@pytest.mark.parametrize("block,seed", [(4, 1), (16, 2)])
+def test_sampled_cache_schedules_replay_and_are_correct(block, seed, monkeypatch):
+    """A random point of a KV-cache kernel's search space (a decode block of 4 rows, and
+    a block of 16), sampled at the tuning shape and replayed on the symbolic kernel,
+    serves attention_with_kv_cache at other shapes: the full call's rows."""
+    import tvm
+    from tvm import s_tir
+
+    from swa_tvm import eager
+    from swa_tvm.compiler.targets import _vector_lanes
+    from swa_tvm.runtime.library import Kernel
+    from swa_tvm.schedules import cpu
+
+    spec = KernelSpec("cache", 16, "float32", 7, 0, 2, extras=True, block_q=block, softcap=True)
+    sch = s_tir.Schedule(records.tuning_workload(spec), seed=seed)
+    cpu.schedule(sch, spec, _vector_lanes(tvm.target.Target(host_target())), cpu.Sampled())
+    assert any(i.kind.name in ("SamplePerfectTile", "SampleCategorical") for i in sch.trace.insts)
+    f = _compile_one(records.apply_record(spec, sch.trace))[spec.name]
+    served = []
+    original = eager._kernel
+
+    def sampled(want, device):
+        if want.name == spec.name:
+            served.append(want.name)
+            return Kernel(want, f, device, "sampled")
+        return original(want, device)
+
+    monkeypatch.setattr(eager, "_kernel", sampled)
+    H, Hkv, D, N = 4, 2, 16, 40
+    Tq = 2 if block == 4 else 7  # rows = Tq x 2 heads a group: 4, or 14 of a 16-row block
+    q, k, v = torch.randn(2, H, N, D), torch.randn(2, Hkv, N, D), torch.randn(2, Hkv, N, D)
+    kw = dict(window_size=(7, 0), dilation=torch.tensor([1, 2, 1, 2]), num_sinks=3, softcap=2.5)
+    out, lse = swa_tvm.attention_with_kv_cache(q[:, :, 30 : 30 + Tq], k[:, :, : 30 + Tq], v[:, :, : 30 + Tq],
+                                               q_offset=30, return_lse=True, **kw)
+    assert served
+    ref, ref_lse = sliding_window_attention_ref(q, k, v, **kw)
+    assert rel_err(out, ref[:, :, 30 : 30 + Tq]) < 1e-5 and rel_err(lse, ref_lse[:, :, 30 : 30 + Tq]) < 1e-5
+
+
+def test_cache_kernels_tune_and_export_with_their_records(tmp_path, fresh_registry):
+    """`tune` with `kvcache` in a spec tunes the KV-cache kernels at their decode shape;
+    export applies the records, and the library serves decode steps exactly."""
+    spec = "head_dim=16,window=7:0,sinks,kvcache,softcap"
+    r = subprocess.run(CLI + ["tune", "--spec", spec, "--kernels", "forward", "--trials", "2", "--trials-per-iter", "2",
+                              "--logs", str(tmp_path / "logs"), "--work-dir", str(tmp_path / "work"), "--seed", "0",
+                              "--quiet"], capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    cache = [k for k in AttentionSpec.parse(spec).kernels() if k.kind == "cache"]
+    assert all(records.best_record(k, host_target(), str(tmp_path / "logs")) is not None for k in cache)
+    lib = tmp_path / "kv.so"
+    swa_tvm.export_library([AttentionSpec.parse(spec)], lib, logs=str(tmp_path / "logs"))
+    tuned = {k["spec"]["block_q"]: k["tuned"] for k in swa_tvm.runtime.library.read_manifest(lib)["kernels"]
+             if k["spec"]["kind"] == "cache"}
+    assert tuned == {4: True, 8: True, 16: True}
+    swa_tvm.load_library(lib)
+    q, k, v = torch.randn(2, 4, 30, 16), torch.randn(2, 2, 30, 16), torch.randn(2, 2, 30, 16)
+    kw = dict(window_size=(7, 0), num_sinks=2, softcap=3.0)
+    ref, _ = sliding_window_attention_ref(q, k, v, **kw)
+    for q0 in (29, 20):  # a decode step (block of 4 rows) and a chunk of 10 queries (16)
+        out = swa_tvm.attention_with_kv_cache(q[:, :, q0:], k, v, **kw)
+        assert rel_err(out, ref[:, :, q0:]) < 1e-5

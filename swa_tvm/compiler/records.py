@@ -69,6 +69,9 @@ def tune_shapes(spec: KernelSpec, shapes: dict | None = None) -> dict:
         base = dict(TUNE_SHAPES["cache"])
         base["Tq"] = max(1, spec.block_q * base["Hkv"] // base["H"])
         base["NB"], base["NRB"] = 1, 1
+        if spec.left >= 0 and spec.right >= 0:  # the span a block of a bounded window scans
+            reach = (spec.left + spec.right) * spec.max_dilation + base["Tq"]
+            base["NK"] = min(base["NK"], -(-reach // 64) * 64)
         base.update(shapes or {})
         return base
     base = dict(TUNE_SHAPES["global" if spec.is_global else "local"])
@@ -85,11 +88,22 @@ def tuning_workload(spec: KernelSpec, shapes: dict | None = None, target_kind: s
     return tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
 
 
+# The scalar arguments a tuning measurement fixes, beside the scale: Gemma 2's softcap and
+# StreamingLLM's four sinks (the KV-cache kernels').
+TUNE_SCALARS = {"softcap": (50.0, None), "num_sinks": (4, "int64")}  # (value, dtype; None: the scores')
+
+
 def fold_scale(func, spec: KernelSpec):
-    """``func`` (a kernel of ``spec``) with its ``scale`` parameter fixed to 1/sqrt(D), as
-    a tuning measurement calls it."""
-    scale = next(p for p in func.params if p.name == "scale")
-    return func.specialize({scale: tirx.const(1.0 / spec.head_dim**0.5, accum_dtype(spec.dtype))})
+    """``func`` (a kernel of ``spec``) with its ``scale`` parameter fixed to 1/sqrt(D), and
+    its other scalars to TUNE_SCALARS, as a tuning measurement calls it."""
+    fixed = {}
+    for p in func.params:
+        if p.name == "scale":
+            fixed[p] = tirx.const(1.0 / spec.head_dim**0.5, accum_dtype(spec.dtype))
+        elif p.name in TUNE_SCALARS:
+            value, dtype = TUNE_SCALARS[p.name]
+            fixed[p] = tirx.const(value, dtype or accum_dtype(spec.dtype))
+    return func.specialize(fixed)
 
 
 def tvm_target_of(target: dict):
@@ -348,6 +362,11 @@ def workload_flops(spec: KernelSpec, shapes: dict | None = None) -> float:
     s = tune_shapes(spec, shapes)
     if spec.is_global:
         return flops(spec, s["B"], s["H"], s["T"], G=s["G"])
+    if spec.kind.startswith("cache"):
+        # The tuning shape's query rows, each against its scanned keys (the window's, or
+        # every key of an unbounded one), the sinks' chunk beside them.
+        w = min(s["NK"], spec.left + spec.right + 1) if spec.left >= 0 and spec.right >= 0 else s["NK"]
+        return flops(spec, s["B"], s["H"], s["Tq"], window_entries=w + (s["E"] if spec.extras else 0))
     if spec.kind == "local_dx":
         return flops(spec, s["B"], s["H"], s["T"], window_entries=s["E"])
     # Bounded windows: the full band per row (edges ignored); unbounded: half or all of T.

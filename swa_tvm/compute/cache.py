@@ -33,6 +33,10 @@ from swa_tvm.spec import KernelSpec, accum_dtype
 
 # Keys per chunk of a block's scan (the split-K granularity; one chunk's scores stay in L1).
 CACHE_CHUNK = 64
+# Blocks of fewer rows than this lay their [key, row] tiles out row by row (keys, not
+# rows, in vectors: a decode step's 4 or 8 rows are less than a vector) and their
+# transposed queries [row, feature].
+ROW_MAJOR_BELOW = 16
 
 
 def window_visible(left: int, right: int, dilated: bool, qp, p, d):
@@ -71,10 +75,14 @@ class CacheGeometry:
 
     def __init__(self, spec: KernelSpec, shapes: dict | None):
         shapes = shapes or {}
-        B, H, Hkv, Tq, Tk, NB, E = _dims(shapes, "B H Hkv Tq Tk NB E")
+        # Fixed dims (a tuning shape) as int64 constants, as the symbolic ones are int64
+        # vars: every index of a stage then has one dtype, which layout transforms need.
+        B, H, Hkv, Tq, Tk, NB, E = (
+            tirx.const(x, "int64") if isinstance(x, int) else x for x in _dims(shapes, "B H Hkv Tq Tk NB E")
+        )
         self.B, self.H, self.Hkv, self.Tq, self.Tk, self.NB, self.E = B, H, Hkv, Tq, Tk, NB, E
         self.spec = spec
-        self.nk = shapes["NK"] if "NK" in shapes else te.var("nkeys", dtype="int64")
+        self.nk = tirx.const(shapes["NK"], "int64") if "NK" in shapes else te.var("nkeys", dtype="int64")
         D, dt, BR, KC = spec.head_dim, spec.dtype, spec.block_q, CACHE_CHUNK
         self.D, self.dt, self.BR, self.KC, self.acc = D, dt, BR, KC, accum_dtype(dt)
         self.q = te.placeholder((B, H, Tq, D), dt, name="q")
@@ -95,6 +103,24 @@ class CacheGeometry:
         self.nscan = tirx.floordiv(self.nk + (KC - 1), KC)  # chunks of the scanned span
         # then the sinks' chunks
         self.nchunk = self.nscan + (tirx.floordiv(E + (KC - 1), KC) if spec.extras else 0)
+        self.row_major = BR < ROW_MAJOR_BELOW
+
+    def tile(self, name, fn):
+        """A chunk's [key, row] stage [B, Hkv, NB, nchunk, ...] (``fn(b, hkv, blk, ch, kk,
+        ri)``), laid out [kk, ri], or [ri, kk] for row-major blocks."""
+        shape = (self.B, self.Hkv, self.NB, self.nchunk) + (
+            (self.BR64, self.KC64) if self.row_major else (self.KC64, self.BR64))
+        if self.row_major:
+            return te.compute(shape, lambda b, hkv, blk, ch, ri, kk: fn(b, hkv, blk, ch, kk, ri), name=name)
+        return te.compute(shape, fn, name=name)
+
+    def at(self, t, b, hkv, blk, ch, kk, ri):
+        """Element (kk, ri) of a ``tile`` stage."""
+        return t[(b, hkv, blk, ch) + ((ri, kk) if self.row_major else (kk, ri))]
+
+    def row_at(self, t, b, hkv, blk, c, ri):
+        """Element (feature c, row ri) of a ``rows_t`` stage."""
+        return t[(b, hkv, blk) + ((ri, c) if self.row_major else (c, ri))]
 
     def head_args(self) -> list:
         """q, k, v, dilation, q_pos, kv_pos, key_lo[, sink_slots]."""
@@ -104,7 +130,7 @@ class CacheGeometry:
     def scalar_args(self) -> list:
         """[softcap][, num_sinks], then nkeys (unless fixed)."""
         out = ([self.cap] if self.cap is not None else []) + ([self.nsinks] if self.nsinks is not None else [])
-        return out + ([self.nk] if not isinstance(self.nk, int) else [])
+        return out + ([self.nk] if isinstance(self.nk, tirx.Var) else [])
 
     def row(self, blk, ri):  # the block's ri-th row (padding repeats the last row; masked)
         return tirx.min(i64(blk) * self.BR + ri, self.rows - 1)
@@ -177,12 +203,15 @@ class CacheGeometry:
         return div_nonneg(h, self.group), div_nonneg(r, self.BR), mod_nonneg(r, self.BR)
 
     def rows_t(self, x, name):
-        """[B, Hkv, NB, D, BR]: the block's rows of x [B, H, T_q, D], transposed."""
-        return te.compute(
-            (self.B, self.Hkv, self.NB, self.D64, self.BR64),
-            lambda b, hkv, blk, c, ri: x[b, self.head(hkv, self.row(blk, ri)), self.query(self.row(blk, ri)), c],
-            name=name,
-        )
+        """The block's rows of x [B, H, T_q, D]: [B, Hkv, NB, D, BR] (transposed), or
+        [.., BR, D] for row-major blocks (``row_at`` reads either)."""
+        def fn(b, hkv, blk, c, ri):
+            return x[b, self.head(hkv, self.row(blk, ri)), self.query(self.row(blk, ri)), c]
+
+        if self.row_major:
+            return te.compute((self.B, self.Hkv, self.NB, self.BR64, self.D64),
+                              lambda b, hkv, blk, ri, c: fn(b, hkv, blk, c, ri), name=name)
+        return te.compute((self.B, self.Hkv, self.NB, self.D64, self.BR64), fn, name=name)
 
 
 def cache_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = False):
@@ -208,23 +237,22 @@ def cache_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
 
     qg_t = g.rows_t(q, "qg_t")
     c = te.reduce_axis((0, D64), name="c")
-    gscore = te.compute(
-        (B, Hkv, NB, nchunk, KC64, BR64),
+    at = g.at
+    gscore = g.tile(
+        "gscore",
         lambda b, hkv, blk, ch, kk, ri: te.sum(
-            cast(k[b, hkv, slot(b, blk, ch, kk), c], acc) * cast(qg_t[b, hkv, blk, c, ri], acc), axis=c
+            cast(k[b, hkv, slot(b, blk, ch, kk), c], acc) * cast(g.row_at(qg_t, b, hkv, blk, c, ri), acc), axis=c
         ),
-        name="gscore",
     )
-    gmasked = te.compute(
-        (B, Hkv, NB, nchunk, KC64, BR64),
+    gmasked = g.tile(
+        "gmasked",
         lambda b, hkv, blk, ch, kk, ri: tirx.Select(
-            visible(b, hkv, blk, ch, kk, ri), capped(gscore[b, hkv, blk, ch, kk, ri] * scale), ninf
+            visible(b, hkv, blk, ch, kk, ri), capped(at(gscore, b, hkv, blk, ch, kk, ri) * scale), ninf
         ),
-        name="gmasked",
     )
     kr = te.reduce_axis((0, KC64), name="kr")
     cmax = te.compute(
-        (B, Hkv, NB, nchunk, BR64), lambda b, hkv, blk, ch, ri: te.max(gmasked[b, hkv, blk, ch, kr, ri], axis=kr),
+        (B, Hkv, NB, nchunk, BR64), lambda b, hkv, blk, ch, ri: te.max(at(gmasked, b, hkv, blk, ch, kr, ri), axis=kr),
         name="cmax",
     )
     # A chunk a row sees nothing of has max -inf: its probabilities are taken against 0
@@ -234,21 +262,20 @@ def cache_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
         lambda b, hkv, blk, ch, ri: tirx.Select(cmax[b, hkv, blk, ch, ri] == ninf, zero, cmax[b, hkv, blk, ch, ri]),
         name="cref",
     )
-    cprob = te.compute(
-        (B, Hkv, NB, nchunk, KC64, BR64),
-        lambda b, hkv, blk, ch, kk, ri: _exp(gmasked[b, hkv, blk, ch, kk, ri] - cref[b, hkv, blk, ch, ri], acc, native_exp),
-        name="cprob",
+    cprob = g.tile(
+        "cprob",
+        lambda b, hkv, blk, ch, kk, ri: _exp(at(gmasked, b, hkv, blk, ch, kk, ri) - cref[b, hkv, blk, ch, ri], acc, native_exp),
     )
     kr2 = te.reduce_axis((0, KC64), name="kr2")
     csum = te.compute(
-        (B, Hkv, NB, nchunk, BR64), lambda b, hkv, blk, ch, ri: te.sum(cprob[b, hkv, blk, ch, kr2, ri], axis=kr2),
+        (B, Hkv, NB, nchunk, BR64), lambda b, hkv, blk, ch, ri: te.sum(at(cprob, b, hkv, blk, ch, kr2, ri), axis=kr2),
         name="csum",
     )
     kr3 = te.reduce_axis((0, KC64), name="kr3")
     cacc = te.compute(
         (B, Hkv, NB, nchunk, BR64, D64),
         lambda b, hkv, blk, ch, ri, cc: te.sum(
-            mul(cprob[b, hkv, blk, ch, kr3, ri], cast(v[b, hkv, slot(b, blk, ch, kr3), cc], acc)), axis=kr3
+            mul(at(cprob, b, hkv, blk, ch, kr3, ri), cast(v[b, hkv, slot(b, blk, ch, kr3), cc], acc)), axis=kr3
         ),
         name="cacc",
     )

@@ -72,7 +72,7 @@ def cache_dq(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
     score = te.compute(
         shape,
         lambda b, hkv, blk, ch, kk, ri: te.sum(
-            cast(g.k[b, hkv, g.slot(b, blk, ch, kk), c], acc) * cast(qg_t[b, hkv, blk, c, ri], acc), axis=c
+            cast(g.k[b, hkv, g.slot(b, blk, ch, kk), c], acc) * cast(g.row_at(qg_t, b, hkv, blk, c, ri), acc), axis=c
         ),
         name="score",
     )
@@ -80,7 +80,7 @@ def cache_dq(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
     dp = te.compute(
         shape,
         lambda b, hkv, blk, ch, kk, ri: te.sum(
-            cast(g.v[b, hkv, g.slot(b, blk, ch, kk), c2], acc) * cast(dg_t[b, hkv, blk, c2, ri], acc), axis=c2
+            cast(g.v[b, hkv, g.slot(b, blk, ch, kk), c2], acc) * cast(g.row_at(dg_t, b, hkv, blk, c2, ri), acc), axis=c2
         ),
         name="dp",
     )
@@ -133,7 +133,7 @@ def cache_dkv(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = F
     dout, lse, delta = _grad_args(g)
     NKB = tirx.floordiv(Tk + (KB - 1), KB)
     row_lo = te.placeholder((B, NKB), "int32", name="row_lo")
-    nrb = shapes["NRB"] if "NRB" in shapes else te.var("nblocks", dtype="int64")
+    nrb = tirx.const(shapes["NRB"], "int64") if "NRB" in shapes else te.var("nblocks", dtype="int64")
     mul = product(spec.nonfinite or native_exp)
     ninf = _neg_inf(acc)
     row_lse, row_delta = _grad_rows(g, lse, delta)
@@ -229,7 +229,7 @@ def cache_dkv(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = F
     dv = te.compute((B, Hkv, Tk, g.D), lambda b, hkv, j, cc: dv_blk[b, hkv, div_nonneg(j, KB), mod_nonneg(j, KB), cc],
                     name="dv")
     args = g.head_args() + [dout, lse, delta, row_lo, g.scale] + g.scalar_args()
-    return args + ([nrb] if not isinstance(nrb, int) else []) + [dk, dv]
+    return args + ([nrb] if isinstance(nrb, tirx.Var) else []) + [dk, dv]
 
 
 def cache_dx(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = False):

@@ -29,7 +29,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir.stmt import SBlock, SBlockRealize
 from tvm.sym import Analyzer, IntervalSet
 
-from swa_tvm.compute.cache import CACHE_CHUNK
+from swa_tvm.compute.cache import CACHE_CHUNK, ROW_MAJOR_BELOW
 from swa_tvm.compute.forward import (
     EXTRA_TILE,
     GLOBAL_BLOCK,
@@ -147,37 +147,20 @@ def _key_row_product(sch, name, rows_extent, cols_extent, lanes, knobs, vector_c
 
 
 def _key_vector_product(sch, name):
-    """The rfactor stage of a key-major [keys, rows] product reduced over the feature
-    axis, for blocks of fewer rows than a vector (a decode step's): each key row loaded
-    once as feature vectors and multiplied into one vector accumulator per row (summed
-    across lanes by the stage after). Rows as vectors (``_key_row_product``) would leave
-    such a block scalar."""
-    # At the item loop, both stages' lane axis (rfactor's) comes first: item, lanes, unit
-    # loops, keys, rows (, the feature vectors of the rfactor stage).
+    """The score product of a row-major chunk ([row, key] reduced over the features),
+    after rfactor of its feature vectors: each key row loaded once as feature vectors
+    and multiplied into one vector accumulator per row, then summed across lanes."""
+    # At the item loop both stages' lane axis (rfactor's) comes first: item, lanes, the
+    # unit loops, rows, keys (, the feature vectors of the rfactor stage).
     rf = sch.get_sblock(name + "_rf")
     loops = sch.get_loops(rf)
-    ci, (k_l, r_l, co) = loops[1], loops[-3:]
+    ci, (r_l, k_l, co) = loops[1], loops[-3:]
     sch.reorder(k_l, co, r_l, ci)
     sch.unroll(r_l)
     sch.vectorize(ci)
     sch.decompose_reduction(rf, co)
-    total = sch.get_sblock(name)
-    loops = sch.get_loops(total)
+    loops = sch.get_loops(sch.get_sblock(name))
     sch.reorder(loops[-2], loops[-1], loops[1])
-
-
-def _row_major_chunk(sch, names, chunk: int, lanes: int):
-    """A chunk's [key, row] stages as [row, key], keys in vectors: for blocks of fewer
-    rows than a vector, where key-major tiles would leave the mask and exp scalar."""
-    for name in names:
-        blk = sch.get_sblock(name)
-        sch.transform_layout(blk, ("write", 0), lambda b, h, n, c, k, r: (b, h, n, c, r, k))
-    for name in names[1:]:
-        blk = sch.get_sblock(name)
-        k_l, r_l = sch.get_loops(blk)[-2:]
-        sch.reorder(r_l, k_l)
-        if chunk % lanes == 0:
-            _vectorize_inner(sch, k_l, lanes)
 
 
 def _feature_inner(sch, name, lanes, head_dim):
@@ -351,16 +334,22 @@ def schedule_global(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8
     an item at the item loop, tiled as the local kernel's (key rows x block-row vectors
     for the scores, block rows x feature vectors for P·V, vertical max and sum); then
     the per-block combine over chunks, then the gathers back to [B, H, G, ...]."""
-    _schedule_split_k(sch, spec, GLOBAL_BLOCK, GLOBAL_CHUNK, vector_lanes, knobs)
+    _schedule_split_k(sch, spec, GLOBAL_BLOCK, GLOBAL_CHUNK, vector_lanes, knobs, row_major=False)
 
 
 def schedule_cache(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
     """The KV-cache kernel (``compute.cache``) has the global rows' split-K stages, per
     (batch, KV head, row block, key chunk): the same plan."""
-    _schedule_split_k(sch, spec, spec.block_q, CACHE_CHUNK, vector_lanes, knobs)
+    _schedule_split_k(sch, spec, spec.block_q, CACHE_CHUNK, vector_lanes, knobs,
+                      row_major=spec.block_q < ROW_MAJOR_BELOW)
 
 
-def _schedule_split_k(sch, spec: KernelSpec, block: int, chunk: int, vector_lanes: int, knobs) -> None:
+def _schedule_split_k(sch, spec: KernelSpec, block: int, chunk: int, vector_lanes: int, knobs,
+                      row_major: bool) -> None:
+    """``row_major``: the chunk's [key, row] tiles are laid out [row, key] (the cache
+    kernel's small blocks, ``compute.cache.ROW_MAJOR_BELOW``): keys in vectors, and the
+    score product's features in vectors (rfactor), where rows as vectors would leave a
+    decode step's few rows scalar."""
     knobs = knobs or Defaults()
     out = sch.get_sblock("out")
     b, h, g, cc = sch.get_loops(out)
@@ -374,26 +363,25 @@ def _schedule_split_k(sch, spec: KernelSpec, block: int, chunk: int, vector_lane
     # Items: (batch, head, block, chunk). The chunk's max, sum and P·V are all read by
     # the combine, so all three are roots of the item loop (compute_at needs every
     # consumer of a stage under the loop).
-    rows_vec = block % vector_lanes == 0
-    # Too few rows to be vectors (a decode step's block): the feature axis is, factored
-    # out before the item loop takes the stage (rfactor wants its own loop nest).
-    feature_vectors = not rows_vec and spec.head_dim % vector_lanes == 0
-    if feature_vectors:
+    rows_vec = not row_major and block % vector_lanes == 0
+    feature_vectors = row_major and spec.head_dim % vector_lanes == 0
+    if feature_vectors:  # before the item loop takes the stage: rfactor wants its own loop nest
         blk = sch.get_sblock("gscore")
         _, ci = sch.split(sch.get_loops(blk)[-1], factors=[None, vector_lanes])
         sch.rfactor(ci, factor_axis=len(sch.get(blk).iter_vars) - 1)
     _items(sch, ["cmax", "csum", "cacc"], ["cprob", "cref", "gmasked", "gscore", "gscore_rf", "qg_t"], knobs, depth=4)
-    blk = sch.get_sblock("qg_t")
-    cc_l, gi_l = sch.get_loops(blk)[-2:]
-    sch.reorder(gi_l, cc_l)
+    if not row_major:
+        blk = sch.get_sblock("qg_t")
+        cc_l, gi_l = sch.get_loops(blk)[-2:]
+        sch.reorder(gi_l, cc_l)
     if feature_vectors:
-        # Rows outside, features inside: the products read the query as feature vectors.
-        sch.transform_layout(blk, ("write", 0), lambda b, h, n, c, r: (b, h, n, r, c))
         _key_vector_product(sch, "gscore")
     else:
         _key_row_product(sch, "gscore", chunk, block, vector_lanes, knobs, rows_vec, True)
-    if feature_vectors:
-        _row_major_chunk(sch, ["gscore", "gmasked", "cprob"], chunk, vector_lanes)
+    if row_major:
+        for name in ("gmasked", "cprob"):
+            if chunk % vector_lanes == 0:
+                _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1], vector_lanes)
     else:
         _vectorize_block_axis(sch, ["gmasked", "cprob", "cref"], block, vector_lanes)
         for name in ("cmax", "csum"):
