@@ -64,6 +64,15 @@ def _check_tensor(name: str, x, rank: int) -> None:
         raise ValueError(f"{name} must have rank {rank}, got shape {tuple(x.shape)}")
 
 
+def _check_sink_logits(sink_logits, H: int) -> None:
+    if sink_logits is not None:
+        _check_tensor("sink_logits", sink_logits, 1)
+        if sink_logits.shape[0] != H:
+            raise ValueError(f"sink_logits must have shape [H]=[{H}], got {tuple(sink_logits.shape)}")
+        if not sink_logits.dtype.is_floating_point:
+            raise TypeError(f"sink_logits must be a floating tensor, got {sink_logits.dtype}")
+
+
 def _check_heads_dtypes_scale(q, k, v, scale) -> None:
     """q [B, H, T_q, D] against k, v [B, H_kv, T_k, D] (batch and D already matched):
     non-empty, GQA groups whole, one dtype, a scale the kernels take."""
@@ -138,12 +147,7 @@ def check_inputs(
         if x.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {x.dtype}, but q has {q.dtype}; all must match")
 
-    if sink_logits is not None:
-        _check_tensor("sink_logits", sink_logits, 1)
-        if sink_logits.shape[0] != H:
-            raise ValueError(f"sink_logits must have shape [H]=[{H}], got {tuple(sink_logits.shape)}")
-        if not sink_logits.dtype.is_floating_point:
-            raise TypeError(f"sink_logits must be a floating tensor, got {sink_logits.dtype}")
+    _check_sink_logits(sink_logits, H)
 
     named = [("q", q), ("k", k), ("v", v), ("dilation", dilation), ("global_idx", global_idx)]
     named += [("q_global", q_global), ("k_global", k_global), ("v_global", v_global), ("sink_logits", sink_logits)]
@@ -198,12 +202,7 @@ def check_kv_inputs(q, k, v, dilation, q_pos, kv_pos, num_sinks, sink_logits, so
             raise TypeError(f"{name} must have an integer dtype, got {x.dtype}")
         if tuple(x.shape) != shape:
             raise ValueError(f"{name} must have shape {list(shape)}, got {tuple(x.shape)}")
-    if sink_logits is not None:
-        _check_tensor("sink_logits", sink_logits, 1)
-        if sink_logits.shape[0] != H:
-            raise ValueError(f"sink_logits must have shape [H]=[{H}], got {tuple(sink_logits.shape)}")
-        if not sink_logits.dtype.is_floating_point:
-            raise TypeError(f"sink_logits must be a floating tensor, got {sink_logits.dtype}")
+    _check_sink_logits(sink_logits, H)
     named = [("q", q), ("k", k), ("v", v), ("dilation", dilation), ("q_positions", q_pos), ("kv_positions", kv_pos)]
     named += [("sink_logits", sink_logits)] if sink_logits is not None else []
     if q.device.type == "meta":
