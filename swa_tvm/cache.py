@@ -142,18 +142,16 @@ class RollingKVCache:
                 "build the cache with the largest dilation its layer uses"
             )
         step = self.max_chunk if self.ring is not None else max(q.shape[2], 1)
+        kw = dict(window_size=self.window_size, dilation=dilation, num_sinks=self.num_sinks, sink_logits=sink_logits,
+                  softcap=softcap, scale=scale, return_lse=True)
         outs, lses = [], []
         for t0 in range(0, q.shape[2], step):
             t1 = min(t0 + step, q.shape[2])
             self.write(k[:, :, t0:t1], v[:, :, t0:t1])
-            kw = dict(window_size=self.window_size, dilation=dilation,
-                      num_sinks=self.num_sinks, sink_logits=sink_logits, softcap=softcap, scale=scale, return_lse=True)
-            if self.ring is None:  # slots are positions: the kernel searches the span it needs
-                out, lse = attention_with_kv_cache(q[:, :, t0:t1], self.k, self.v, q_offset=self.position - (t1 - t0),
-                                                   kv_len=self.position, **kw)
-            else:
-                out, lse = attention_with_kv_cache(q[:, :, t0:t1], self.k, self.v, q_offset=self.position - (t1 - t0),
-                                                   kv_positions=self.slot_positions, **kw)
+            # A full layer's slots are its positions: the kernel searches the span it needs.
+            keys = dict(kv_len=self.position) if self.ring is None else dict(kv_positions=self.slot_positions)
+            out, lse = attention_with_kv_cache(q[:, :, t0:t1], self.k, self.v, q_offset=self.position - (t1 - t0),
+                                               **keys, **kw)
             outs.append(out)
             lses.append(lse)
         out, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs, dim=2), torch.cat(lses, dim=2))

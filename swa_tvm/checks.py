@@ -39,13 +39,17 @@ def normalize_dilation(d: int, n: int) -> int:
     return min(d, max(n, 1))
 
 
-def check_window_and_sinks(left: int, right: int, num_sinks: int, T: int) -> None:
-    """The integer arguments' ranges, for the public function (before the op's int64
-    schema sees ints of any size) and for the op itself."""
+def check_window_and_sinks(left: int, right: int, num_sinks: int, T: int | None) -> None:
+    """The integer arguments' ranges, for the public functions (before the ops' int64
+    schemas see ints of any size) and for the ops themselves. ``T`` None (a KV cache,
+    where sink positions the cache does not hold are simply absent): no upper bound on
+    num_sinks."""
     for name, x in (("left", left), ("right", right)):
         if x < -1:
             raise ValueError(f"window_size {name} must be >= -1 (-1 means unbounded), got {x}")
-    if not 0 <= num_sinks <= T:
+    if T is None and num_sinks < 0:
+        raise ValueError(f"num_sinks must be >= 0, got {num_sinks}")
+    if T is not None and not 0 <= num_sinks <= T:
         raise ValueError(f"num_sinks must be in [0, T={T}], got {num_sinks}")
 
 
@@ -191,11 +195,7 @@ def check_kv_inputs(q, k, v, dilation, q_pos, kv_pos, num_sinks, sink_logits, so
     _check_heads_dtypes_scale(q, k, v, scale)
     if not (softcap == 0 or (math.isfinite(softcap) and softcap > 0)):
         raise ValueError(f"softcap must be a positive finite number (0 or None: no cap), got {softcap}")
-    for name, x in (("left", left), ("right", right)):
-        if x < -1:
-            raise ValueError(f"window_size {name} must be >= -1 (-1 means unbounded), got {x}")
-    if num_sinks < 0:
-        raise ValueError(f"num_sinks must be >= 0, got {num_sinks}")
+    check_window_and_sinks(left, right, num_sinks, None)
     for name, x, shape in (("dilation", dilation, (H,)), ("q_positions", q_pos, (B,)), ("kv_positions", kv_pos, (B, Tk))):
         _check_tensor(name, x, len(shape))
         if x.dtype.is_floating_point or x.dtype == torch.bool or x.is_complex():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -275,6 +275,25 @@ def _forward(
     return out, lse
 
 
+def _row_delta(dout, out, dlse, acc):
+    """delta_i = dout_i . out_i - dlse_i: the one row statistic every gradient kernel
+    needs. einsum makes it a batched matrix product (4x faster on the CPU than
+    (dout * out).sum(-1), which also writes a [B, H, T, D] temporary)."""
+    delta = torch.einsum("bhtd,bhtd->bht", dout.to(acc), out.to(acc))
+    return delta if dlse is None else delta - dlse.to(acc)
+
+
+def _sink_gradient(sink_logits, lse, delta, q):
+    """d loss / d sink_logits [H], or an empty tensor without them:
+    d lse_i / d sink_h = exp(sink_h - lse_i), and d out_i / d sink_h = -exp(sink_h - lse_i) out_i.
+    A +inf sink (lse = +inf) takes all of it: exp(inf - inf) is NaN, the limit is 1."""
+    if sink_logits is None:
+        return q.new_empty(0)
+    sink = sink_logits.to(lse.dtype).view(1, -1, 1)
+    p_sink = torch.where(torch.isposinf(sink), 1.0, torch.exp(sink - lse))
+    return -(p_sink * delta).sum((0, 2)).to(sink_logits.dtype)
+
+
 def _group_sum(x, Hkv):
     """[B, H, ...] per query head -> [B, H_kv, ...]: the gradient of a GQA group's k/v."""
     B, H = x.shape[:2]
@@ -310,22 +329,11 @@ def _backward(
     left, right = normalize_window(left, right, T)
     q, k, v, dout = _dense(q), _dense(k), _dense(v), _dense(dout)
     dil = _dilation(dilation, T)
-    # delta_i = dout_i . out_i - dlse_i: the one row statistic every gradient kernel needs.
-    # einsum makes it a batched matrix product (4x faster on the CPU than (dout * out).sum(-1),
-    # which also writes a [B, H, T, D] temporary).
-    delta = torch.einsum("bhtd,bhtd->bht", dout.to(acc), out.to(acc))
-    if dlse is not None:
-        delta = delta - dlse.to(acc)
+    delta = _row_delta(dout, out, dlse, acc)
     lse = _dense(lse)
     # Distinct empty tensors: a custom op's outputs may not alias each other.
     none = lambda: q.new_empty(0)  # noqa: E731
-    dsink = none()
-    if sink_logits is not None:
-        # d lse_i / d sink_h = exp(sink_h - lse_i), and d out_i / d sink_h = -exp(sink_h - lse_i) out_i.
-        # A +inf sink (lse = +inf) takes all of it: exp(inf - inf) is NaN, the limit is 1.
-        sink = sink_logits.to(acc).view(1, H, 1)
-        p_sink = torch.where(torch.isposinf(sink), 1.0, torch.exp(sink - lse))
-        dsink = -(p_sink * delta).sum((0, 2)).to(sink_logits.dtype)
+    dsink = _sink_gradient(sink_logits, lse, delta, q)
 
     G = global_idx.shape[1] if global_idx is not None else 0
     lse_l, delta_l = lse, delta
@@ -456,9 +464,18 @@ def cache_sinks(kv_pos, num_sinks: int):
     return torch.where(is_sink.gather(1, order), order, -1).to(torch.int32).contiguous()
 
 
-def _cache_plan(q, k, dilation, q_pos, kv_pos, num_sinks, softcap, left, right, nonfinite):
-    """What a cache call's kernels get, forward and gradients alike: (forward spec,
-    dilation [H] int32, q_pos, kv_pos int32, key_lo, nkeys, number of sink positions)."""
+class CachePlan(NamedTuple):
+    """What a cache call's kernels get, forward and gradients alike."""
+
+    spec: KernelSpec  # the forward kernel's
+    tables: list  # dilation, q_pos, kv_pos, key_lo (int32), then the sink slots if any
+    scalars: list  # softcap (if any), the number of sink positions (if any), nkeys
+    key_lo: torch.Tensor
+    nkeys: int
+    sink_slots: Optional[torch.Tensor]
+
+
+def _cache_plan(q, k, dilation, q_pos, kv_pos, num_sinks, softcap, left, right, nonfinite) -> CachePlan:
     H, Tq, D = q.shape[1], q.shape[2], q.shape[3]
     q_pos32, kv_pos32 = _dense(q_pos.to(torch.int32)), _dense(kv_pos.to(torch.int32))
     span = max(int(q_pos32.max()) + Tq, int(kv_pos32.max()) + 1)
@@ -473,7 +490,10 @@ def _cache_plan(q, k, dilation, q_pos, kv_pos, num_sinks, softcap, left, right, 
         "cache", D, str(q.dtype).replace("torch.", ""), left, right, 1 if dmax == 1 else 2, extras=S > 0,
         block_q=block, nonfinite=nonfinite, softcap=softcap > 0,
     )
-    return spec, dil, q_pos32, kv_pos32, key_lo, nkeys, S
+    slots = cache_sinks(kv_pos32, S) if S else None
+    tables = [dil, q_pos32, kv_pos32, key_lo] + ([slots] if S else [])
+    scalars = ([float(softcap)] if softcap > 0 else []) + ([S] if S else []) + [nkeys]
+    return CachePlan(spec, tables, scalars, key_lo, nkeys, slots)
 
 
 def attention_kv_forward(q, k, v, dilation, q_pos, kv_pos, num_sinks, sink_logits, softcap, scale, left, right):
@@ -490,16 +510,12 @@ def _kv_forward(q, k, v, dilation, q_pos, kv_pos, num_sinks, sink_logits, softca
     B, H, Tq, D = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     plan = _cache_plan(q, k, dilation, q_pos, kv_pos, num_sinks, softcap, left, right, nonfinite)
-    spec, dil, q_pos32, kv_pos32, key_lo, nkeys, S = plan
-    kern = _kernel(spec, q.device.type)
+    kern = _kernel(plan.spec, q.device.type)
     q, k, v = _dense(q), _dense(k), _dense(v)
     sink = _sink_or_none(sink_logits, H, acc, q.device)
     out = torch.empty(B, H, Tq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, Tq, dtype=acc, device=q.device)
-    args = [q, k, v, dil, q_pos32, kv_pos32, key_lo]
-    args += [cache_sinks(kv_pos32, S)] if S else []
-    args += [sink, float(scale)] + ([float(softcap)] if softcap > 0 else []) + ([S] if S else []) + [nkeys, out, lse]
-    _launch(kern, q.device, *args)
+    _launch(kern, q.device, q, k, v, *plan.tables, sink, float(scale), *plan.scalars, out, lse)
     if sink_logits is not None:
         lse.masked_fill_(torch.isposinf(sink_logits).view(1, H, 1), float("inf"))
     return out, lse
@@ -534,28 +550,22 @@ def attention_kv_backward(dout, dlse, q, k, v, dilation, q_pos, kv_pos, num_sink
 
 def _kv_backward(dout, dlse, q, k, v, dilation, q_pos, kv_pos, num_sinks, sink_logits, softcap, scale, left, right, out,
                  lse, *, nonfinite):
-    B, H, Tq, D = q.shape
-    Tk = k.shape[2]
+    B, D, Tk = q.shape[0], q.shape[3], k.shape[2]
     acc = lse.dtype
-    fwd, dil, q_pos32, kv_pos32, key_lo, nkeys, S = _cache_plan(
-        q, k, dilation, q_pos, kv_pos, num_sinks, softcap, left, right, nonfinite
-    )
-    kernels = {s.kind: _kernel(s, q.device.type) for s in fwd.backward_kernels()}
+    plan = _cache_plan(q, k, dilation, q_pos, kv_pos, num_sinks, softcap, left, right, nonfinite)
+    kernels = {s.kind: _kernel(s, q.device.type) for s in plan.spec.backward_kernels()}
     q, k, v, dout = _dense(q), _dense(k), _dense(v), _dense(dout)
-    delta = torch.einsum("bhtd,bhtd->bht", dout.to(acc), out.to(acc))
-    if dlse is not None:
-        delta = delta - dlse.to(acc)
-    lse, delta = _dense(lse), _dense(delta)
-    slots = cache_sinks(kv_pos32, S) if S else None
-    common = [q, k, v, dil, q_pos32, kv_pos32, key_lo] + ([slots] if S else []) + [dout, lse, delta]
-    scalars = ([float(softcap)] if softcap > 0 else []) + ([S] if S else []) + [nkeys]
+    lse, delta = _dense(lse), _dense(_row_delta(dout, out, dlse, acc))
+    common = [q, k, v, *plan.tables, dout, lse, delta]
+    scalars = plan.scalars
     dq = torch.empty_like(q)
     _launch(kernels["cache_dq"], q.device, *common, float(scale), *scalars, dq)
-    row_lo, nblocks = cache_row_blocks(key_lo, nkeys, Tk)
+    row_lo, nblocks = cache_row_blocks(plan.key_lo, plan.nkeys, Tk)
     dk = torch.empty(k.shape, dtype=acc, device=q.device)
     dv = torch.empty_like(dk)
     _launch(kernels["cache_dkv"], q.device, *common, row_lo, float(scale), *scalars, nblocks, dk, dv)
-    if S:
+    slots = plan.sink_slots
+    if slots is not None:
         E = slots.shape[1]
         dkx = torch.empty(B, k.shape[1], E, D, dtype=acc, device=q.device)
         dvx = torch.empty_like(dkx)
@@ -564,9 +574,4 @@ def _kv_backward(dout, dlse, q, k, v, dilation, q_pos, kv_pos, num_sinks, sink_l
         xi = slots.long().clamp_min(0)[:, None, :, None].expand(B, k.shape[1], E, D)
         dk.scatter_add_(2, xi, dkx)
         dv.scatter_add_(2, xi, dvx)
-    dsink = q.new_empty(0)
-    if sink_logits is not None:
-        s = sink_logits.to(acc).view(1, H, 1)
-        p_sink = torch.where(torch.isposinf(s), 1.0, torch.exp(s - lse))
-        dsink = -(p_sink * delta).sum((0, 2)).to(sink_logits.dtype)
-    return dq, dk.to(k.dtype), dv.to(v.dtype), dsink
+    return dq, dk.to(k.dtype), dv.to(v.dtype), _sink_gradient(sink_logits, lse, delta, q)

@@ -104,10 +104,7 @@ def sliding_window_attention(
     used and a pattern it lacks is an error; with none loaded, the needed kernel is
     compiled on first use and cached in memory and on disk.
     """
-    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
-        raise ValueError(f"window_size must be a (left, right) pair, got {window_size!r}")
-    left = _as_int("window_size left", window_size[0])
-    right = _as_int("window_size right", window_size[1])
+    left, right = _window(window_size)
     num_sinks = _as_int("num_sinks", num_sinks)
     # Everything the op's schema would refuse with a bare RuntimeError (a non-tensor, an
     # int beyond int64) is refused here first, by name.
@@ -122,13 +119,7 @@ def sliding_window_attention(
     # unbounded. Shorter ones reach the op as written, so that a library exported for
     # window (255, 0) serves T = 100 (swa_tvm.eager normalizes for the kernels it builds).
     left, right = (normalize_window(x, x, T)[0] if x > MAX_SPEC_INT else x for x in (left, right))
-    if not isinstance(dilation, torch.Tensor):
-        if isinstance(dilation, bool) or not isinstance(dilation, numbers.Integral):
-            raise TypeError(f"dilation must be an int or an integer tensor of shape [H], got {type(dilation).__name__}")
-        dilation = int(dilation)
-        if dilation < 1:
-            raise ValueError(f"dilation must be >= 1, got {dilation}")
-        dilation = torch.full((H,), normalize_dilation(dilation, T), dtype=torch.int32, device=q.device)
+    dilation = _dilation_tensor(dilation, H, T, q.device)
     scale = _scale(scale, D)
     if softcap is not None:
         if global_idx is not None:
@@ -203,10 +194,7 @@ def attention_with_kv_cache(
     **Gradients** flow to q, k, v (every slot, zero for slots no row sees) and
     sink_logits, through out and lse, softcap included.
     """
-    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
-        raise ValueError(f"window_size must be a (left, right) pair, got {window_size!r}")
-    left = _as_int("window_size left", window_size[0])
-    right = _as_int("window_size right", window_size[1])
+    left, right = _window(window_size)
     num_sinks = _as_int("num_sinks", num_sinks)
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x, 4)
@@ -216,11 +204,7 @@ def attention_with_kv_cache(
     Tk = k.shape[2]
     if k.shape[0] != B:
         raise ValueError(f"k/v must have q's batch size B={B}, got k {tuple(k.shape)}")
-    for name, x in (("left", left), ("right", right)):
-        if x < -1:
-            raise ValueError(f"window_size {name} must be >= -1 (-1 means unbounded), got {x}")
-    if num_sinks < 0:
-        raise ValueError(f"num_sinks must be >= 0, got {num_sinks}")
+    check_window_and_sinks(left, right, num_sinks, None)
     # Any side or dilation beyond int32 reaches past every int32 position.
     left, right = normalize_window(left, right, INT32_MAX)
     if softcap is None:
@@ -231,12 +215,7 @@ def attention_with_kv_cache(
         cap = float(softcap)
         if not (math.isfinite(cap) and cap > 0):
             raise ValueError(f"softcap must be a positive finite number, got {softcap}")
-    if not isinstance(dilation, torch.Tensor):
-        if isinstance(dilation, bool) or not isinstance(dilation, numbers.Integral):
-            raise TypeError(f"dilation must be an int or an integer tensor of shape [H], got {type(dilation).__name__}")
-        if dilation < 1:
-            raise ValueError(f"dilation must be >= 1, got {dilation}")
-        dilation = torch.full((H,), normalize_dilation(int(dilation), INT32_MAX), dtype=torch.int32, device=q.device)
+    dilation = _dilation_tensor(dilation, H, INT32_MAX, q.device)
     scale = _scale(scale, D)
     kv_pos = _kv_positions(kv_positions, kv_offset, kv_start, kv_len, B, Tk, q.device)
     q_pos = _q_positions(q_offset, kv_pos, B, Tq, q.device)
@@ -244,6 +223,24 @@ def attention_with_kv_cache(
         q, k, v, dilation, q_pos, kv_pos, num_sinks, sink_logits, cap, scale, left, right
     )
     return (out, lse) if return_lse else out
+
+
+def _window(window_size) -> tuple[int, int]:
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
+        raise ValueError(f"window_size must be a (left, right) pair, got {window_size!r}")
+    return _as_int("window_size left", window_size[0]), _as_int("window_size right", window_size[1])
+
+
+def _dilation_tensor(dilation, H: int, n: int, device) -> torch.Tensor:
+    """An int dilation as the op takes it: int32 [H], a dilation of n or more (over n
+    positions) as n; a tensor is left to the op's checks."""
+    if isinstance(dilation, torch.Tensor):
+        return dilation
+    if isinstance(dilation, bool) or not isinstance(dilation, numbers.Integral):
+        raise TypeError(f"dilation must be an int or an integer tensor of shape [H], got {type(dilation).__name__}")
+    if dilation < 1:
+        raise ValueError(f"dilation must be >= 1, got {dilation}")
+    return torch.full((H,), normalize_dilation(int(dilation), n), dtype=torch.int32, device=device)
 
 
 def _scale(scale, D: int) -> float:

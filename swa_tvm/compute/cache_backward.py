@@ -55,6 +55,25 @@ def _grad_args(g: CacheGeometry):
     return dout, lse, delta
 
 
+def _prob_ds(g: CacheGeometry, shape, score, dp, visible, lse_of, delta_of, mul, native_exp):
+    """The recomputed probabilities and score gradients of one product tile, each kernel
+    indexing it its own way: p = exp(capped(scale * score) - lse) where ``visible``, else
+    0; ds = p * (dp - delta), times the softcap's derivative under a cap."""
+    ninf = _neg_inf(g.acc)
+    prob = te.compute(
+        shape,
+        lambda *i: _exp(tirx.Select(visible(*i), g.capped(score[i] * g.scale) - lse_of(*i), ninf), g.acc, native_exp),
+        name="prob",
+    )
+
+    def ds_of(*i):
+        d = mul(prob[i], dp[i] - delta_of(*i))
+        f = _softcap_factor(g, score[i] * g.scale)
+        return d if f is None else d * f
+
+    return prob, te.compute(shape, ds_of, name="ds")
+
+
 def cache_dq(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = False):
     """dq [B,H,Tq,D]. Arguments: the forward's (q .. sink_slots), dout, lse, delta,
     scale, [softcap], [num_sinks], nkeys, dq."""
@@ -63,7 +82,6 @@ def cache_dq(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
     B, Hkv, NB, acc, D64, BR64, KC64, nchunk = g.B, g.Hkv, g.NB, g.acc, g.D64, g.BR64, g.KC64, g.nchunk
     dout, lse, delta = _grad_args(g)
     mul = product(spec.nonfinite or native_exp)
-    ninf = _neg_inf(acc)
     qg_t = g.rows_t(g.q, "qg_t")
     dg_t = g.rows_t(dout, "dg_t")
     row_lse, row_delta = _grad_rows(g, lse, delta)
@@ -84,22 +102,9 @@ def cache_dq(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
         ),
         name="dp",
     )
-    prob = te.compute(
-        shape,
-        lambda b, hkv, blk, ch, kk, ri: _exp(
-            tirx.Select(g.visible(b, hkv, blk, ch, kk, ri),
-                        g.capped(score[b, hkv, blk, ch, kk, ri] * g.scale) - row_lse[b, hkv, blk, ri], ninf),
-            acc, native_exp,
-        ),
-        name="prob",
-    )
-
-    def ds_of(b, hkv, blk, ch, kk, ri):
-        d = mul(prob[b, hkv, blk, ch, kk, ri], dp[b, hkv, blk, ch, kk, ri] - row_delta[b, hkv, blk, ri])
-        f = _softcap_factor(g, score[b, hkv, blk, ch, kk, ri] * g.scale)
-        return d if f is None else d * f
-
-    ds = te.compute(shape, ds_of, name="ds")
+    prob, ds = _prob_ds(g, shape, score, dp, g.visible,
+                        lambda b, hkv, blk, ch, kk, ri: row_lse[b, hkv, blk, ri],
+                        lambda b, hkv, blk, ch, kk, ri: row_delta[b, hkv, blk, ri], mul, native_exp)
     chr_ = te.reduce_axis((0, nchunk), name="chr")
     kr = te.reduce_axis((0, KC64), name="kr")
     dq_acc = te.compute(
@@ -135,7 +140,6 @@ def cache_dkv(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = F
     row_lo = te.placeholder((B, NKB), "int32", name="row_lo")
     nrb = tirx.const(shapes["NRB"], "int64") if "NRB" in shapes else te.var("nblocks", dtype="int64")
     mul = product(spec.nonfinite or native_exp)
-    ninf = _neg_inf(acc)
     row_lse, row_delta = _grad_rows(g, lse, delta)
 
     def key(m, kj):
@@ -188,22 +192,9 @@ def cache_dkv(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = F
             ok.append(p >= g.nsinks)  # sink positions: cache_dx, with every row
         return tirx.all(*ok)
 
-    prob = te.compute(
-        shape,
-        lambda b, hkv, m, u, ri, kj: _exp(
-            tirx.Select(visible(b, hkv, m, u, ri, kj),
-                        g.capped(score[b, hkv, m, u, ri, kj] * g.scale) - row_lse[b, hkv, block(b, m, u), ri], ninf),
-            acc, native_exp,
-        ),
-        name="prob",
-    )
-
-    def ds_of(b, hkv, m, u, ri, kj):
-        d = mul(prob[b, hkv, m, u, ri, kj], dp[b, hkv, m, u, ri, kj] - row_delta[b, hkv, block(b, m, u), ri])
-        f = _softcap_factor(g, score[b, hkv, m, u, ri, kj] * g.scale)
-        return d if f is None else d * f
-
-    ds = te.compute(shape, ds_of, name="ds")
+    prob, ds = _prob_ds(g, shape, score, dp, visible,
+                        lambda b, hkv, m, u, ri, kj: row_lse[b, hkv, block(b, m, u), ri],
+                        lambda b, hkv, m, u, ri, kj: row_delta[b, hkv, block(b, m, u), ri], mul, native_exp)
     ur = te.reduce_axis((0, nrb), name="ur")
     rr = te.reduce_axis((0, BR64), name="rr")
     ur2 = te.reduce_axis((0, nrb), name="ur2")
@@ -241,17 +232,13 @@ def cache_dx(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
     B, Hkv, E, acc = g.B, g.Hkv, g.E, g.acc
     dout, lse, delta = _grad_args(g)
     mul = product(spec.nonfinite or native_exp)
-    ninf = _neg_inf(acc)
-
-    def head(hkv, r):
-        return g.head(hkv, r)
 
     shape = (B, Hkv, E, g.rows)
     c = te.reduce_axis((0, g.D64), name="c")
     score = te.compute(
         shape,
         lambda b, hkv, e, r: te.sum(
-            cast(g.k[b, hkv, g.clamp_slot(g.listed(b, e)), c], acc) * cast(g.q[b, head(hkv, r), g.query(r), c], acc),
+            cast(g.k[b, hkv, g.clamp_slot(g.listed(b, e)), c], acc) * cast(g.q[b, g.head(hkv, r), g.query(r), c], acc),
             axis=c,
         ),
         name="score",
@@ -260,7 +247,7 @@ def cache_dx(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
     dp = te.compute(
         shape,
         lambda b, hkv, e, r: te.sum(
-            cast(g.v[b, hkv, g.clamp_slot(g.listed(b, e)), c2], acc) * cast(dout[b, head(hkv, r), g.query(r), c2], acc),
+            cast(g.v[b, hkv, g.clamp_slot(g.listed(b, e)), c2], acc) * cast(dout[b, g.head(hkv, r), g.query(r), c2], acc),
             axis=c2,
         ),
         name="dp",
@@ -271,33 +258,20 @@ def cache_dx(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
         p = i64(g.kv_pos[b, g.clamp_slot(x)])
         return tirx.all(x >= 0, p >= 0, sink_visible(spec.causal, g.position(b, r), p, g.nsinks))
 
-    prob = te.compute(
-        shape,
-        lambda b, hkv, e, r: _exp(
-            tirx.Select(visible(b, hkv, e, r),
-                        g.capped(score[b, hkv, e, r] * g.scale) - lse[b, head(hkv, r), g.query(r)], ninf),
-            acc, native_exp,
-        ),
-        name="prob",
-    )
-
-    def ds_of(b, hkv, e, r):
-        d = mul(prob[b, hkv, e, r], dp[b, hkv, e, r] - delta[b, head(hkv, r), g.query(r)])
-        f = _softcap_factor(g, score[b, hkv, e, r] * g.scale)
-        return d if f is None else d * f
-
-    ds = te.compute(shape, ds_of, name="ds")
+    prob, ds = _prob_ds(g, shape, score, dp, visible,
+                        lambda b, hkv, e, r: lse[b, g.head(hkv, r), g.query(r)],
+                        lambda b, hkv, e, r: delta[b, g.head(hkv, r), g.query(r)], mul, native_exp)
     rr = te.reduce_axis((0, g.rows), name="rr")
     rr2 = te.reduce_axis((0, g.rows), name="rr2")
     dkx_acc = te.compute(
         (B, Hkv, E, g.D),
-        lambda b, hkv, e, cc: te.sum(mul(ds[b, hkv, e, rr], cast(g.q[b, head(hkv, rr), g.query(rr), cc], acc)), axis=rr),
+        lambda b, hkv, e, cc: te.sum(mul(ds[b, hkv, e, rr], cast(g.q[b, g.head(hkv, rr), g.query(rr), cc], acc)), axis=rr),
         name="dkx_acc",
     )
     dkx = te.compute((B, Hkv, E, g.D), lambda *i: dkx_acc[i] * g.scale, name="dkx")
     dvx = te.compute(
         (B, Hkv, E, g.D),
-        lambda b, hkv, e, cc: te.sum(mul(prob[b, hkv, e, rr2], cast(dout[b, head(hkv, rr2), g.query(rr2), cc], acc)),
+        lambda b, hkv, e, cc: te.sum(mul(prob[b, hkv, e, rr2], cast(dout[b, g.head(hkv, rr2), g.query(rr2), cc], acc)),
                                      axis=rr2),
         name="dvx",
     )

@@ -163,19 +163,6 @@ def _key_vector_product(sch, name):
     sch.reorder(loops[-2], loops[-1], loops[1])
 
 
-def _feature_inner(sch, name, lanes, head_dim):
-    """A [.., D] result reduced over its last loops: the reductions outside, the feature
-    axis innermost and in vectors."""
-    blk = sch.get_sblock(name)
-    nred = sum(1 for iv in sch.get(blk).iter_vars if iv.iter_type == 2)  # IterVar.CommReduce
-    loops = sch.get_loops(blk)
-    cc, red = loops[-nred - 1], loops[-nred:]
-    sch.reorder(*red, cc)
-    if head_dim % lanes == 0:
-        _vectorize_inner(sch, cc, lanes)
-    sch.decompose_reduction(blk, red[0])
-
-
 def _products_feature_outer(sch, names):
     """[.., key, row] products reduced over the feature axis: the feature loop outside
     the innermost spatial loop, so the row (or key) loop runs along contiguous tiles."""
@@ -192,8 +179,8 @@ def schedule_cache_dq(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) 
     knobs = knobs or Defaults()
     _items(sch, ["dq_acc"], ["ds", "prob", "dp", "score", "dg_t", "qg_t", "row_delta", "row_lse"], knobs, depth=3)
     _products_feature_outer(sch, ["score", "dp"])
-    _feature_inner(sch, "dq_acc", vector_lanes, spec.head_dim)
-    _gather_rows(sch, "dq", vector_lanes, spec.head_dim)
+    _row_reduce_product(sch, "dq_acc", spec, vector_lanes)
+    _gather_back(sch, ["dq"], spec, vector_lanes)
 
 
 def schedule_cache_dkv(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
@@ -204,9 +191,8 @@ def schedule_cache_dkv(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None)
     _items(sch, ["dv_blk", "dk_blk"], ["ds", "prob", "dp", "score", "vt", "kt"], knobs, depth=3)
     _products_feature_outer(sch, ["score", "dp"])
     for name in ("dk_blk", "dv_blk"):
-        _feature_inner(sch, name, vector_lanes, spec.head_dim)
-    for name in ("dk", "dv"):
-        _gather_rows(sch, name, vector_lanes, spec.head_dim)
+        _row_reduce_product(sch, name, spec, vector_lanes)
+    _gather_back(sch, ["dk", "dv"], spec, vector_lanes)
 
 
 def schedule_cache_dx(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
@@ -214,16 +200,8 @@ def schedule_cache_dx(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) 
     knobs = knobs or Defaults()
     _items(sch, ["dvx", "dkx_acc"], ["ds", "prob", "dp", "score"], knobs, depth=2)  # lands before dkx
     for name in ("dkx_acc", "dvx"):
-        _feature_inner(sch, name, vector_lanes, spec.head_dim)
-    _gather_rows(sch, "dkx", vector_lanes, spec.head_dim)
-
-
-def _gather_rows(sch, name, lanes, head_dim):
-    """A [.., D] output stage: its outer loops fused and parallel, D in vectors."""
-    loops = sch.get_loops(sch.get_sblock(name))
-    sch.parallel(sch.fuse(*loops[:-1]))
-    if head_dim % lanes == 0:
-        _vectorize_inner(sch, loops[-1], lanes)
+        _row_reduce_product(sch, name, spec, vector_lanes)
+    _gather_back(sch, ["dkx"], spec, vector_lanes)
 
 
 def _largest_divisor_upto(n: int, cap: int) -> int:
@@ -527,14 +505,17 @@ def _per_head(sch, roots, per_head, knobs):
 
 
 def _row_reduce_product(sch, name, spec, vector_lanes):
-    """[rows, D] = sum over r of [r, rows] x [r, D] with a runtime-length r: the
-    feature axis vectorized innermost, the reduction outside it."""
+    """[rows, D] = sum over r of [r, rows] x [r, D] with a runtime-length r (or over
+    several reduction axes): the feature axis vectorized innermost, the reductions
+    outside it."""
     blk = sch.get_sblock(name)
-    _, c_l, r_l = sch.get_loops(blk)[-3:]
-    sch.reorder(r_l, c_l)
+    nred = sum(1 for iv in sch.get(blk).iter_vars if iv.iter_type == 2)  # IterVar.CommReduce
+    loops = sch.get_loops(blk)
+    c_l, red = loops[-nred - 1], loops[-nred:]
+    sch.reorder(*red, c_l)
     if spec.head_dim % vector_lanes == 0:
         _vectorize_inner(sch, c_l, vector_lanes)
-    sch.decompose_reduction(blk, r_l)
+    sch.decompose_reduction(blk, red[0])
 
 
 def schedule_local_dx(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
