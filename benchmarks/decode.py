@@ -57,19 +57,22 @@ def read_bandwidth_gbs(runs: int = 7, nbytes: int = 256 << 20) -> float:
     return nbytes / statistics.median(ts) / 1e9
 
 
-def _methods(layer: str, B: int, Tq: int, dtype, ctx: int):
-    """name -> callable(), and the K/V bytes one call must read."""
+def decode_methods(layer: str, B: int, Tq: int, dtype, ctx: int, window: int = WINDOW, heads=(H, HKV, D),
+                   device="cpu"):
+    """(name -> callable(), the K/V bytes one call must read, peers that failed): the
+    methods above on the same inputs, on ``device`` (tools.gpu_check times them there)."""
+    nh, nkv, hd = heads
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(B, H, Tq, D, generator=g).to(dtype)
-    k = torch.randn(B, HKV, ctx, D, generator=g).to(dtype)
-    v = torch.randn(B, HKV, ctx, D, generator=g).to(dtype)
-    left = WINDOW - 1 if layer == "sliding" else -1
+    q = torch.randn(B, nh, Tq, hd, generator=g).to(device, dtype)
+    k = torch.randn(B, nkv, ctx, hd, generator=g).to(device, dtype)
+    v = torch.randn(B, nkv, ctx, hd, generator=g).to(device, dtype)
+    left = window - 1 if layer == "sliding" else -1
     q0 = ctx - Tq
-    pos = torch.arange(ctx)
-    qpos = torch.arange(q0, ctx)
+    pos = torch.arange(ctx, device=device)
+    qpos = torch.arange(q0, ctx, device=device)
     allowed = (pos[None, :] <= qpos[:, None]) & ((qpos[:, None] - pos[None, :] <= left) if left >= 0 else True)
-    keys_read = min(ctx, WINDOW + Tq - 1) if left >= 0 else ctx
-    nbytes = 2 * B * HKV * keys_read * D * q.element_size()
+    keys_read = min(ctx, window + Tq - 1) if left >= 0 else ctx
+    nbytes = 2 * B * nkv * keys_read * hd * q.element_size()
     methods = {
         "swa_tvm": lambda: swa_tvm.attention_with_kv_cache(q, k, v, window_size=(left, 0)),
         "SDPA + mask": lambda: torch.nn.functional.scaled_dot_product_attention(
@@ -85,13 +88,13 @@ def _methods(layer: str, B: int, Tq: int, dtype, ctx: int):
         )
         # A rolling buffer of exactly the slots a step needs, in ring order.
         slots = keys_read
-        ring_pos = torch.arange(lo, ctx)
+        ring_pos = torch.arange(lo, ctx, device=device)
         order = ring_pos % slots
         kr = torch.empty_like(kw)
         vr = torch.empty_like(vw)
         kr[:, :, order] = kw
         vr[:, :, order] = vw
-        slot_pos = torch.empty(slots, dtype=torch.int32)
+        slot_pos = torch.empty(slots, dtype=torch.int32, device=device)
         slot_pos[order] = ring_pos.to(torch.int32)
         methods["swa_tvm rolling"] = lambda: swa_tvm.attention_with_kv_cache(
             q, kr, vr, q_offset=q0, kv_positions=slot_pos, window_size=(left, 0)
@@ -105,7 +108,7 @@ def _methods(layer: str, B: int, Tq: int, dtype, ctx: int):
     failed = {}
     try:  # a peer that does not compile at a shape is reported, not fatal
         # The eager block mask: inductor's C++ for the compiled one fails at T_q = 1.
-        block_mask = create_block_mask(mask_mod, None, None, Tq, ctx, device="cpu", _compile=False)
+        block_mask = create_block_mask(mask_mod, None, None, Tq, ctx, device=str(device), _compile=False)
         torch._dynamo.reset()
         flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)
         methods["FlexAttention"] = lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=True)
@@ -116,8 +119,9 @@ def _methods(layer: str, B: int, Tq: int, dtype, ctx: int):
     return methods, nbytes, failed
 
 
-def run_case(layer: str, B: int, Tq: int, dtype, runs: int, ctx: int) -> dict:
-    methods, nbytes, failed = _methods(layer, B, Tq, dtype, ctx)
+def check_agreement(methods: dict, dtype) -> dict:
+    """Each method's max |difference| from swa_tvm's output; AssertionError past the
+    dtype's tolerance."""
     want = methods["swa_tvm"]().float()
     tol = 2e-3 if dtype == torch.float32 else 5e-2
     agree = {}
@@ -125,7 +129,16 @@ def run_case(layer: str, B: int, Tq: int, dtype, runs: int, ctx: int) -> dict:
         err = (fn().float() - want).abs().max().item()
         agree[name] = err
         if not err <= tol * max(1.0, want.abs().max().item()):
-            raise AssertionError(f"{name} disagrees with swa_tvm on {layer} B={B} Tq={Tq} {dtype}: {err}")
+            raise AssertionError(f"{name} disagrees with swa_tvm: max |difference| {err}")
+    return agree
+
+
+def run_case(layer: str, B: int, Tq: int, dtype, runs: int, ctx: int) -> dict:
+    methods, nbytes, failed = decode_methods(layer, B, Tq, dtype, ctx)
+    try:
+        agree = check_agreement(methods, dtype)
+    except AssertionError as e:
+        raise AssertionError(f"{layer} B={B} Tq={Tq} {dtype}: {e}") from None
     ms = interleaved_medians(methods, runs=runs)
     return {"layer": layer, "B": B, "Tq": Tq, "dtype": str(dtype).replace("torch.", ""), "kv_bytes": nbytes,
             "ms": ms, "max_abs_diff": agree, "failed": failed}

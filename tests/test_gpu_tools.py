@@ -41,6 +41,29 @@ def test_gpu_check_harness_on_cpu(tmp_path, fresh_registry):
                                                                        "v_global", "sink_logits"}
     assert all(e < 1e-4 for g in grads.values() for e in g.values()), grads
     assert results["stream_and_compile"] == {"compile_fullgraph_equal": True}
+    # The KV-cache stage runs with correctness, whatever the budget: every case, out,
+    # lse and the gradients of q, k, v (and the sink logits where given).
+    kv = {r["case"]: r for r in results["kv_cache"]}
+    assert set(kv) == {c[0] for c in gpu_check.KV_CASES}
+    assert all(r["ok"] and r["out_rel_err"] < 1e-5 and max(r["grad_rel_err"].values()) < 1e-4 for r in kv.values()), kv
+    assert set(kv["chunk, per-head dilation, sinks, sink logits"]["grad_rel_err"]) == {"q", "k", "v", "sink_logits"}
+
+
+def test_gpu_check_decode_timing_on_cpu():
+    """The GPU check's decode stage (GPU-only there), on the CPU kernels at a tiny shape:
+    every peer agrees with ours and is timed, with the ratios the bars ask for."""
+    from tools import gpu_check
+
+    results = {}
+    gpu_check.bench_decode(results, torch.device("cpu"), quick=True)
+    rows = results["decode"]
+    assert [(r["layer"], r["B"], r["Tq"]) for r in rows] == [("sliding", 1, 1), ("sliding", 8, 1), ("full", 1, 1),
+                                                            ("full", 8, 1), ("sliding", 1, 8)]
+    for r in rows:
+        assert "error" not in r, r
+        assert {"swa_tvm", "SDPA + mask"} <= set(r["ms"]) and r["vs_whole_cache_peers"] > 0
+        assert max(r["max_abs_diff"].values()) < 1e-4
+    assert all(r["kv_gb_s"] > 0 and "vs_window_peer" in r for r in rows if r["layer"] == "sliding" and r["Tq"] == 1)
 
 
 def test_gpu_check_training_timing_on_cpu():

@@ -63,21 +63,48 @@ BENCH_SPECS = (
     "head_dim=128,window=4095:0,dilation=2,dtype=bfloat16",
     "head_dim=128,window=4095:0,globals,dtype=bfloat16",
 )
+# The KV-cache kernels (kinds cache*, the TE schedule: no fused kernel serves them), of
+# gpu_check.check_kv_cache's cases in every dtype: softcap without sinks, sinks without
+# softcap (each serving dilation 1 and 2) and a full causal layer, with their gradients.
+KV_CHECK_SPECS = (
+    "head_dim=64,window=31:0,dilation=2,kvcache,softcap,backward",
+    "head_dim=64,window=31:0,dilation=2,sinks,kvcache,backward",
+    "head_dim=64,window=-1:0,kvcache,backward",
+)
+# gpu_check.bench_decode's: bf16 D=128, a sliding layer (W=4096) and a full one.
+KV_BENCH_SPECS = (
+    "head_dim=128,window=4095:0,kvcache,dtype=bfloat16",
+    "head_dim=128,window=-1:0,kvcache,dtype=bfloat16",
+)
+
+
+# The blocks of rows those cases take (T_q x the GQA group: 2 and 4 rows; 32, 74 and 2048):
+# the 8-row kernels would only add to what the device tool carries.
+KV_BLOCKS = (4, 16)
+
+
+def _cache_kernels(texts) -> list:
+    return [k for s in texts for k in AttentionSpec.parse(s).kernels()
+            if k.kind.startswith("cache") and k.block_q in KV_BLOCKS]
 
 
 def build_libraries(out: str, arch: str) -> list[str]:
     target = normalize_target(f"cuda -arch={arch}")
     os.makedirs(os.path.join(out, "lib"), exist_ok=True)
-    jobs = [(f"check_{dt}", [AttentionSpec.parse(f"{s},dtype={dt}") for s in CHECK_SPECS]) for dt in CHECK_DTYPES]
-    jobs.append(("bench_bf16", [AttentionSpec.parse(s) for s in BENCH_SPECS]))
+    jobs = [(f"check_{dt}", [k for s in CHECK_SPECS for k in AttentionSpec.parse(f"{s},dtype={dt}").kernels()])
+            for dt in CHECK_DTYPES]
+    jobs.append(("bench_bf16", [k for s in BENCH_SPECS for k in AttentionSpec.parse(s).kernels()]))
+    jobs += [(f"kvcache_{dt}", _cache_kernels(f"{s},dtype={dt}" for s in KV_CHECK_SPECS)) for dt in CHECK_DTYPES]
+    jobs.append(("kvcache_bench_bf16", _cache_kernels(KV_BENCH_SPECS)))
     paths = []
-    for name, specs in jobs:
+    for name, kernels in jobs:
         path = os.path.join(out, "lib", f"{name}_{arch}.so")
         t0 = time.time()
-        kernels = list(dict.fromkeys(k for s in specs for k in s.kernels()))
+        kernels = list(dict.fromkeys(kernels))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UntunedKernelWarning)  # no CUDA records yet: all default
             export_library(kernels, path, target)
+        os.remove(path + ".cu")  # the generated source: nothing there reads it, and it counts against the 64 MiB
         print(f"{path}: {len(kernels)} kernels in {time.time() - t0:.0f}s", flush=True)
         paths.append(path)
     return paths

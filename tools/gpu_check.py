@@ -8,11 +8,13 @@ runtime only, then, in one process:
    logits, GQA) in float16, bfloat16 and float32 against the float64 dense reference on
    fresh random inputs, out, lse and the gradients of every float input (through
    ``torch.autograd``: the backward kernels), with tolerances by dtype; a call on a side
-   stream and under ``torch.compile(fullgraph=True)``;
+   stream and under ``torch.compile(fullgraph=True)``; ``attention_with_kv_cache``
+   (decode steps, chunks, rolling buffers) the same way (``check_kv_cache``);
 2. timing (median of CUDA-event timed runs after warm-up) of ours against FlexAttention
    (sliding-window block mask, compiled), SDPA with a banded boolean mask and SDPA causal
    with no window, at bf16 B=1 H=32 H_kv=8 D=128 T=32768 causal W=4096, plain, dilation 2
    and +64 global tokens; the bf16 matmul rate measured in the same run as the ceiling;
+   a decode step and a prefill chunk against a KV cache (``bench_decode``);
 3. scaling: our forward time at T = 8K ... 128K (as far as memory allows); training
    (forward + backward) against FlexAttention and SDPA at the timing shape (causal);
 4. variants: the fused forward, dq and dk/dv kernels' tile configurations (tensor cores
@@ -166,6 +168,149 @@ def check_patterns(results: dict, dev: torch.device) -> bool:
     results["stream_and_compile"] = extra
     print(f"  stream and compile: {extra}")
     return ok_all and all(v for k, v in extra.items() if k.endswith("_equal"))
+
+
+# The KV-cache cases: (name, pattern, T_q, layout). Batch row 0's queries are the last
+# T_q positions of the cache, row 1's sit 23 positions earlier, its later slots unwritten
+# (NaN: never attended, whatever they hold). "lengths" passes q_offset and kv_len,
+# "rolling" the slots' positions in a ring's order (kv_positions) with no slot
+# unwritten. Their kernels are tools.gpu_bundle.KV_CHECK_SPECS'.
+KV_CASES = (
+    ("decode, dilation 2, softcap", dict(window_size=(31, 0), dilation=2, softcap=20.0), 1, "lengths"),
+    ("chunk, per-head dilation, sinks, sink logits",
+     dict(window_size=(31, 0), dilation="per_head", num_sinks=4, sink_logits=True), 37, "lengths"),
+    ("decode, rolling buffer, softcap", dict(window_size=(31, 0), softcap=20.0), 1, "rolling"),
+    ("chunk of 16, full layer", dict(window_size=(-1, 0)), 16, "lengths"),
+)
+
+
+def check_kv_cache(results: dict, dev: torch.device) -> bool:
+    """``attention_with_kv_cache`` against the float64 dense reference of the full
+    sequence (its rows at the queries' positions), out, lse and the gradients of q, k, v
+    and the sink logits, in every dtype; True when all pass."""
+    B, H, Hkv, N, D = 2, 4, 2, 300, 64
+    back = 23  # batch row 1's queries are this many positions before row 0's
+    rows, ok_all = [], True
+    dtypes = (torch.float16, torch.bfloat16, torch.float32) if dev.type == "cuda" else (torch.float32,)
+    for dtype in dtypes:
+        tol_out, tol_lse = TOLERANCE[dtype]
+        for name, pattern, Tq, layout in KV_CASES:
+            entry = {"case": name, "dtype": str(dtype).replace("torch.", "")}
+            try:
+                g = torch.Generator().manual_seed(hash((name, str(dtype))) % 2**31)
+                mk = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+                q, k, v = mk(B, H, N, D), mk(B, Hkv, N, D), mk(B, Hkv, N, D)
+                kw = dict(pattern)
+                if kw.get("dilation") == "per_head":
+                    kw["dilation"] = torch.tensor([1, 2, 1, 2], dtype=torch.int32)
+                leaves = {"q": q, "k": k, "v": v}
+                if kw.pop("sink_logits", False):
+                    leaves["sink_logits"] = torch.randn(H, generator=g)
+                ref_in = {n: x.detach().double().requires_grad_() for n, x in leaves.items()}
+                ref_out, ref_lse = sliding_window_attention_ref(
+                    ref_in["q"], ref_in["k"], ref_in["v"], sink_logits=ref_in.get("sink_logits"), **kw)
+                q0 = torch.tensor([N - Tq, N - Tq - back])
+                # The rows the cached calls compute, per batch row.
+                pick = lambda x: torch.stack([x[b, :, int(q0[b]):int(q0[b]) + Tq] for b in range(B)])  # noqa: E731
+                if layout == "rolling":  # the window's slots in a ring's order, per row
+                    span = 64
+                    slot_pos = torch.stack([(int(q0[b]) + Tq - span + torch.randperm(span, generator=g)) for b in range(B)])
+                    ck, cv = (torch.stack([x[b, :, slot_pos[b]] for b in range(B)]) for x in (k, v))
+                    call = dict(q_offset=q0.int(), kv_positions=slot_pos.int())
+                else:  # every position up to row 0's last query; row 1's tail unwritten
+                    ck, cv = k.clone(), v.clone()
+                    lengths = (q0 + Tq).int()
+                    ck[1, :, int(lengths[1]):] = float("nan")
+                    cv[1, :, int(lengths[1]):] = float("nan")
+                    call = dict(q_offset=q0.int(), kv_len=lengths)
+                ours_in = {"q": pick(q), "k": ck, "v": cv, **({"sink_logits": leaves["sink_logits"]}
+                                                                if "sink_logits" in leaves else {})}
+                ours_in = {n: x.detach().to(dev).requires_grad_() for n, x in ours_in.items()}
+                dev_kw = {n: (x.to(dev) if isinstance(x, torch.Tensor) else x) for n, x in {**kw, **call}.items()}
+                out, lse = swa_tvm.attention_with_kv_cache(**ours_in, **dev_kw, return_lse=True)
+                want_out, want_lse = pick(ref_out), pick(ref_lse)
+                entry["out_rel_err"] = rel_err(out.detach().cpu(), want_out.detach())
+                entry["lse_max_abs_err"] = (lse.detach().cpu().double() - want_lse.detach()).abs().max().item()
+                d_out, d_lse = torch.randn(want_out.shape, generator=g).to(dtype), torch.randn(want_lse.shape, generator=g)
+                got = torch.autograd.grad((out * d_out.to(dev)).float().sum() + (lse * d_lse.to(dev)).sum(),
+                                          list(ours_in.values()))
+                want = torch.autograd.grad((want_out * d_out.double()).sum() + (want_lse * d_lse.double()).sum(),
+                                           list(ref_in.values()))
+                want = dict(zip(ref_in, want))
+                # Reference gradients by position, ours by slot: the same tensors once
+                # gathered (q: the picked rows; k, v: the slots' positions; slots
+                # never written get zero in both).
+                want["q"] = pick(want["q"])
+                for n in ("k", "v"):
+                    if layout == "rolling":
+                        want[n] = torch.stack([want[n][b, :, slot_pos[b]] for b in range(B)])
+                grads = dict(zip(ours_in, got))
+                entry["grad_rel_err"] = {
+                    n: sink_grad_err(grads[n], want[n], leaves[n], want_out, want_lse, d_out, d_lse)
+                    if n == "sink_logits" else rel_err(grads[n].cpu(), want[n]) for n in ours_in
+                }
+                entry["ok"] = bool(entry["out_rel_err"] < tol_out and entry["lse_max_abs_err"] < tol_lse
+                                   and max(entry["grad_rel_err"].values()) < GRAD_TOLERANCE[dtype])
+            except Exception as e:  # noqa: BLE001 - record and go on to the next case
+                entry.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-2000:])
+            ok_all &= entry["ok"]
+            rows.append(entry)
+            print(f"  {entry['dtype']:9s} {name:48s} {'ok' if entry['ok'] else 'FAIL'} "
+                  f"{entry.get('out_rel_err', float('nan')):.1e} {entry.get('lse_max_abs_err', float('nan')):.1e} "
+                  f"grads {max(entry.get('grad_rel_err', {'': float('nan')}).values()):.1e}", flush=True)
+    results["kv_cache"] = rows
+    return ok_all
+
+
+def dram_read_rate(dev: torch.device, mib: int = 1024) -> float:
+    """GB/s of torch's sum over a ``mib`` MiB bf16 tensor (far past L2): the memory read
+    rate a decode step, bound by reading K and V, is held against."""
+    x = torch.randn(mib << 19, device=dev, dtype=torch.bfloat16)
+    return x.numel() * 2 / (_time_ms(lambda: x.sum(dtype=torch.float32), warmup=3, reps=10) * 1e-3) / 1e9
+
+
+def bench_decode(results: dict, dev: torch.device, quick: bool) -> None:
+    """One decode step (and a prefill chunk of 512) against a KV cache, ours against
+    SDPA on the whole cache with a boolean mask, SDPA on exactly the window's keys and
+    FlexAttention, as benchmarks.decode does on the CPU: bf16, H=32 over H_kv=8, D=128,
+    a sliding layer (W=4096) and a full one, context 32K, B=1 and 8."""
+    from benchmarks.decode import check_agreement, decode_methods
+
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    ctx, window, heads = 32768, 4096, (32, 8, 128)
+    if quick:
+        ctx = 8192
+    if dev.type != "cuda":  # the CPU smoke run: the harness, not the numbers
+        ctx, window, heads = 96, 32, (4, 2, 16)
+    rate = dram_read_rate(dev, 1024 if dev.type == "cuda" else 64)
+    results["decode_read_gb_s"] = rate
+    print(f"  memory read (torch sum of 1 GiB): {rate:.0f} GB/s", flush=True)
+    cases = [(layer, B, 1) for layer in ("sliding", "full") for B in (1, 8)] + [("sliding", 1, 512 if dev.type == "cuda" else 8)]
+    rows = []
+    for layer, B, Tq in cases:
+        row = {"layer": layer, "B": B, "Tq": Tq, "context": ctx, "window": window if layer == "sliding" else None}
+        if _out_of_time():
+            rows.append(dict(row, error=OUT_OF_TIME))
+            continue
+        try:
+            methods, nbytes, failed = decode_methods(layer, B, Tq, dtype, ctx, window, heads, device=dev)
+            row["max_abs_diff"] = check_agreement(methods, dtype)
+            row["ms"] = {n: _time_ms(fn, warmup=3, reps=20) for n, fn in methods.items()}
+            row["failed"] = failed
+            ours = min(t for n, t in row["ms"].items() if n.startswith("swa_tvm"))
+            whole = min(row["ms"][n] for n in ("SDPA + mask", "FlexAttention") if n in row["ms"])
+            row["vs_whole_cache_peers"] = whole / ours
+            if "SDPA window" in row["ms"]:
+                row["vs_window_peer"] = row["ms"]["SDPA window"] / ours
+            if Tq <= 16:
+                row["kv_gb_s"] = nbytes / ours / 1e6
+                row["share_of_read_rate"] = row["kv_gb_s"] / rate
+        except Exception as e:  # noqa: BLE001 - keep the other rows
+            row.update(error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-2000:])
+        rows.append(row)
+        print(f"  decode {json.dumps({k: v for k, v in row.items() if k != 'trace'})}", flush=True)
+        _empty_cache()
+    results["decode"] = rows
 
 
 def _time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
@@ -679,12 +824,14 @@ def _run(args) -> int:
         results["libraries"].append(entry)
     print(f"loaded {sum('error' not in e for e in results['libraries'])} of {len(libs)} libraries", flush=True)
     for stage, fn in (("correctness", lambda: check_patterns(results, dev)),
+                      ("kv_cache", lambda: check_kv_cache(results, dev)),
                       ("bench", lambda: None if args.skip_bench else bench(results, dev, args.quick)),
+                      ("decode", lambda: None if args.skip_bench else bench_decode(results, dev, args.quick)),
                       ("variants", lambda: None if args.skip_bench else time_variants(results, dev, args.libs)),
                       ("tuning", lambda: measure_tune_batch(results, dev, args.batch, args.out))):
         print(f"== {stage}", flush=True)
         t0 = time.time()
-        if _out_of_time() and stage != "correctness":
+        if _out_of_time() and stage not in ("correctness", "kv_cache"):
             results[stage] = OUT_OF_TIME
             ok = False
             continue
