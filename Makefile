@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install --upgrade pip
 	$(VPY) -m pip install $(TORCH)
-	$(VPY) -m pip install -e '.[test,bench,sass]'
+	$(VPY) -m pip install -e '.[test,bench,sass,transformers]'
 	touch $(STAMP)
 
 # One pytest worker per core (at most 8), tests sharing a module fixture on one worker

@@ -61,6 +61,17 @@ def test_streaming_generate():
     assert re.search(r"^every step equals the full-sequence call on the tokens in view: yes", out, re.M), out
 
 
+@pytest.mark.slow  # two models, two caches, each generating twice per implementation
+def test_hf_generate():
+    """examples/hf_generate.py: a Mistral-shaped and a GPT-OSS-shaped transformers model
+    generate eager's tokens on swa_tvm, on the dynamic and the static cache."""
+    out = run_example("hf_generate.py", "--new-tokens", 24, "--window", 8)
+    rows = re.findall(r"^  (dynamic|static) +cache: swa_tvm [\d.]+ s, eager [\d.]+ s for 24 tokens x 2 prompts; "
+                      r"tokens (\w+)$", out, re.M)
+    assert rows == [("dynamic", "identical"), ("static", "identical")] * 2, out
+    assert re.search(r"^all generations identical to eager$", out, re.M), out
+
+
 @pytest.mark.slow  # exports four D=64 kernels, then a process of its own
 def test_export_and_load(tmp_path):
     """Exported with the compiler, served in a process where the TVM compiler cannot
