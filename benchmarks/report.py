@@ -6,7 +6,8 @@
 
 It reads benchmarks/results/<target-key>/ for results.json and results_bfloat16.json
 (python -m benchmarks.forward), training.json and training_bfloat16.json
-(python -m benchmarks.training), decode.json (python -m benchmarks.decode) and
+(python -m benchmarks.training), decode.json (python -m benchmarks.decode), hf_models.json
+(python -m benchmarks.hf_models) and
 gpu_results.json (bash tools/gpu_check.sh), and
 writes one section per target key, each table with its command, date, machine and
 versions. Standard library only; the output depends on the JSON files alone.
@@ -28,6 +29,7 @@ FORWARD_FILES = ("results.json", "results_bfloat16.json")
 TRAINING_FILES = ("training.json", "training_bfloat16.json")
 GPU_FILE = "gpu_results.json"
 DECODE_FILE = "decode.json"
+HF_FILE = "hf_models.json"
 
 # Methods in the order their columns appear; names a JSON row may carry.
 METHODS = ("swa_tvm tuned", "swa_tvm default", "swa_tvm", "FlexAttention", "sliding chunks", "SDPA + mask")
@@ -525,6 +527,58 @@ def decode_section(key: str, d: dict) -> list[str]:
     return lines
 
 
+# ---------------------------------------------------------------- transformers models
+
+
+def hf_title(key: str, d: dict) -> str:
+    return f"{key}: transformers models, {date_of(d)}"
+
+
+def hf_section(key: str, d: dict) -> list[str]:
+    """Prefill and greedy decode of transformers models per attention implementation:
+    tokens/s, attention's share, and the ratios the bars ask for."""
+    title = hf_title(key, d)
+    m, v = d.get("machine", {}), d.get("versions", {})
+    versions = ", ".join(f"{name} {v[name]}" for name in ("torch", "transformers", "tvm", "swa_tvm") if name in v)
+    args = re.sub(r"^python -m benchmarks\.hf_models ?", "", " ".join(str(d.get("command", "")).split()))
+    args = re.sub(r"(^| )--out \S+", "", args).strip()
+    command = " ".join(p for p in ("python -m benchmarks.hf_models", args, f"--out benchmarks/results/{key}") if p)
+    chunk = d.get("eager_chunk")
+    lines = [f"### {title}", "", f"- Command: `{command}`",
+             f"- Date: {date_of(d)}. Machine: {m.get('cpu', '?')}, {m.get('threads', '?')} torch threads and "
+             f"{m.get('tvm_threads', '?')} TVM threads. Versions: {versions}.",
+             f"- A prompt of {d.get('prompt')} tokens prefilled in one forward"
+             + (f" (eager's in chunks of {chunk}: its scores would not fit in memory)" if chunk else "")
+             + f", then {d.get('new_tokens')} greedy tokens, one forward each; {d.get('layers')} layer{'s' if d.get('layers') != 1 else ''}, float32, "
+             f"random weights. Decode: the median of {d.get('runs')} runs. Attention: the time inside each method's "
+             "attention function.",
+             "- Bars: end-to-end generation faster than sdpa's and eager's; decode attention time per token at "
+             "least 2× below sdpa's.", ""]
+    header = ["model", "method", "prefill (s)", "prefill attention", "decode (tokens/s)", "decode attention (ms/token)",
+              "decode attention", "end to end (s)", "tokens as the first method's"]
+    rows = []
+    for r in d.get("rows", []):
+        rows.append([r["model"], r["method"], f"{r['prefill_s']:.1f}", f"{100 * r['prefill_attention_share']:.0f}%",
+                     f"{r['decode_tokens_per_s']:.2f}", f"{r['decode_attention_ms_per_token']:.1f}",
+                     f"{100 * r['decode_attention_share']:.0f}%", f"{r['end_to_end_s']:.1f}",
+                     "yes" if r.get("tokens_match_first_method") else "no"])
+    lines += table(header, rows) + [""]
+    ratios = []
+    for model in dict.fromkeys(r["model"] for r in d.get("rows", [])):
+        by = {r["method"]: r for r in d["rows"] if r["model"] == model}
+        ours = by.get("swa_tvm")
+        if not ours:
+            continue
+        for peer in ("sdpa", "eager"):
+            if peer in by:
+                ratios.append(f"{model}: end to end, {peer} / swa_tvm {times(by[peer]['end_to_end_s'] / ours['end_to_end_s'])}"
+                              f"; decode attention per token, {peer} / swa_tvm "
+                              f"{times(by[peer]['decode_attention_ms_per_token'] / ours['decode_attention_ms_per_token'])}")
+    if ratios:
+        lines += [f"- {r}" for r in ratios] + [""]
+    return lines
+
+
 def load(results: str) -> dict:
     """{key: {file name: parsed JSON}} for every known file under results/<key>/."""
     found: dict = {}
@@ -532,7 +586,7 @@ def load(results: str) -> dict:
         folder = os.path.join(results, key)
         if not os.path.isdir(folder):
             continue
-        for name in FORWARD_FILES + TRAINING_FILES + (DECODE_FILE, GPU_FILE):
+        for name in FORWARD_FILES + TRAINING_FILES + (DECODE_FILE, HF_FILE, GPU_FILE):
             path = os.path.join(folder, name)
             if os.path.exists(path):
                 with open(path) as f:
@@ -579,6 +633,17 @@ def glance(data: dict) -> list[str]:
                          f"whole-cache peers / swa_tvm: {span([x.get('vs whole-cache peers') for x in sums])}; "
                          f"window peer / swa_tvm: {span([x.get('vs window peer') for x in sums])}",
                          f"{min(shares):.0f}% to {max(shares):.0f}% of the read bandwidth" if shares else ""])
+        if HF_FILE in files:
+            d = files[HF_FILE]
+            by = {(r["model"], r["method"]): r for r in d.get("rows", [])}
+            cells = []
+            for (model, method), r in by.items():
+                ours = by.get((model, "swa_tvm"))
+                if method != "swa_tvm" and ours:
+                    cells.append(f"{model} {method} / swa_tvm: {times(r['end_to_end_s'] / ours['end_to_end_s'])} "
+                                 "end to end")
+            title = hf_title(key, d)
+            rows.append([f"[{key}](#{anchor(key)})", f"[{title}](#{anchor(title)})", "; ".join(cells), ""])
         if GPU_FILE in files:
             d = files[GPU_FILE]
             t = {r["config"]: r for r in d.get("timing", [])}
@@ -610,6 +675,8 @@ def render(results: str = RESULTS) -> str:
                 lines += training_section(key, name, files[name])
         if DECODE_FILE in files:
             lines += decode_section(key, files[DECODE_FILE])
+        if HF_FILE in files:
+            lines += hf_section(key, files[HF_FILE])
         if GPU_FILE in files:
             lines += gpu_section(key, files[GPU_FILE])
     while lines and not lines[-1]:

@@ -172,3 +172,39 @@ def test_time_growth_times_both_lengths_round_robin(monkeypatch):
     assert (g["T_small"], g["T_large"]) == (5000, 20000) and g["rounds"] == bench.GROWTH_ROUNDS
     assert order.count(20000) >= 1 + 2 * bench.GROWTH_ROUNDS  # warm-up, then untimed + timed per round
     assert 3.0 < g["ratio"] < 4.5 and g["ratio"] == pytest.approx(g["ms_large"] / g["ms_small"])
+
+
+@pytest.mark.slow  # two small models, three attention implementations
+def test_hf_models_clock_and_generation():
+    """benchmarks.hf_models on small models of each family: every method's attention
+    function is timed (a positive share, below the whole), the chunked prefill of eager
+    and the dynamic cache's copies give every method the same greedy tokens, and the
+    original attention functions are back afterwards."""
+    import transformers
+
+    from benchmarks import hf_models
+
+    import swa_tvm.integrations.transformers as swa_hf
+
+    swa_hf.register()
+    small = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                 sliding_window=8)
+    sdpa = transformers.AttentionInterface._global_mapping["sdpa"]
+    ids = torch.randint(3, hf_models.VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
+    for family, extra, methods in (("mistral", {}, ("swa_tvm", "sdpa", "eager")),
+                                   ("gpt_oss", dict(num_local_experts=2, num_experts_per_tok=2), ("swa_tvm", "eager"))):
+        model = hf_models.build(family, {**small, **extra}, layers=2)
+        clock = hf_models.AttentionClock(family)
+        tokens = []
+        try:
+            for impl in methods:
+                model.set_attn_implementation(impl)
+                row = hf_models.timed_generation(model, clock, ids, 6, 2, 16 if impl == "eager" else None)
+                assert 0 < row["prefill_attention_share"] < 1 and 0 < row["decode_attention_share"] < 1, (impl, row)
+                assert len(row["decode_runs_s"]) == 2 and row["decode_attention_ms_per_token"] > 0
+                tokens.append(row["tokens"])
+        finally:
+            clock.close()
+        assert all(t == tokens[0] for t in tokens) and len(tokens[0]) == 6, tokens
+    assert transformers.AttentionInterface._global_mapping["sdpa"] is sdpa
+    assert transformers.AttentionInterface._global_mapping["swa_tvm"] is swa_hf.attention
