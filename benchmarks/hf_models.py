@@ -11,19 +11,22 @@ Models (random weights from configs, float32, 4 layers, vocabulary 1024):
   own); methods ``swa_tvm`` and ``eager`` (transformers refuses ``sdpa`` for it).
 
 Each method prefills the prompt (8192 tokens; the whole prompt in one forward) into a
-dynamic cache, then generates 128 tokens greedily, one forward per token. The time of
-the attention function of every layer is summed apart (the kernels, through the
-registered function of each method; the masks are built outside it for every method).
-Reported: prefill seconds and tokens/s, decode tokens/s (median of ``--runs`` runs of
-the 128 steps), end-to-end seconds (prefill + 128 steps), attention's share of each,
-and attention milliseconds per decoded token. The generated tokens of every method are
-compared with the first's.
+dynamic cache, then generates 128 tokens greedily, one forward per token; ``--runs``
+rounds time every method once each, round-robin, and the median run of each phase is
+reported. The time of the attention function of every layer is summed apart (the
+kernels, through the registered function of each method; the masks are built outside
+it for every method). Reported: prefill seconds and tokens/s, decode tokens/s,
+end-to-end seconds (prefill + 128 steps), attention's share of each, and attention
+milliseconds per decoded token. The generated tokens of every method are compared with
+the first's.
 
 ``eager`` materialises every layer's scores (H x T x T float32: 8.6 GB for 32 heads at
 8192, two or three of them alive at once), more than this machine holds, so its prompt
-goes in chunks (``--eager-chunk``, 2048 by default: 2.1 GB of scores), which changes
-its attention's memory, not its arithmetic. Writes ``hf_models.json`` under
-benchmarks/results/<target-key>/.
+goes in chunks (``--eager-chunk``, 2048 by default: 2.1 GB of scores). That also cuts
+its arithmetic: a chunk's scores cover only the keys its cache holds (on a sliding
+layer the window's), about half of the T x T scores of the whole prompt at W=4096, so
+eager's prefill is timed doing less work than in one forward. Writes
+``hf_models.json`` under benchmarks/results/<target-key>/.
 """
 
 from __future__ import annotations
@@ -107,39 +110,47 @@ def build(family: str, shape: dict, layers: int):
     return model
 
 
-def timed_generation(model, clock: AttentionClock, ids, new_tokens: int, runs: int, chunk: int | None) -> dict:
-    """Prefill ``ids`` (in chunks of ``chunk`` if given), then ``new_tokens`` greedy steps,
-    ``runs`` times from the same prefilled cache; times and attention seconds."""
+def prefill(model, clock: AttentionClock, ids, chunk: int | None):
+    """(seconds, attention seconds, the cache, the first generated token): ``ids`` into
+    a new dynamic cache, in chunks of ``chunk`` if given."""
     with torch.no_grad():
         clock.seconds = 0.0
         t0 = time.perf_counter()
         cache = transformers.DynamicCache(config=model.config)
         step = chunk or ids.shape[1]
         for s in range(0, ids.shape[1], step):
-            logits = model(input_ids=ids[:, s : s + step], cache=cache, use_cache=True,
-                           logits_to_keep=1).logits
-        prefill_s, prefill_attn = time.perf_counter() - t0, clock.seconds
-        first = logits[:, -1].argmax(-1, keepdim=True)
-        decode, tokens = [], None
-        for _ in range(runs):
-            run_cache = copy.deepcopy(cache)  # each run decodes from the same prefilled state
-            token, out = first, [first]
-            clock.seconds = 0.0
-            t0 = time.perf_counter()
-            for _ in range(new_tokens - 1):
-                logits = model(input_ids=token, cache=run_cache, use_cache=True).logits
-                token = logits[:, -1].argmax(-1, keepdim=True)
-                out.append(token)
-            decode.append((time.perf_counter() - t0, clock.seconds))
-            tokens = torch.cat(out, dim=1)
-    decode_s, decode_attn = sorted(decode)[len(decode) // 2]  # the median run
+            logits = model(input_ids=ids[:, s : s + step], cache=cache, use_cache=True, logits_to_keep=1).logits
+        seconds = time.perf_counter() - t0
+    return seconds, clock.seconds, cache, logits[:, -1].argmax(-1, keepdim=True)
+
+
+def decode(model, clock: AttentionClock, cache, first, new_tokens: int):
+    """(seconds, attention seconds, tokens): ``new_tokens`` - 1 greedy steps after
+    ``first``, one forward each, on a copy of ``cache``."""
+    with torch.no_grad():
+        cache = copy.deepcopy(cache)  # every run decodes from the same prefilled state
+        token, out = first, [first]
+        clock.seconds = 0.0
+        t0 = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            logits = model(input_ids=token, cache=cache, use_cache=True).logits
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            out.append(token)
+        seconds = time.perf_counter() - t0
+    return seconds, clock.seconds, torch.cat(out, dim=1)[0].tolist()
+
+
+def summarize(prefills: list, decodes: list, prompt: int, new_tokens: int, chunk: int | None) -> dict:
+    """One method's row from its runs: the median run of each phase."""
+    p_s, p_attn = sorted(prefills)[len(prefills) // 2]
+    d_s, d_attn = sorted(decodes)[len(decodes) // 2]
     steps = new_tokens - 1
     return {
-        "prefill_s": prefill_s, "prefill_tokens_per_s": ids.shape[1] / prefill_s,
-        "prefill_attention_share": prefill_attn / prefill_s, "prefill_chunk": chunk,
-        "decode_runs_s": [d for d, _ in decode], "decode_tokens_per_s": steps / decode_s,
-        "decode_attention_share": decode_attn / decode_s, "decode_attention_ms_per_token": 1e3 * decode_attn / steps,
-        "end_to_end_s": prefill_s + decode_s, "tokens": tokens[0].tolist(),
+        "prefill_runs_s": [p for p, _ in prefills], "prefill_s": p_s, "prefill_tokens_per_s": prompt / p_s,
+        "prefill_attention_s": p_attn, "prefill_attention_share": p_attn / p_s, "prefill_chunk": chunk,
+        "decode_runs_s": [d for d, _ in decodes], "decode_tokens_per_s": steps / d_s,
+        "decode_ms_per_token": 1e3 * d_s / steps, "decode_attention_share": d_attn / d_s,
+        "decode_attention_ms_per_token": 1e3 * d_attn / steps, "end_to_end_s": p_s + d_s,
     }
 
 
@@ -147,7 +158,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--prompt", type=int, default=8192)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--runs", type=int, default=3, help="runs of the decode steps (the median is reported)")
+    p.add_argument("--runs", type=int, default=3, help="runs of every method, round-robin (medians reported)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--eager-chunk", type=int, default=2048, help="eager's prefill chunk (0: the whole prompt)")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -160,22 +171,37 @@ def main(argv=None) -> int:
         family, shape, methods = MODELS[name]
         model = build(family, shape, args.layers)
         clock = AttentionClock(family)
+        chunks = {impl: (args.eager_chunk or None) if impl == "eager" else None for impl in methods}
+        runs = {impl: ([], [], None) for impl in methods}
         try:
-            for impl in methods:
+            for impl in methods:  # warm-up at a short prompt: swa_tvm compiles its kernels on first use
                 model.set_attn_implementation(impl)
-                chunk = (args.eager_chunk or None) if impl == "eager" else None
-                # Warm-up at a short prompt: swa_tvm compiles its kernels on first use.
-                timed_generation(model, clock, ids[:, :256], 4, 1, None)
-                row = {"model": name, "method": impl, **timed_generation(model, clock, ids, args.new_tokens, args.runs,
-                                                                         chunk)}
-                rows.append(row)
-                print(f"{name:15s} {impl:8s} prefill {row['prefill_s']:.1f} s ({row['prefill_tokens_per_s']:.0f} tok/s, "
-                      f"attention {100 * row['prefill_attention_share']:.0f}%), decode "
-                      f"{row['decode_tokens_per_s']:.2f} tok/s (attention {row['decode_attention_ms_per_token']:.1f} "
-                      f"ms/token, {100 * row['decode_attention_share']:.0f}%), end to end {row['end_to_end_s']:.1f} s",
-                      flush=True)
+                _, _, cache, first = prefill(model, clock, ids[:, :256], None)
+                decode(model, clock, cache, first, 4)
+            # Round-robin: each run times every method once, so that a slow spell of the
+            # shared machine lands on all of them.
+            for run in range(args.runs):
+                for impl in methods:
+                    model.set_attn_implementation(impl)
+                    p_s, p_attn, cache, first = prefill(model, clock, ids, chunks[impl])
+                    d_s, d_attn, tokens = decode(model, clock, cache, first, args.new_tokens)
+                    runs[impl][0].append((p_s, p_attn))
+                    runs[impl][1].append((d_s, d_attn))
+                    runs[impl] = (runs[impl][0], runs[impl][1], tokens)
+                    print(f"{name:15s} {impl:8s} run {run + 1}: prefill {p_s:.1f} s (attention {p_attn:.1f} s), "
+                          f"decode {d_s:.1f} s (attention {d_attn:.2f} s)", flush=True)
         finally:
             clock.close()
+        for impl in methods:
+            prefills, decodes, tokens = runs[impl]
+            row = {"model": name, "method": impl,
+                   **summarize(prefills, decodes, args.prompt, args.new_tokens, chunks[impl]), "tokens": tokens}
+            rows.append(row)
+            print(f"{name:15s} {impl:8s} prefill {row['prefill_s']:.1f} s ({row['prefill_tokens_per_s']:.0f} tok/s, "
+                  f"attention {100 * row['prefill_attention_share']:.0f}%), decode "
+                  f"{row['decode_tokens_per_s']:.2f} tok/s (attention {row['decode_attention_ms_per_token']:.1f} "
+                  f"ms/token, {100 * row['decode_attention_share']:.0f}%), end to end {row['end_to_end_s']:.1f} s",
+                  flush=True)
         del model
     first = {}
     for row in rows:

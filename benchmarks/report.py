@@ -548,20 +548,22 @@ def hf_section(key: str, d: dict) -> list[str]:
              f"- Date: {date_of(d)}. Machine: {m.get('cpu', '?')}, {m.get('threads', '?')} torch threads and "
              f"{m.get('tvm_threads', '?')} TVM threads. Versions: {versions}.",
              f"- A prompt of {d.get('prompt')} tokens prefilled in one forward"
-             + (f" (eager's in chunks of {chunk}: its scores would not fit in memory)" if chunk else "")
+             + (f" (eager's in chunks of {chunk}: its scores would not fit in memory, and its chunks compute only "
+                "the scores of the keys in its cache, fewer than one forward would)" if chunk else "")
              + f", then {d.get('new_tokens')} greedy tokens, one forward each; {d.get('layers')} layer{'s' if d.get('layers') != 1 else ''}, float32, "
-             f"random weights. Decode: the median of {d.get('runs')} runs. Attention: the time inside each method's "
-             "attention function.",
+             f"random weights. {d.get('runs')} runs of every method, round-robin; the median run of each phase. "
+             "Attention: the time inside each method's attention function.",
              "- Bars: end-to-end generation faster than sdpa's and eager's; decode attention time per token at "
              "least 2× below sdpa's.", ""]
-    header = ["model", "method", "prefill (s)", "prefill attention", "decode (tokens/s)", "decode attention (ms/token)",
-              "decode attention", "end to end (s)", "tokens as the first method's"]
+    header = ["model", "method", "prefill (s)", "of which attention (s)", "decode (tokens/s)", "decode (ms/token)",
+              "of which attention (ms/token)", "end to end (s)", "tokens as the first method's"]
     rows = []
     for r in d.get("rows", []):
-        rows.append([r["model"], r["method"], f"{r['prefill_s']:.1f}", f"{100 * r['prefill_attention_share']:.0f}%",
-                     f"{r['decode_tokens_per_s']:.2f}", f"{r['decode_attention_ms_per_token']:.1f}",
-                     f"{100 * r['decode_attention_share']:.0f}%", f"{r['end_to_end_s']:.1f}",
-                     "yes" if r.get("tokens_match_first_method") else "no"])
+        decode_ms = r.get("decode_ms_per_token", 1e3 / r["decode_tokens_per_s"])
+        rows.append([r["model"], r["method"], f"{r['prefill_s']:.1f}",
+                     f"{r.get('prefill_attention_s', r['prefill_s'] * r['prefill_attention_share']):.1f}",
+                     f"{r['decode_tokens_per_s']:.2f}", f"{decode_ms:.1f}", f"{r['decode_attention_ms_per_token']:.1f}",
+                     f"{r['end_to_end_s']:.1f}", "yes" if r.get("tokens_match_first_method") else "no"])
     lines += table(header, rows) + [""]
     ratios = []
     for model in dict.fromkeys(r["model"] for r in d.get("rows", [])):
@@ -570,10 +572,20 @@ def hf_section(key: str, d: dict) -> list[str]:
         if not ours:
             continue
         for peer in ("sdpa", "eager"):
-            if peer in by:
-                ratios.append(f"{model}: end to end, {peer} / swa_tvm {times(by[peer]['end_to_end_s'] / ours['end_to_end_s'])}"
-                              f"; decode attention per token, {peer} / swa_tvm "
-                              f"{times(by[peer]['decode_attention_ms_per_token'] / ours['decode_attention_ms_per_token'])}")
+            if peer not in by:
+                continue
+            other = by[peer]
+            line = (f"{model}: end to end, {peer} / swa_tvm {times(other['end_to_end_s'] / ours['end_to_end_s'])}; "
+                    f"prefill {times(other['prefill_s'] / ours['prefill_s'])}; decode tokens/s, swa_tvm / {peer} "
+                    f"{times(ours['decode_tokens_per_s'] / other['decode_tokens_per_s'])}; "
+                    f"decode attention per token, {peer} / swa_tvm "
+                    f"{times(other['decode_attention_ms_per_token'] / ours['decode_attention_ms_per_token'])}")
+            ours_ms = 1e3 / ours["decode_tokens_per_s"]
+            peer_ms = 1e3 / other["decode_tokens_per_s"]
+            lead = other["prefill_s"] - ours["prefill_s"]
+            if lead > 0 and ours_ms > peer_ms:  # ahead after the prefill, behind per token
+                line += f"; {peer} catches up after {lead / ((ours_ms - peer_ms) / 1e3):.0f} generated tokens"
+            ratios.append(line)
     if ratios:
         lines += [f"- {r}" for r in ratios] + [""]
     return lines

@@ -178,8 +178,8 @@ def test_time_growth_times_both_lengths_round_robin(monkeypatch):
 def test_hf_models_clock_and_generation():
     """benchmarks.hf_models on small models of each family: every method's attention
     function is timed (a positive share, below the whole), the chunked prefill of eager
-    and the dynamic cache's copies give every method the same greedy tokens, and the
-    original attention functions are back afterwards."""
+    and the copies of the prefilled cache give every method and run the same greedy
+    tokens, and the original attention functions are back afterwards."""
     import transformers
 
     from benchmarks import hf_models
@@ -199,10 +199,18 @@ def test_hf_models_clock_and_generation():
         try:
             for impl in methods:
                 model.set_attn_implementation(impl)
-                row = hf_models.timed_generation(model, clock, ids, 6, 2, 16 if impl == "eager" else None)
+                chunk = 16 if impl == "eager" else None
+                prefills, decodes = [], []
+                for _ in range(2):
+                    p_s, p_attn, cache, first = hf_models.prefill(model, clock, ids, chunk)
+                    d_s, d_attn, generated = hf_models.decode(model, clock, cache, first, 6)
+                    prefills.append((p_s, p_attn))
+                    decodes.append((d_s, d_attn))
+                    tokens.append(generated)
+                row = hf_models.summarize(prefills, decodes, 40, 6, chunk)
                 assert 0 < row["prefill_attention_share"] < 1 and 0 < row["decode_attention_share"] < 1, (impl, row)
                 assert len(row["decode_runs_s"]) == 2 and row["decode_attention_ms_per_token"] > 0
-                tokens.append(row["tokens"])
+                assert row["end_to_end_s"] == pytest.approx(row["prefill_s"] + row["decode_ms_per_token"] * 5 / 1e3)
         finally:
             clock.close()
         assert all(t == tokens[0] for t in tokens) and len(tokens[0]) == 6, tokens

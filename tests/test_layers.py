@@ -294,6 +294,24 @@ def test_layers_import_only_downwards():
     assert broken == [], "\n".join(broken)
 
 
+def test_integrations_sit_above_the_api():
+    """swa_tvm.integrations (behind optional dependencies) uses the public API alone,
+    and nothing else in the package imports it: ``import swa_tvm`` never needs them."""
+    graph = import_graph()
+    integrations = [m for m in graph if _in(m, ("swa_tvm.integrations",))]
+    assert "swa_tvm.integrations.transformers" in integrations
+    broken = []
+    for module, edges in sorted(graph.items()):
+        for target, where in sorted(edges.items()):
+            if not _in(target, ("swa_tvm",)):
+                continue
+            if module in integrations and not _in(target, ("swa_tvm.functional", "swa_tvm.integrations")):
+                broken.append(f"{module} imports {target} at {where} (integrations use swa_tvm.functional)")
+            if module not in integrations and _in(target, ("swa_tvm.integrations",)):
+                broken.append(f"{module} imports {target} at {where}")
+    assert broken == [], "\n".join(broken)
+
+
 # ---------------------------------------------------------------------------------------
 # The wheel
 

@@ -16,9 +16,11 @@ import swa_tvm.integrations.transformers as swa_hf
 pytestmark = pytest.mark.xdist_group("transformers")
 
 WINDOW = 8
+# Weights of std 0.2 (transformers' default is 0.02) give scores of order 1, so that
+# softcap, scaling and the sinks change the logits well past the tests' tolerances.
 COMMON = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               vocab_size=128, intermediate_size=128, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
-              eos_token_id=2)
+              eos_token_id=2, initializer_range=0.2)
 # Every model's layers: a sliding one (W=8) and, but for Mistral, a full one. GPT-OSS
 # routes each token through all 4 of its experts: with top-2 routing a rounding-level
 # difference in a hidden state can switch a token's experts, which says nothing about
@@ -27,16 +29,18 @@ MODELS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=WINDOW)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=WINDOW,
                                                       max_window_layers=1)),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(sliding_window=WINDOW, query_pre_attn_scalar=16,
-                                                         attn_logit_softcapping=5.0)),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(sliding_window=WINDOW, query_pre_attn_scalar=16,
+    # Gemma's scaling is query_pre_attn_scalar ** -0.5, here not head_dim ** -0.5; a
+    # softcap of 0.5 changes the logits (test_the_options_matter).
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(sliding_window=WINDOW, query_pre_attn_scalar=64,
+                                                         attn_logit_softcapping=0.5)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(sliding_window=WINDOW, query_pre_attn_scalar=64,
                                                              layer_types=["sliding_attention", "full_attention"])),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(sliding_window=WINDOW, num_local_experts=4,
                                                           num_experts_per_tok=4,
                                                           rope_parameters={"rope_type": "default",
                                                                            "rope_theta": 10000.0})),
 }
-QUICK = ("mistral",)
+QUICK = ("mistral", "qwen2")
 
 
 def _models(*quick):
@@ -71,14 +75,27 @@ def prompt(length, seed, batch=1):
 
 
 def greedy(model, ids, mask=None, new=32, cache=None, chunk=None):
-    config = transformers.GenerationConfig(max_new_tokens=new, do_sample=False, cache_implementation=cache,
+    """(new tokens [B, new], the logits of every step [B, new, vocab])."""
+    # min_new_tokens: the model's end token (its config's, which generate() falls back on)
+    # never ends a row early, so a batch and its prompts alone generate as many tokens.
+    config = transformers.GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                           cache_implementation=cache,
                                            prefill_chunk_size=chunk, pad_token_id=0, eos_token_id=None,
-                                           disable_compile=True)
-    return model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
+                                           disable_compile=True, return_dict_in_generate=True, output_logits=True)
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, dim=1)
 
 
 def max_rel(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def same_generation(ours, eager):
+    """Identical tokens, and every step's logits within 1e-4 of eager's (the tokens
+    alone would miss an error too small to change an argmax)."""
+    (tokens, logits), (eager_tokens, eager_logits) = ours, eager
+    assert torch.equal(tokens, eager_tokens), (tokens, eager_tokens)
+    assert max_rel(logits, eager_logits) < 1e-4
 
 
 @pytest.mark.parametrize("name", _models(*QUICK))
@@ -89,6 +106,23 @@ def test_prefill_logits_match_eager(name):
     ours = run(model, "swa_tvm", lambda: model(input_ids=ids).logits)
     eager = run(model, "eager", lambda: model(input_ids=ids).logits)
     assert max_rel(ours, eager) < 1e-4
+    # Left-padded (the KV-cache kernels, padding slots excluded): the real tokens' logits.
+    mask = (torch.arange(20)[None, :] >= torch.tensor([[0], [6]])).long()
+    ours = run(model, "swa_tvm", lambda: model(input_ids=ids, attention_mask=mask).logits)
+    eager = run(model, "eager", lambda: model(input_ids=ids, attention_mask=mask).logits)
+    assert max_rel(ours[mask.bool()], eager[mask.bool()]) < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,option,plain", [("gemma2", "attn_logit_softcapping", None),
+                                               ("gemma2", "query_pre_attn_scalar", 16),
+                                               ("gemma3", "query_pre_attn_scalar", 16)])
+def test_the_options_matter(name, option, plain):
+    """The options passed through (softcap, scaling; the sinks in the training test) change
+    eager's logits far beyond the tests' tolerance, so the tests above see them."""
+    ids = prompt(20, 1, batch=2)
+    logits = [run(m, "eager", lambda m=m: m(input_ids=ids).logits) for m in (build(name), build(name, **{option: plain}))]
+    assert max_rel(logits[1], logits[0]) > 1e-2
 
 
 @pytest.mark.parametrize("cache", ["dynamic", pytest.param("static", marks=pytest.mark.slow)])
@@ -101,7 +135,7 @@ def test_generate_matches_eager(name, cache):
     impl_cache = None if cache == "dynamic" else "static"
     ours = run(model, "swa_tvm", lambda: greedy(model, ids, cache=impl_cache))
     eager = run(model, "eager", lambda: greedy(model, ids, cache=impl_cache))
-    assert torch.equal(ours, eager), (ours, eager)
+    same_generation(ours, eager)
 
 
 @pytest.mark.parametrize("cache", [None, pytest.param("static", marks=pytest.mark.slow)], ids=["dynamic", "static"])
@@ -116,8 +150,8 @@ def test_left_padded_batch_matches_each_prompt_alone(name, cache):
     batch = run(model, "swa_tvm", lambda: greedy(model, ids, mask, new=16, cache=cache))
     alone = [run(model, "swa_tvm", lambda p=p: greedy(model, p, new=16, cache=cache)) for p in (long, short)]
     eager = run(model, "eager", lambda: greedy(model, ids, mask, new=16, cache=cache))
-    assert torch.equal(batch, torch.cat(alone)), (batch, alone)
-    assert torch.equal(batch, eager)
+    same_generation(batch, (torch.cat([a[0] for a in alone]), torch.cat([a[1] for a in alone])))
+    same_generation(batch, eager)
 
 
 @pytest.mark.slow
@@ -132,7 +166,7 @@ def test_chunked_prefill(name, cache):
     mask = (torch.arange(19)[None, :] >= torch.tensor([[0], [4]])).long()
     ours = run(model, "swa_tvm", lambda: greedy(model, ids, mask, new=12, cache=cache, chunk=5))
     eager = run(model, "eager", lambda: greedy(model, ids, mask, new=12, cache=cache))
-    assert torch.equal(ours, eager), (ours, eager)
+    same_generation(ours, eager)
 
 
 @pytest.mark.parametrize("name", _models(*QUICK))
@@ -167,22 +201,34 @@ def test_gemma3_bidirectional_layers():
     assert max_rel(ours[real], eager[real]) < 1e-4
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["whole", "left_padded"])
 @pytest.mark.parametrize("name", _models("gpt_oss"))
-def test_training_gradients_match_eager(name):
+def test_training_gradients_match_eager(name, padded):
     """A training step's loss and every parameter's gradient (the sinks' included) are
-    eager's."""
+    eager's: on whole sequences (the full-sequence kernels) and on a left-padded batch
+    (the KV-cache kernels' gradients)."""
     model = build(name).train()
     ids = prompt(20, 10, batch=2)
+    pad = 7 if padded else 0
+    mask = (torch.arange(20)[None, :] >= torch.tensor([[0], [pad]])).long()
+    # No loss on the pads, nor on the first real token: a pad row predicts it, and a pad
+    # row sees no key (swa_tvm: 0; eager: an average over masked keys).
+    labels = ids.masked_fill(torch.arange(20)[None, :] <= torch.tensor([[-1], [pad]]), -100)
     grads = {}
     for impl in ("swa_tvm", "eager"):
         model.set_attn_implementation(impl)
         model.zero_grad()
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         grads[impl] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     (loss, ours), (eager_loss, eager) = grads["swa_tvm"], grads["eager"]
     assert torch.allclose(loss, eager_loss, rtol=1e-5)
     assert set(ours) == set(eager) and any("sinks" in n for n in ours) == (name == "gpt_oss")
+    if name == "gpt_oss":  # the learned sinks change the loss
+        for layer in model.model.layers:
+            torch.nn.init.zeros_(layer.self_attn.sinks)
+        with torch.no_grad():
+            assert abs(model(input_ids=ids, attention_mask=mask, labels=labels).loss - eager_loss) > 1e-3
     for n in eager:
         err = ((ours[n] - eager[n]).norm() / eager[n].norm().clamp_min(1e-30)).item()
         assert err < 1e-4, (n, err)

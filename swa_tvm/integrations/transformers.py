@@ -47,8 +47,10 @@ from swa_tvm.functional import attention_with_kv_cache, sliding_window_attention
 
 NAME = "swa_tvm"
 
-# Mask elements the check against the model's mask function evaluates at once.
+# Mask elements the check against the model's mask function evaluates at once, and in
+# all for one call (8192 x 8192: the check costs about a tenth of a second there).
 _CHECK_ELEMENTS = 1 << 24
+_CHECK_ROWS_ELEMENTS = 1 << 26
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +119,7 @@ def slot_positions(
     # never see it, and bidirectional ones must not.
     valid = valid & (pos < q_offset + q_length)
     pattern = _PatternOf(mask_function, batch_size, kv_length, kv_offset, use_vmap, device)
-    window = _window_of(pattern, local_size, q_offset, pos)
+    window = _window_of(pattern, local_size, q_offset, q_length, pos)
     _check_window(pattern, window, q_offset, q_length, pos, valid)
     whole = q_offset == 0 and kv_offset == 0 and q_length == kv_length and bool(valid.all())
     kv_positions = torch.where(valid, pos, -1).to(torch.int32)
@@ -142,7 +144,8 @@ def attention(
     if not isinstance(attention_mask, SlotPositions):
         raise TypeError(
             "attention_mask: swa_tvm's attention takes the SlotPositions of its own mask function, got "
-            f"{type(attention_mask).__name__}; call swa_tvm.integrations.transformers.register() (it registers both)"
+            f"{type(attention_mask).__name__}: call swa_tvm.integrations.transformers.register(), which registers "
+            "both (a paged cache, as continuous batching uses, builds no mask and is not served)"
         )
     if dropout:
         raise ValueError(f"dropout: swa_tvm applies no attention dropout, got {dropout} (set attention_dropout=0)")
@@ -174,23 +177,56 @@ class _PatternOf:
         return sdpa_mask(q_length=rows, q_offset=row0, **self.args)[:, 0]
 
 
-def _window_of(pattern, local_size, q_offset: int, pos: torch.Tensor) -> tuple[int, int]:
-    """(left, right): ``local_size`` bounds a sliding layer's both sides (transformers
-    passes it for sliding masks only); the model's pattern on the first query row says
-    whether the layer sees later positions (bidirectional) or not (causal)."""
-    side = int(local_size) - 1 if local_size is not None else -1
-    later = pattern(q_offset, 1)[:, 0] & (pos > q_offset)
-    return (side, side if bool(later.any()) else 0)
+def _window_of(pattern, local_size, q_offset: int, q_length: int, pos: torch.Tensor) -> tuple[int, int]:
+    """(left, right) read off the model's pattern (batch row 0): how far back the last
+    query row sees, and how far ahead the first one does. A side that reaches the end
+    of the cache cannot be measured in this call, and any bound covering it computes
+    the same: it gets ``local_size`` - 1 where that covers it (transformers passes
+    ``local_size``, its ``sliding_window``, which counts the query itself, for sliding
+    masks only), so that one layer keeps one kernel, else no bound; a first row that
+    sees up to the last slot at its own position is causal. _check_window then holds
+    every row of the call to the result."""
+    bound = int(local_size) - 1 if local_size is not None else -1
+    first_pos, last_pos = int(pos[0]), int(pos[-1])
+
+    def unmeasured(reach: int) -> int:
+        return bound if 0 <= reach <= bound else -1
+
+    last_row = q_offset + q_length - 1
+    seen = pattern(last_row, 1)[0, 0]
+    if not bool(seen.any()):
+        left = bound
+    else:
+        lo = int(pos[seen.nonzero()[0, 0]])
+        left = last_row - lo if lo > first_pos else unmeasured(last_row - first_pos)
+    seen = pattern(q_offset, 1)[0, 0]
+    if not bool(seen.any()):
+        right = 0
+    else:
+        hi = int(pos[seen.nonzero()[-1, 0]])
+        if hi < last_pos:
+            right = max(0, hi - q_offset)
+        else:
+            right = 0 if last_pos <= q_offset else unmeasured(last_pos - q_offset)
+    return (left, right)
 
 
 def _check_window(pattern, window, q_offset: int, q_length: int, pos: torch.Tensor, valid: torch.Tensor) -> None:
     """ValueError unless ``window`` sees exactly the slots the model's mask function
-    allows, at every query row and valid slot of the call."""
+    allows, at every valid slot of every query row; past _CHECK_ROWS_ELEMENTS mask
+    elements in the call (a prompt of more than 8192 tokens against as many keys), of a
+    spread of rows: one in every ``stride``, and the last."""
     left, right = window
     B, kv_length = valid.shape
-    step = max(1, _CHECK_ELEMENTS // max(1, B * kv_length))
-    for row0 in range(q_offset, q_offset + q_length, step):
-        rows = min(step, q_offset + q_length - row0)
+    per_row = max(1, B * kv_length)
+    end = q_offset + q_length
+    stride = -(-q_length * per_row // _CHECK_ROWS_ELEMENTS)
+    if stride == 1:
+        block = max(1, _CHECK_ELEMENTS // per_row)
+        spans = [(row, min(block, end - row)) for row in range(q_offset, end, block)]
+    else:
+        spans = [(row, 1) for row in sorted({*range(q_offset, end, stride), end - 1})]
+    for row0, rows in spans:
         qpos = torch.arange(row0, row0 + rows, device=pos.device)[:, None]
         ours = torch.ones(rows, kv_length, dtype=torch.bool, device=pos.device)
         if left >= 0:
