@@ -7,6 +7,8 @@ Prefill logits, greedy ``generate()`` on the dynamic and the static cache (whose
 sliding layers shift), chunked prefill, left-padded batches against each prompt alone,
 bfloat16 against the error eager itself has, and the gradients of training."""
 
+import os
+
 import pytest
 import torch
 import transformers  # the Makefile installs the extra: missing, it is a failure, not a skip
@@ -261,3 +263,14 @@ def test_bad_use_is_named():
         swa_hf.attention(attn, q, k, v, mask, dropout=0.1)
     with pytest.raises(ValueError, match="attention_mask was built for"):
         swa_hf.attention(attn, q, k[:, :, :4], v[:, :, :4], mask)
+
+
+def test_register_stops_tvm_workers_spinning_unless_chosen(monkeypatch):
+    """register() sets TVM's pool to not spin after a kernel (it would take the cores of
+    the model's torch ops), and keeps a count the user chose."""
+    monkeypatch.delenv("TVM_THREAD_POOL_SPIN_COUNT", raising=False)
+    swa_hf.register()
+    assert os.environ["TVM_THREAD_POOL_SPIN_COUNT"] == "0"
+    monkeypatch.setenv("TVM_THREAD_POOL_SPIN_COUNT", "1000")
+    swa_hf.register()
+    assert os.environ["TVM_THREAD_POOL_SPIN_COUNT"] == "1000"

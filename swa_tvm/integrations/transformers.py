@@ -33,6 +33,7 @@ measured as transformers' own masks measure it.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 import torch
@@ -86,6 +87,11 @@ def register(name: str = NAME) -> str:
         raise ValueError(f"name {name!r} would select one of transformers' own attention backends; pick another")
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, slot_positions)
+    # Inside a model every kernel is followed by torch ops, and TVM's workers, spinning
+    # for more work after each kernel, take the cores those ops need (docs/roadmap.md
+    # measures it). The pool reads this when it starts, at the first kernel call; a
+    # value the user set stays.
+    os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
     return name
 
 
