@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import statistics
 import sys
 import time
@@ -39,7 +37,7 @@ import time
 import torch
 
 import swa_tvm
-from benchmarks.forward import interleaved_medians, machine_info, results_dir
+from benchmarks.forward import interleaved_medians, machine_info, write_results
 
 H, HKV, D = 32, 8, 128
 CONTEXT, WINDOW = 32768, 4096
@@ -193,11 +191,7 @@ def main(argv=None) -> int:
         "shape": {"H": H, "H_kv": HKV, "D": D, "context": args.context, "window": WINDOW},
         "rows": rows,
     }
-    folder = results_dir(args.out)
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "decode.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {os.path.join(folder, 'decode.json')}")
+    write_results(result, "decode.json", args.out)
     return 0
 
 

@@ -37,6 +37,17 @@ from swa_tvm.spec import AttentionSpec
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def write_results(result: dict, name: str, out: str | None) -> str:
+    """``result`` as JSON in ``results_dir(out)``/``name``; its path."""
+    folder = results_dir(out)
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, name)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+    return path
+
+
 def results_dir(out: str | None) -> str:
     """``out``, or benchmarks/results/<target-key> of this machine's CPU class."""
     if out:

@@ -35,8 +35,6 @@ import argparse
 import copy
 import datetime
 import importlib
-import json
-import os
 import sys
 import time
 
@@ -45,7 +43,7 @@ import transformers
 
 import swa_tvm
 import swa_tvm.integrations.transformers as swa_hf
-from benchmarks.forward import machine_info, results_dir
+from benchmarks.forward import machine_info, write_results
 
 VOCAB = 1024
 MODELS = {
@@ -218,11 +216,7 @@ def main(argv=None) -> int:
         "models": {n: {k: v for k, v in MODELS[n][1].items()} for n in args.models},
         "rows": rows,
     }
-    folder = results_dir(args.out)
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "hf_models.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {os.path.join(folder, 'hf_models.json')}")
+    write_results(result, "hf_models.json", args.out)
     return 0
 
 

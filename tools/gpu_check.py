@@ -81,6 +81,22 @@ def sink_grad_err(got, want, sink, out, lse, d_out, d_lse) -> float:
     return ((got.detach().double().cpu() - want.detach().double().cpu()).abs() / terms.cpu()).max().item()
 
 
+def _within_tolerance(entry: dict, dtype) -> bool:
+    """A case's out, lse and gradient errors against its dtype's tolerances."""
+    tol_out, tol_lse = TOLERANCE[dtype]
+    return bool(entry["out_rel_err"] < tol_out and entry["lse_max_abs_err"] < tol_lse
+                and max(entry["grad_rel_err"].values()) < GRAD_TOLERANCE[dtype])
+
+
+def _record(rows: list, entry: dict, name: str) -> bool:
+    """Keep a case's entry, print its line; whether it passed."""
+    rows.append(entry)
+    print(f"  {entry['dtype']:9s} {name:48s} {'ok' if entry['ok'] else 'FAIL'} "
+          f"{entry.get('out_rel_err', float('nan')):.1e} {entry.get('lse_max_abs_err', float('nan')):.1e} "
+          f"grads {max(entry.get('grad_rel_err', {'': float('nan')}).values()):.1e}", flush=True)
+    return entry["ok"]
+
+
 def check_patterns(results: dict, dev: torch.device) -> bool:
     """Every pattern x dtype against the float64 reference, forward and gradients; True
     when all pass."""
@@ -97,7 +113,6 @@ def check_patterns(results: dict, dev: torch.device) -> bool:
     rows = []
     dtypes = (torch.float16, torch.bfloat16, torch.float32) if dev.type == "cuda" else (torch.float32,)
     for dtype in dtypes:
-        tol_out, tol_lse = TOLERANCE[dtype]
         for name, case in cases:
             case = dict(case)
             g = torch.Generator(device="cpu").manual_seed(hash((name, str(dtype))) % 2**31)
@@ -137,15 +152,10 @@ def check_patterns(results: dict, dev: torch.device) -> bool:
                     n: sink_grad_err(a, b, inputs[n], ref_out, ref_lse, d_out, d_lse) if n == "sink_logits"
                     else rel_err(a.cpu(), b) for n, a, b in zip(inputs, got, want)
                 }
-                entry["ok"] = bool(entry["out_rel_err"] < tol_out and entry["lse_max_abs_err"] < tol_lse
-                                   and max(entry["grad_rel_err"].values()) < GRAD_TOLERANCE[dtype])
+                entry["ok"] = _within_tolerance(entry, dtype)
             except Exception as e:  # noqa: BLE001 - record and go on to the next case
                 entry.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-2000:])
-            ok_all &= entry["ok"]
-            rows.append(entry)
-            print(f"  {entry['dtype']:9s} {name:48s} {'ok' if entry['ok'] else 'FAIL'} "
-                  f"{entry.get('out_rel_err', float('nan')):.1e} {entry.get('lse_max_abs_err', float('nan')):.1e} "
-                  f"grads {max(entry.get('grad_rel_err', {'': float('nan')}).values()):.1e}", flush=True)
+            ok_all &= _record(rows, entry, name)
     results["correctness"] = rows
 
     # Stream and compile: the same call on a side stream, and under torch.compile.
@@ -193,7 +203,6 @@ def check_kv_cache(results: dict, dev: torch.device) -> bool:
     rows, ok_all = [], True
     dtypes = (torch.float16, torch.bfloat16, torch.float32) if dev.type == "cuda" else (torch.float32,)
     for dtype in dtypes:
-        tol_out, tol_lse = TOLERANCE[dtype]
         for name, pattern, Tq, layout in KV_CASES:
             entry = {"case": name, "dtype": str(dtype).replace("torch.", "")}
             try:
@@ -249,15 +258,10 @@ def check_kv_cache(results: dict, dev: torch.device) -> bool:
                     n: sink_grad_err(grads[n], want[n], leaves[n], want_out, want_lse, d_out, d_lse)
                     if n == "sink_logits" else rel_err(grads[n].cpu(), want[n]) for n in ours_in
                 }
-                entry["ok"] = bool(entry["out_rel_err"] < tol_out and entry["lse_max_abs_err"] < tol_lse
-                                   and max(entry["grad_rel_err"].values()) < GRAD_TOLERANCE[dtype])
+                entry["ok"] = _within_tolerance(entry, dtype)
             except Exception as e:  # noqa: BLE001 - record and go on to the next case
                 entry.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-2000:])
-            ok_all &= entry["ok"]
-            rows.append(entry)
-            print(f"  {entry['dtype']:9s} {name:48s} {'ok' if entry['ok'] else 'FAIL'} "
-                  f"{entry.get('out_rel_err', float('nan')):.1e} {entry.get('lse_max_abs_err', float('nan')):.1e} "
-                  f"grads {max(entry.get('grad_rel_err', {'': float('nan')}).values()):.1e}", flush=True)
+            ok_all &= _record(rows, entry, name)
     results["kv_cache"] = rows
     return ok_all
 
