@@ -170,7 +170,9 @@ def main(argv=None) -> int:
         model = build(family, shape, args.layers)
         clock = AttentionClock(family)
         chunks = {impl: (args.eager_chunk or None) if impl == "eager" else None for impl in methods}
-        runs = {impl: ([], [], None) for impl in methods}
+        prefills = {impl: [] for impl in methods}
+        decodes = {impl: [] for impl in methods}
+        tokens = {}
         try:
             for impl in methods:  # warm-up at a short prompt: swa_tvm compiles its kernels on first use
                 model.set_attn_implementation(impl)
@@ -182,18 +184,16 @@ def main(argv=None) -> int:
                 for impl in methods:
                     model.set_attn_implementation(impl)
                     p_s, p_attn, cache, first = prefill(model, clock, ids, chunks[impl])
-                    d_s, d_attn, tokens = decode(model, clock, cache, first, args.new_tokens)
-                    runs[impl][0].append((p_s, p_attn))
-                    runs[impl][1].append((d_s, d_attn))
-                    runs[impl] = (runs[impl][0], runs[impl][1], tokens)
+                    d_s, d_attn, tokens[impl] = decode(model, clock, cache, first, args.new_tokens)
+                    prefills[impl].append((p_s, p_attn))
+                    decodes[impl].append((d_s, d_attn))
                     print(f"{name:15s} {impl:8s} run {run + 1}: prefill {p_s:.1f} s (attention {p_attn:.1f} s), "
                           f"decode {d_s:.1f} s (attention {d_attn:.2f} s)", flush=True)
         finally:
             clock.close()
         for impl in methods:
-            prefills, decodes, tokens = runs[impl]
-            row = {"model": name, "method": impl,
-                   **summarize(prefills, decodes, args.prompt, args.new_tokens, chunks[impl]), "tokens": tokens}
+            row = {"model": name, "method": impl, "tokens": tokens[impl],
+                   **summarize(prefills[impl], decodes[impl], args.prompt, args.new_tokens, chunks[impl])}
             rows.append(row)
             print(f"{name:15s} {impl:8s} prefill {row['prefill_s']:.1f} s ({row['prefill_tokens_per_s']:.0f} tok/s, "
                   f"attention {100 * row['prefill_attention_share']:.0f}%), decode "
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
                      "tvm": swa_tvm.runtime.library.tvm_version(), "swa_tvm": swa_tvm.__version__},
         "prompt": args.prompt, "new_tokens": args.new_tokens, "layers": args.layers, "runs": args.runs,
         "eager_chunk": args.eager_chunk or None,
-        "models": {n: {k: v for k, v in MODELS[n][1].items()} for n in args.models},
+        "models": {n: dict(MODELS[n][1]) for n in args.models},
         "rows": rows,
     }
     write_results(result, "hf_models.json", args.out)

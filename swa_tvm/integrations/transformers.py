@@ -18,7 +18,8 @@ each cache transformers has (dynamic and static, their sliding-window layers inc
   mask, and the model's own mask function. It returns :class:`SlotPositions`: each key
   slot's position (-1 for a padding or unwritten slot) and the window. The window
   comes from the layer's ``local_size`` and from the model's mask function, and is
-  checked against that function at every (row, slot) of the call, so a model whose
+  checked against that function at every (row, slot) of the call (of a spread of rows
+  in a call past 8192 x 8192 mask elements), so a model whose
   mask is not a window (packed sequences, image-token overlays) gets a ``ValueError``
   rather than a wrong answer.
 * :func:`attention`, the attention function (``AttentionInterface``): the model's
@@ -49,7 +50,7 @@ from swa_tvm.functional import attention_with_kv_cache, sliding_window_attention
 NAME = "swa_tvm"
 
 # Mask elements the check against the model's mask function evaluates at once, and in
-# all for one call (8192 x 8192: the check costs about a tenth of a second there).
+# all for one call (8192 x 8192; past that a spread of rows).
 _CHECK_ELEMENTS = 1 << 24
 _CHECK_ROWS_ELEMENTS = 1 << 26
 
