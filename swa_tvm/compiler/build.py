@@ -30,6 +30,7 @@ from swa_tvm.compiler.targets import (
     _vector_lanes,
     normalize_target,
     target_key,
+    uses_amx,
 )
 from swa_tvm.compute import prim_func
 from swa_tvm.runtime import library
@@ -54,6 +55,11 @@ def schedule_spec(spec: KernelSpec, tvm_target, record=None, tiles=None):
     kind = tvm_target.kind.name
     if kind not in ("llvm", "cuda"):
         raise NotImplementedError(f"no schedule for target kind {kind!r}")
+    if uses_amx(spec, tvm_target):
+        sch = s_tir.Schedule(tvm.IRModule({spec.name: prim_func(spec, amx=True)}))
+        sch.work_on(spec.name)
+        cpu_schedules.schedule(sch, spec, vector_lanes=_vector_lanes(tvm_target), amx=True)
+        return cpu_schedules.drop_init(cpu_schedules.drop_fused_bound_predicates(sch.mod[spec.name]))
     if record is not None and record.trace is not None:
         return _postprocess(spec, kind, apply_record(spec, record.trace, kind))
     fused = kernels.fused_kernel(default_schedule(spec, kind))
@@ -105,6 +111,11 @@ def find_records(specs: Iterable[KernelSpec], target: dict, logs: str | None = D
     found = best_records(specs, target, root)  # reads the log folder once
     for s in specs:
         rec = found[s.name]
+        if uses_amx(s, target):
+            # Records are searched over the float32-product form; the matrix-engine form
+            # is built with its own schedule.
+            found[s.name] = None
+            continue
         if rec is not None and rec.trace is not None:  # trace None: the default kernel won
             try:
                 apply_record(s, rec.trace, target.get("kind", "llvm"))
@@ -213,6 +224,8 @@ def export_library(
             "tuned": rec is not None,
             "schedule": "tuned" if rec is not None and rec.trace is not None else default_schedule(s, target["kind"]),
         }
+        if uses_amx(s, target):
+            entry["schedule"] = "amx"  # the matrix-engine form: the loader asks the OS for tile state
         used = fused_tiles(s, entry["schedule"], tiles.get(s.name))
         if used is not None:
             entry["tiles"] = used

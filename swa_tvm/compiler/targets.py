@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -96,6 +97,28 @@ def target_key(target: dict) -> str:
     if target.get("kind") == "llvm":
         return f"llvm-{target.get('mcpu', 'generic')}"
     return f"{target.get('kind')}-{target.get('arch', 'unknown')}"
+
+
+def uses_amx(spec, target) -> bool:
+    """Whether ``spec`` is built in its matrix-engine form for ``target`` (a dict or a
+    tvm Target): an llvm target whose CPU has AMX with bfloat16 (amx-tile, amx-bf16), and
+    a spec that has such a form (``compute.forward.amx_serves``). The form follows the
+    target class, as tuning records and caches do."""
+    from swa_tvm.compute.forward import amx_serves
+
+    kind = target.get("kind") if isinstance(target, dict) else target.kind.name
+    if kind != "llvm" or not amx_serves(spec):
+        return False
+    return _has_amx(json.dumps(target, sort_keys=True) if isinstance(target, dict) else str(target))
+
+
+@functools.lru_cache(maxsize=None)
+def _has_amx(target: str) -> bool:
+    import tvm
+
+    tvm_target = tvm.target.Target(json.loads(target) if target.startswith("{") else target)
+    feats = tvm.target.codegen.llvm_get_cpu_features(tvm_target)
+    return "amx-tile" in feats and "amx-bf16" in feats
 
 
 def _vector_lanes(tvm_target) -> int:

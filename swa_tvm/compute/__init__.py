@@ -17,11 +17,16 @@ COMPUTES = {**FORWARD_COMPUTES, **CACHE_COMPUTES, **BACKWARD_COMPUTES, **CACHE_B
 from swa_tvm.spec import KernelSpec
 
 
-def prim_func(spec: KernelSpec, shapes: dict | None = None, target_kind: str = "llvm") -> tvm.tirx.PrimFunc:
+def prim_func(spec: KernelSpec, shapes: dict | None = None, target_kind: str = "llvm",
+              amx: bool = False) -> tvm.tirx.PrimFunc:
     """The unscheduled PrimFunc of a spec for a target kind ("llvm" or "cuda"), named by
     ``spec.name``. The kinds compute the same values; they differ in how exp is computed
-    and, for the gradients, in which gathers are shared (``compute_backward``)."""
-    args = COMPUTES[spec.kind](spec, shapes, native_exp=target_kind != "llvm")
+    and, for the gradients, in which gathers are shared (``compute_backward``). ``amx``:
+    the matrix-engine form of a local forward (``forward.amx_serves``)."""
+    if amx:
+        args = COMPUTES[spec.kind](spec, shapes, native_exp=False, amx=True)
+    else:
+        args = COMPUTES[spec.kind](spec, shapes, native_exp=target_kind != "llvm")
     func = te.create_prim_func(args)
     return func.with_attr("global_symbol", spec.name)
 

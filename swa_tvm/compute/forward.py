@@ -99,15 +99,51 @@ def _dims(shapes: dict | None, names: str):
     return [shapes[n] if n in shapes else te.var(n, dtype="int64") for n in names.split()]
 
 
-def band_width(block: int, lo: int, hi: int) -> int:
+def band_width(block: int, lo: int, hi: int, lanes: int = LANES) -> int:
     """Partners of a block of a bounded window: block + lo + hi, rounded up to whole SIMD
-    vectors (the extra partners are masked like any position beyond the window)."""
-    return -(-(block + lo + hi) // LANES) * LANES
+    vectors (``lanes``; the extra partners are masked like any position beyond the window)."""
+    return -(-(block + lo + hi) // lanes) * lanes
 
 
 def cast(x, dtype: str):
     """x in ``dtype``; no Cast node when it already is (keeps fp32 kernels' IR unchanged)."""
     return x if x.dtype == dtype else x.astype(dtype)
+
+
+def bf16_bits(x):
+    """The 16 bits of a bfloat16 value, as uint32: what the matrix engine's operands hold."""
+    return tirx.reinterpret("uint16", x).astype("uint32")
+
+
+def bf16_round_bits(x):
+    """float32 ``x`` rounded to the nearest bfloat16 (ties to even), its bits as uint32.
+    Integer operations only, so it vectorizes wherever uint32 does."""
+    u = tirx.reinterpret("uint32", x)
+    one, half = tirx.const(1, "uint32"), tirx.const(0x7FFF, "uint32")
+    return tirx.shift_right(u + half + tirx.bitwise_and(tirx.shift_right(u, tirx.const(16, "uint32")), one),
+                            tirx.const(16, "uint32"))
+
+
+def pair_word(lo_bits, hi_bits):
+    """Two bfloat16 values' bits in one uint32 word, ``lo`` in the low half: a VNNI pair,
+    the layout the matrix engine's second operand takes (a 16 x 64-byte tile holds a
+    32 x 16 block of pairs along the reduction axis)."""
+    return tirx.bitwise_or(lo_bits, tirx.shift_left(hi_bits, tirx.const(16, "uint32")))
+
+
+def bf16_value(bits):
+    """The float32 value of bfloat16 bits held as uint16. The matrix engine's operands
+    are kept as bits: TVM stores intermediate bfloat16 buffers as float32, which the
+    engine would read as garbage."""
+    return tirx.reinterpret("float32", tirx.shift_left(bits.astype("uint32"), tirx.const(16, "uint32")))
+
+
+def word_half(word, e):
+    """The float32 value of half ``e`` (0: low, 1: high) of a pair word: bfloat16 to
+    float32 is the bits moved to the top. The matrix engine's tensor intrinsic
+    (schedules.amx) describes its second operand with this same expression."""
+    shift = (e * 16).astype("uint32")
+    return tirx.reinterpret("float32", tirx.shift_left(tirx.shift_right(word, shift), tirx.const(16, "uint32")))
 
 
 def i64(x):
@@ -145,11 +181,12 @@ class Band:
     runtime dilation.
     """
 
-    def __init__(self, lo: int, hi: int, block: int, max_dilation: int, T, H, dil, name: str = "item_info"):
+    def __init__(self, lo: int, hi: int, block: int, max_dilation: int, T, H, dil, name: str = "item_info",
+                 lanes: int = LANES):
         self.lo, self.hi, self.block, self.T, self.H, self.dil = lo, hi, block, T, H, dil
         self.nitems = tirx.floordiv(T + (block - 1), block) + (max_dilation - 1)
         # Unbounded side: the band is the whole (residue) sequence, O(T^2) as the math says.
-        self.width = band_width(block, lo, hi) if lo >= 0 and hi >= 0 else T + max(lo, 0)
+        self.width = band_width(block, lo, hi, lanes) if lo >= 0 and hi >= 0 else T + max(lo, 0)
 
         def field(h, beta, f):
             d = i64(dil[h])
@@ -317,7 +354,74 @@ def extra_visible(left: int, right: int, T, x, xr, xt, i, t, r):
     return ok
 
 
-def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = False):
+class _ResidueCopies:
+    """k and v of every head, residue-major and zero-padded (the matrix-engine form of
+    the local kernel): slot p of residue r holds position r + d*(p - left) of the head's
+    key sequence (d its dilation), zero where that is before 0, at or past T, or where
+    r >= d. Item beta's band is then slots [ib*block, ib*block + width) of residue r:
+    contiguous rows, loaded in place, never out of bounds, whatever the dilation. Zero
+    keys and values add nothing: their scores are masked and their probabilities 0.
+    ``k``: [B, H, max_dilation, slots, D]; ``v_t``: [B, H, max_dilation, D, slots] (the
+    second product's first operand is V transposed); both hold bfloat16 bits as uint16
+    (``bf16_value``)."""
+
+    def __init__(self, k, v, dil, T, H, group, left: int, slots, max_dilation: int):
+        B, D = k.shape[0], k.shape[3]
+        zero = tirx.const(0, "uint16")
+
+        def pos(h, r, p):
+            return i64(r) + i64(dil[h]) * (i64(p) - left)
+
+        def ok(h, r, p):
+            return tirx.all(p >= left, r < dil[h], pos(h, r, p) < T)
+
+        def clamp(x):
+            return tirx.max(tirx.min(x, T - 1), 0)
+
+        def bits(x):
+            return tirx.reinterpret("uint16", x)
+
+        self.k = te.compute(
+            (B, H, max_dilation, slots, D),
+            lambda b, h, r, p, c: tirx.Select(ok(h, r, p), bits(k[b, div_nonneg(h, group), clamp(pos(h, r, p)), c]), zero),
+            name="kres",
+        )
+        vres = te.compute(
+            (B, H, max_dilation, slots, D),
+            lambda b, h, r, p, c: tirx.Select(ok(h, r, p), bits(v[b, div_nonneg(h, group), clamp(pos(h, r, p)), c]), zero),
+            name="vres",
+        )
+        # Transposed in a stage of its own: a plain transpose, no index arithmetic per element.
+        self.v_t = te.compute((B, H, max_dilation, D, slots), lambda b, h, r, c, p: vres[b, h, r, p, c], name="vres_t")
+
+
+# Reduction depth of one matrix-engine step: a tile row of 64 bytes holds 32 bfloat16.
+MATRIX_K = 32
+# Rows and columns of one matrix-engine result tile (16 x 16 float32).
+MATRIX_TILE = 16
+
+
+def amx_serves(spec: KernelSpec) -> bool:
+    """Whether the local forward of ``spec`` has a matrix-engine (AMX) form: bfloat16
+    products of bounded windows, the head dim a whole number of tile rows, the block a
+    whole number of result tiles. The nonfinite variant keeps its guarded products."""
+    return (spec.kind == "local" and spec.dtype == "bfloat16" and not spec.nonfinite and spec.left >= 0
+            and spec.right >= 0 and spec.head_dim % MATRIX_K == 0 and spec.block_q % MATRIX_TILE == 0)
+
+
+# Rows per work item of the matrix-engine form, at least: 64 rows halve the passes over
+# the band per row against 32 (the causal W=512 bfloat16 forward at T=16384 ran 36.6 ms
+# at 64 rows, 41.2 at 32 and 38.8 at 128 on 2 Emerald Rapids cores, 2026-12-06).
+AMX_MIN_BLOCK = 64
+
+
+def amx_block(spec: KernelSpec) -> int:
+    """Rows per work item of the matrix-engine form of ``spec``: its block_q, raised to
+    AMX_MIN_BLOCK (the result does not depend on the blocking)."""
+    return max(spec.block_q, AMX_MIN_BLOCK)
+
+
+def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = False, amx: bool = False):
     """TE for the local (window + extra keys) kernel.
 
     Returns the PrimFunc argument list: tensors q [B,H,T,D], k/v [B,Hkv,T,D],
@@ -327,10 +431,18 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
     ``shapes`` may fix any of B, H, Hkv, T, E to ints (tuning needs concrete shapes).
     ``native_exp``: use the target's exp intrinsic (GPU targets) instead of the
     vectorizable polynomial the CPU needs (see ``_exp``).
+    ``amx``: the two products in the matrix engine's operand layouts (``amx_serves``
+    says which specs have them): bfloat16 operands, float32 sums. The keys come from
+    per-head, residue-major, zero-padded copies of k (rows) and v (transposed), made
+    once per call, in which every item's band is one contiguous block of rows; the
+    query block is packed as pair words (``pair_word``);
+    the probabilities are rounded to bfloat16 pair words for the second product, and
+    its result is [D, block] (the values' features as the engine's rows).
     """
     assert spec.kind == "local"
+    assert not amx or amx_serves(spec), f"{spec.name} has no matrix-engine form"
     B, H, Hkv, T, E = _dims(shapes, "B H Hkv T E")
-    D, dt, Bq = spec.head_dim, spec.dtype, spec.block_q
+    D, dt, Bq = spec.head_dim, spec.dtype, amx_block(spec) if amx else spec.block_q
     acc = accum_dtype(dt)
     left, right = spec.left, spec.right
 
@@ -344,7 +456,7 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
 
     exact = spec.nonfinite or native_exp
     mul = product(exact)
-    band = Band(left, right, Bq, spec.max_dilation, T, H, dil)
+    band = Band(left, right, Bq, spec.max_dilation, T, H, dil, lanes=MATRIX_K if amx else LANES)
     nitems, kw, item_info = band.nitems, band.width, band.info
     row_of, key_of, clamp = band.pos, band.partner, band.clamp
     group = div_nonneg(H, Hkv)
@@ -361,22 +473,59 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
     qblk_t = te.compute(
         (B, H, nitems, D, Bq), lambda b, h, beta, cc, qi: q[b, h, clamp(row_of(h, beta, qi)), cc], name="qblk_t"
     )
-    kband = te.compute(
-        (B, H, nitems, kw, D),
-        lambda b, h, beta, kj, cc: k[b, div_nonneg(h, group), clamp(key_of(h, beta, kj)), cc],
-        name="kband",
-    )
-    vband = te.compute(
-        (B, H, nitems, kw, D),
-        lambda b, h, beta, kj, cc: v[b, div_nonneg(h, group), clamp(key_of(h, beta, kj)), cc],
-        name="vband",
-    )
-    c = te.reduce_axis((0, D), name="c")
-    score = te.compute(
-        (B, H, nitems, kw, Bq),
-        lambda b, h, beta, kj, qi: te.sum(cast(kband[b, h, beta, kj, c], acc) * cast(qblk_t[b, h, beta, c, qi], acc), axis=c),
-        name="score",
-    )
+    if amx:
+        res = _ResidueCopies(k, v, dil, T, H, group, left, nitems * Bq + kw, spec.max_dilation)
+        qword = te.compute(
+            (B, H, nitems, D // 2, Bq),
+            lambda b, h, beta, c2, qi: pair_word(
+                bf16_bits(q[b, h, clamp(row_of(h, beta, qi)), 2 * c2]),
+                bf16_bits(q[b, h, clamp(row_of(h, beta, qi)), 2 * c2 + 1]),
+            ),
+            name="qword",
+        )
+        # The item's band, a contiguous block of the residue copies: a plain copy. (The
+        # tensorized products must read at offsets that are affine in the loops, not
+        # ones loaded from item_info.)
+        kband = te.compute(
+            (B, H, nitems, kw, D),
+            lambda b, h, beta, kj, cc: res.k[b, h, item_info[h, beta, 3], item_info[h, beta, 2] + kj, cc],
+            name="kband",
+        )
+        vband_t = te.compute(
+            (B, H, nitems, D, kw),
+            lambda b, h, beta, cc, kj: res.v_t[b, h, item_info[h, beta, 3], cc, item_info[h, beta, 2] + kj],
+            name="vband_t",
+        )
+        c2 = te.reduce_axis((0, D // 2), name="c2")
+        e = te.reduce_axis((0, 2), name="e")
+        score = te.compute(
+            (B, H, nitems, kw, Bq),
+            lambda b, h, beta, kj, qi: te.sum(
+                bf16_value(kband[b, h, beta, kj, 2 * c2 + e])
+                * word_half(qword[b, h, beta, c2, qi], e),
+                axis=[c2, e],
+            ),
+            name="score",
+        )
+    else:
+        kband = te.compute(
+            (B, H, nitems, kw, D),
+            lambda b, h, beta, kj, cc: k[b, div_nonneg(h, group), clamp(key_of(h, beta, kj)), cc],
+            name="kband",
+        )
+        vband = te.compute(
+            (B, H, nitems, kw, D),
+            lambda b, h, beta, kj, cc: v[b, div_nonneg(h, group), clamp(key_of(h, beta, kj)), cc],
+            name="vband",
+        )
+        c = te.reduce_axis((0, D), name="c")
+        score = te.compute(
+            (B, H, nitems, kw, Bq),
+            lambda b, h, beta, kj, qi: te.sum(
+                cast(kband[b, h, beta, kj, c], acc) * cast(qblk_t[b, h, beta, c, qi], acc), axis=c
+            ),
+            name="score",
+        )
     # Each block row's visible band keys are one interval: two compares per score.
     key_ok = band.interval_mask()
     masked = te.compute(
@@ -433,7 +582,8 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
 
     def softmax_part(prefix, scores, n, value):
         """Probabilities [n, Bq] of one key set (window band or extras) against the
-        shared row max, their sum and their probability-weighted values."""
+        shared row max, their sum and their probability-weighted values (None for
+        ``value`` None: the caller forms them)."""
         prob = te.compute(
             (B, H, nitems, n, Bq),
             lambda b, h, beta, j, qi: _exp(scores[b, h, beta, j, qi] - rowmax[b, h, beta, qi], acc, native_exp),
@@ -443,20 +593,47 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
         total = te.compute(
             (B, H, nitems, Bq), lambda b, h, beta, qi: te.sum(prob[b, h, beta, r, qi], axis=r), name=f"{prefix}sum"
         )
+        if value is None:
+            return prob, total, None
         r2 = te.reduce_axis((0, n), name=f"{prefix}r_acc")
         weighted = te.compute(
             (B, H, nitems, Bq, D),
             lambda b, h, beta, qi, cc: te.sum(mul(prob[b, h, beta, r2, qi], value(b, h, beta, r2, cc)), axis=r2),
             name=f"{prefix}acc",
         )
-        return total, weighted
+        return prob, total, weighted
 
-    parts = [softmax_part("w", masked, kw, lambda b, h, beta, j, cc: cast(vband[b, h, beta, j, cc], acc))]
+    if amx:
+        wprob, wsum, _ = softmax_part("w", masked, kw, None)
+        # P rounded to bfloat16, as pair words along the band: the second product's
+        # packed operand, formed from two probability rows with vector integer operations.
+        pword = te.compute(
+            (B, H, nitems, kw // 2, Bq),
+            lambda b, h, beta, r2, qi: pair_word(
+                bf16_round_bits(wprob[b, h, beta, 2 * r2, qi]), bf16_round_bits(wprob[b, h, beta, 2 * r2 + 1, qi])
+            ),
+            name="pword",
+        )
+        r2 = te.reduce_axis((0, kw // 2), name="wr2")
+        e2 = te.reduce_axis((0, 2), name="we")
+        wacc_t = te.compute(
+            (B, H, nitems, D, Bq),
+            lambda b, h, beta, cc, qi: te.sum(
+                bf16_value(vband_t[b, h, beta, cc, 2 * r2 + e2])
+                * word_half(pword[b, h, beta, r2, qi], e2),
+                axis=[r2, e2],
+            ),
+            name="wacc_t",
+        )
+        # Read as [Bq, D] like the other parts' sums of weighted values.
+        parts = [(wsum, lambda b, h, beta, qi, cc: wacc_t[b, h, beta, cc, qi])]
+    else:
+        parts = [softmax_part("w", masked, kw, lambda b, h, beta, j, cc: cast(vband[b, h, beta, j, cc], acc))[1:]]
     if spec.extras:
         parts.append(
             softmax_part(
                 "x", stages_x[1], nx, lambda b, h, beta, e, cc: cast(v[b, div_nonneg(h, group), clamp(i64(xidx[b, xe(e)])), cc], acc)
-            )
+            )[1:]
         )
     sums, accs = zip(*parts)
     denom = te.compute(
@@ -467,7 +644,7 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
     )
 
     def numer(b, h, beta, qi, cc):
-        return functools.reduce(operator.add, [t[b, h, beta, qi, cc] for t in accs])
+        return functools.reduce(operator.add, [t(b, h, beta, qi, cc) if callable(t) else t[b, h, beta, qi, cc] for t in accs])
 
     blk_out = te.compute(
         (B, H, nitems, Bq, D),

@@ -57,6 +57,8 @@ X86_FEATURES = {
     "avx512vl": "avx512vl",
     "avx512vnni": "avx512_vnni",
     "avx512bf16": "avx512_bf16",
+    "amx-tile": "amx_tile",
+    "amx-bf16": "amx_bf16",
 }
 
 
@@ -199,6 +201,30 @@ def _no_device_kernel(spec: KernelSpec, path: str, reason: str):
         raise NoDeviceError(f"kernel {spec.name} of {path} is CUDA code, and {reason}; run it on a machine with an NVIDIA GPU")
 
     return call
+
+
+# Linux grants a process the AMX tile state only on request; without it the first tile
+# instruction kills the process (SIGILL). arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
+_amx_granted = False
+
+
+def request_amx(lib_path: str) -> None:
+    """Ask the OS for AMX tile state for this process, once, before a kernel of
+    ``lib_path`` that uses the matrix engine can run; LibraryError if it is refused."""
+    global _amx_granted
+    if _amx_granted:
+        return
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        raise LibraryError(f"{lib_path}: its kernels use AMX tiles, which swa_tvm enables on x86-64 Linux only")
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
+        err = ctypes.get_errno()
+        raise LibraryError(
+            f"{lib_path}: its kernels use AMX tiles, and the OS refused this process the tile state "
+            f"(arch_prctl ARCH_REQ_XCOMP_PERM: {os.strerror(err)}); export the library for a target without AMX"
+        )
+    _amx_granted = True
 
 
 def host_cpu_flags() -> set[str]:
@@ -816,6 +842,8 @@ def load_library(path: str | os.PathLike, *, _jit_cache: bool = False) -> list[K
         _load_tvm_runtime()
         if device == "cpu":
             configure_cpu_threads()
+            if any(entry.get("schedule") == "amx" for _, entry in kernels):
+                request_amx(path)
         try:
             module = tvm_ffi.load_module(path)
         except Exception as e:  # noqa: BLE001 - whatever the runtime says, by the file's name

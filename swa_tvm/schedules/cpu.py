@@ -34,10 +34,13 @@ from swa_tvm.compute.forward import (
     EXTRA_TILE,
     GLOBAL_BLOCK,
     GLOBAL_CHUNK,
+    MATRIX_K,
+    amx_block,
     band_width,
     i64,
     item_key_span,
 )
+from swa_tvm.schedules import amx
 from swa_tvm.spec import KernelSpec
 
 # Candidate values of the categorical knobs. Unroll steps feed
@@ -280,6 +283,77 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8,
             kw = band_width(spec.block_q, spec.left, spec.right) if name == "wacc" and bounded else None
             k = knobs if name == "wacc" else Defaults()
             _prob_value_product(sch, name, spec.block_q, spec.head_dim, vector_lanes, k, kw)
+
+
+def schedule_local_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 16, knobs=None) -> None:
+    """The matrix-engine form of the local kernel (``compute.forward``, ``amx=True``):
+    the plan of ``schedule_local``, with each item's two products tensorized whole into
+    one call of an AMX intrinsic (``schedules.amx``): the scores [band, block] over the
+    head dim, P·V^T [D, block] over the band. The residue-major copies of k and v are
+    made first, in parallel over their rows; the softmax between the products stays
+    float32 vectors along the block rows."""
+    knobs = knobs or Defaults()
+    block = amx_block(spec)
+    kw = band_width(block, spec.left, spec.right, MATRIX_K)
+    for name in ("kres", "vres"):
+        loops = sch.get_loops(sch.get_sblock(name))
+        sch.parallel(sch.fuse(*loops[:-1]))
+        _vectorize_inner(sch, loops[-1], min(spec.head_dim, 32))
+    # The transpose in 32 x 32 blocks, so its reads and writes both stay within a few
+    # pages; the inner loop unrolled (vectorized, it became 16-bit gathers).
+    b, h, r, c, p = sch.get_loops(sch.get_sblock("vres_t"))
+    po, pi = sch.split(p, factors=[None, 32])
+    co, ci = sch.split(c, factors=[None, 32])
+    sch.reorder(po, co, ci, pi)
+    sch.parallel(sch.fuse(b, h, r, po))
+    sch.unroll(pi)
+
+    out = sch.get_sblock("out")
+    b, h, i, cc = sch.get_loops(out)
+    row = sch.fuse(b, h, i)
+    _vectorize_inner(sch, cc, vector_lanes)
+    b, h, i = sch.get_loops(sch.get_sblock("lse"))
+    sch.parallel(sch.merge(row, sch.fuse(b, h, i)))
+
+    root = sch.get_sblock("blk_out")
+    b, h, beta, qi, cc = sch.get_loops(root)
+    item = sch.fuse(b, h, beta)
+    b2, h2, beta2, _ = sch.get_loops(sch.get_sblock("blk_lse"))
+    item = sch.merge(item, sch.fuse(b2, h2, beta2))
+    _vectorize_inner(sch, cc, vector_lanes)
+    order = ["denom", "wacc_t", "xacc", "wsum", "xsum", "pword", "wprob", "xprob", "rowmax", "wmax", "xmax"]
+    order += ["masked", "xmasked", "krange", "score", "xscore", "qword", "qblk_t", "kband", "vband_t"]
+    for name in order:
+        if _has(sch, name):
+            sch.compute_at(sch.get_sblock(name), item, preserve_unit_loops=True)
+    sch.parallel(item)
+    sch.annotate(item, "pragma_auto_unroll_max_step", knobs.choice(sch, UNROLL_STEPS, 0))
+    sch.annotate(item, "pragma_unroll_explicit", 1)
+
+    # Both products whole, one intrinsic call per item: scores [band, block] over the
+    # head dim, P·V^T [D, block] over the band.
+    sch.tensorize(sch.get_loops(sch.get_sblock("score"))[-4], amx.register(kw, block, spec.head_dim))
+    sch.tensorize(sch.get_loops(sch.get_sblock("wacc_t"))[-4], amx.register(spec.head_dim, block, kw))
+
+    # The band copies: contiguous rows, vectorized along them.
+    _vectorize_inner(sch, sch.get_loops(sch.get_sblock("kband"))[-1], min(spec.head_dim, 32))
+    _vectorize_inner(sch, sch.get_loops(sch.get_sblock("vband_t"))[-1], 32)
+    # The query block's pair words: rows outside, pairs of features inside.
+    blk = sch.get_sblock("qword")
+    c2_l, qi_l = sch.get_loops(blk)[-2:]
+    sch.reorder(qi_l, c2_l)
+    for name in ("masked", "wprob", "pword", "xmasked", "xprob"):
+        if _has(sch, name):
+            _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1], vector_lanes)
+    for name in ("wmax", "wsum", "xmax", "xsum"):
+        if _has(sch, name):
+            _vertical_reduce(sch, name, vector_lanes, True)
+    if _has(sch, "xscore"):
+        blk = sch.get_sblock("qblk_t")
+        cc_l, qi_l = sch.get_loops(blk)[-2:]
+        sch.reorder(qi_l, cc_l)
+        _key_row_product(sch, "xscore", EXTRA_TILE, block, vector_lanes, Defaults(), True, True)
+        _prob_value_product(sch, "xacc", block, spec.head_dim, vector_lanes, Defaults(), None)
 
 
 def _prob_value_product(sch, name, rows: int, head_dim: int, vector_lanes: int, knobs, keys: int | None):
@@ -601,6 +675,31 @@ def skip_dead_keys(func, spec: KernelSpec):
     return _guard_key_loop(func, "wacc_update", 5, span_of)  # b, h, beta, qi, cc, kr
 
 
+def drop_init(func, blocks=("score_o", "wacc_t_o")):
+    """A scheduled kernel without the zero init of the named tensorized blocks: their
+    intrinsic (schedules.amx) computes the whole product from zeroed tiles and writes
+    every element, so the init is a pass of stores whose values are never read."""
+
+    def without_init(stmt):
+        if isinstance(stmt, tirx.SeqStmt):
+            return tirx.SeqStmt([without_init(x) for x in stmt.seq])
+        if isinstance(stmt, tirx.For):
+            return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, without_init(stmt.body),
+                            stmt.thread_binding, stmt.annotations)
+        if isinstance(stmt, tirx.IfThenElse):
+            other = stmt.else_case and without_init(stmt.else_case)
+            return tirx.IfThenElse(stmt.condition, without_init(stmt.then_case), other)
+        if isinstance(stmt, SBlockRealize):
+            blk = stmt.block
+            init = None if blk.name_hint in blocks else blk.init
+            blk = SBlock(blk.iter_vars, blk.reads, blk.writes, blk.name_hint, without_init(blk.body), init,
+                         blk.alloc_buffers, blk.match_buffers, blk.annotations)
+            return SBlockRealize(stmt.iter_values, stmt.predicate, blk)
+        return stmt
+
+    return func.with_body(without_init(func.body))
+
+
 def _always_true(cond, loops: dict, analyzer) -> bool:
     """``cond`` is ``x // d < n`` where x is below n * d: a loop over [0, n * d), or
     ``y % (n * d)``. What fusing a loop of symbolic extent n (the batch, or the heads
@@ -671,7 +770,11 @@ SCHEDULES = {
 }
 
 
-def schedule(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
+def schedule(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8, knobs=None, amx: bool = False) -> None:
     """Apply the schedule for ``spec`` to ``sch`` (working on spec.name): the default
-    one, or with ``knobs=Sampled()`` one point of the MetaSchedule search space."""
-    SCHEDULES[spec.kind](sch, spec, vector_lanes, knobs)
+    one, or with ``knobs=Sampled()`` one point of the MetaSchedule search space.
+    ``amx``: the PrimFunc is the matrix-engine form (``compute.prim_func(amx=True)``)."""
+    if amx:
+        schedule_local_amx(sch, spec, vector_lanes, knobs)
+    else:
+        SCHEDULES[spec.kind](sch, spec, vector_lanes, knobs)
