@@ -307,8 +307,10 @@ def interleaved_medians(fns: dict, runs: int = 5, min_seconds: float = MIN_SECON
     return {name: 1e3 * statistics.median(v) for name, v in ts.items()}
 
 
-def matmul_peak_gflops(runs: int = 5, n: int = 4096) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_peak_gflops(runs: int = 5, n: int = 4096, dtype: torch.dtype = torch.float32) -> float:
+    """GFLOP/s of an n x n torch.matmul in ``dtype`` (bfloat16: oneDNN, on the matrix
+    engine where the CPU has one)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     ms = median_ms(lambda: torch.matmul(a, b), runs)
     return 2.0 * n**3 / (ms * 1e-3) / 1e9
 
@@ -422,9 +424,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--reuse-libs", action="store_true", help="reuse OUT's libraries from an earlier run if they load")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
-                   help="input dtype (float16/bfloat16: our kernels accumulate in float32; only tuning_logs/llvm-rocketlake "
-                        "has records for bfloat16, elsewhere both of our methods run default schedules); results go "
-                        "to results_<dtype>.json")
+                   help="input dtype (float16/bfloat16: our kernels accumulate in float32; on a CPU with AMX the "
+                        "bfloat16 local forwards run on the matrix engine, untuned; only tuning_logs/llvm-rocketlake "
+                        "has other records for bfloat16); results go to results_<dtype>.json")
     args = p.parse_args(argv)
     if args.runs < 5:
         print("benchmarks.forward: --runs below 5 gives medians too noisy to quote", file=sys.stderr)
@@ -437,8 +439,9 @@ def main(argv=None) -> int:
     print(f"libraries built in {time.time() - t0:.0f}s; tuned kernels: {sum(tuned.values())}/{len(tuned)}")
     _load_libs(libs)
     threads = torch.get_num_threads()
-    peak = matmul_peak_gflops()
-    print(f"torch.matmul 4096^2 fp32 on {threads} threads: {peak:.1f} GFLOP/s (the peak below)")
+    # The peak in the run's dtype: bfloat16 kernels are held to what the CPU does in bfloat16.
+    peak = matmul_peak_gflops(dtype=getattr(torch, args.dtype))
+    print(f"torch.matmul 4096^2 {args.dtype} on {threads} threads: {peak:.1f} GFLOP/s (the peak below)")
     print(f"swa_tvm kernels on {library.tvm_pool_threads()} threads")
 
     stem = "results" if args.dtype == "float32" else f"results_{args.dtype}"
@@ -560,6 +563,7 @@ def _result(args, argv, libs_tuned, threads, peak, rows, memory, growth=()) -> d
         "versions": {"torch": torch.__version__, "tvm": swa_tvm.runtime.library.tvm_version(), "swa_tvm": swa_tvm.__version__},
         "shape": {"B": B, "H": H, "D": D, "dtype": args.dtype},
         "matmul_peak_gflops": peak,
+        "matmul_dtype": args.dtype,
         "tuned_kernels": libs_tuned,
         "rows": rows,
         "growth": list(growth),

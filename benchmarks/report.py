@@ -98,7 +98,8 @@ How the CPU runs measure:
   `create_block_mask`. "sliding chunks" is Longformer's chunked formulation in plain
   torch. "SDPA + mask" is `scaled_dot_product_attention` with a dense boolean mask.
 - GFLOP/s count useful work only: 4·D per visible (query, key) pair. "% of matmul" is
-  against a 4096² float32 `torch.matmul` timed at the start of the same run.
+  against a 4096² `torch.matmul` timed at the start of the same run, in the run's dtype
+  (float32 in runs whose results record no `matmul_dtype`).
 - Growth is t(large T) / t(small T) of the tuned kernel, both lengths timed round-robin;
   4.0 is linear for a 4× longer sequence.
 - Peak memory is the resident-set high-water mark of one call in a fresh process, minus
@@ -229,7 +230,8 @@ def run_lines(d: dict, key: str, command: str) -> list[str]:
         f"- Shape: {shape}, {s.get('dtype', '?')}.",
     ]
     if d.get("matmul_peak_gflops"):
-        lines.append(f"- This run's 4096² float32 `torch.matmul`: {d['matmul_peak_gflops']:.1f} GFLOP/s.")
+        dtype = d.get("matmul_dtype", "float32")  # runs before matmul_dtype timed float32
+        lines.append(f"- This run's 4096² {dtype} `torch.matmul`: {d['matmul_peak_gflops']:.1f} GFLOP/s.")
     return lines
 
 

@@ -1,0 +1,209 @@
+"""bfloat16 on the CPU's matrix engine (AMX): the local forward's products as tile
+instructions (swa_tvm.schedules.amx), against the float64 reference and torch's own
+bfloat16 SDPA, and the library's AMX contract (manifest, loader)."""
+
+import json
+import platform
+import zlib
+
+import pytest
+import torch
+
+import swa_tvm
+from conftest import rand
+from swa_tvm.compiler import build
+from swa_tvm.compiler.targets import uses_amx
+from swa_tvm.compute.forward import amx_block, amx_serves
+from swa_tvm.reference import attention_mask, sliding_window_attention_ref
+from swa_tvm.runtime import library
+from swa_tvm.spec import KernelSpec
+
+AMX_FLAGS = {"amx_tile", "amx_bf16"}
+HAS_AMX = AMX_FLAGS <= library.host_cpu_flags()
+needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU lacks AMX bfloat16 (amx_tile, amx_bf16)")
+x86 = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="AMX is x86-64 only")
+# A CPU class LLVM knows with AMX: libraries for it build on any x86 machine.
+AMX_TARGET = {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2}
+
+
+def _errors(q, k, v, **kw):
+    """Errors against the float64 reference (max abs, relative Frobenius, lse max abs) of
+    ours and of a bfloat16 peer: torch's bfloat16 SDPA with the same mask, or, where
+    SDPA cannot express the pattern (learned sinks), the reference rounded to bfloat16
+    (the floor for any bfloat16 output). The accuracy bar: the error torch's own
+    bfloat16 attention has."""
+    out, lse = swa_tvm.sliding_window_attention(q, k, v, return_lse=True, **kw)
+    ref, ref_lse = sliding_window_attention_ref(q, k, v, **kw)
+    B, H, T, _ = q.shape
+    if "sink_logits" in kw:
+        peer = ref.bfloat16()
+    else:
+        dil = kw.get("dilation", 1)
+        dil = dil.tolist() if isinstance(dil, torch.Tensor) else dil
+        mask, _ = attention_mask(T, H, kw["window_size"], dil, kw.get("global_idx"), kw.get("num_sinks", 0))
+        rep = H // k.shape[1]
+        peer = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask.expand(B, H, T, T),
+            scale=kw.get("scale"),
+        )
+
+    def err(x):
+        d = x.double() - ref
+        return d.abs().max().item(), (d.norm() / ref.norm()).item()
+
+    return err(out), err(peer), (lse.double() - ref_lse).abs().max().item(), out
+
+
+CASES = {
+    "causal": dict(shape=(2, 4, 4, 300, 64), window_size=(127, 0)),
+    "symmetric": dict(shape=(1, 4, 4, 257, 64), window_size=(40, 40)),
+    "dilation 3": dict(shape=(1, 2, 2, 333, 64), window_size=(50, 0), dilation=3),
+    "per-head dilation, GQA": dict(shape=(1, 4, 2, 190, 64), window_size=(20, 7), dilation=[1, 2, 3, 1]),
+    "head dim 128": dict(shape=(1, 2, 2, 150, 128), window_size=(33, 0)),
+    "globals and sinks": dict(shape=(1, 2, 2, 260, 64), window_size=(60, 0), global_idx=[[0, 100]], num_sinks=2),
+    "learned sinks, scale": dict(shape=(1, 2, 1, 120, 64), window_size=(30, 2), sink_logits=True, scale=0.3),
+    "shorter than a block": dict(shape=(1, 2, 2, 5, 64), window_size=(3, 0)),
+}
+
+
+@needs_amx
+@pytest.mark.parametrize("case", list(CASES))
+def test_accuracy_within_torch_bfloat16_sdpa(case):
+    """Ours is as close to float64 as torch's bfloat16 SDPA is (P rounded to bfloat16
+    between the products, as FlashAttention does), in every pattern the form serves."""
+    cfg = dict(CASES[case])
+    B, H, Hkv, T, D = cfg.pop("shape")
+    torch.manual_seed(zlib.crc32(case.encode()))
+    q, k, v = rand(B, H, T, D).bfloat16(), rand(B, Hkv, T, D).bfloat16(), rand(B, Hkv, T, D).bfloat16()
+    if isinstance(cfg.get("dilation"), list):
+        cfg["dilation"] = torch.tensor(cfg["dilation"], dtype=torch.int32)
+    if "global_idx" in cfg:
+        cfg["global_idx"] = torch.tensor(cfg["global_idx"], dtype=torch.int32)
+    if cfg.pop("sink_logits", False):
+        cfg["sink_logits"] = torch.randn(H)
+    (ours, ours_rel), (peer, peer_rel), lse_err, out = _errors(q, k, v, **cfg)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert ours <= 1.5 * peer + 1e-3, f"{case}: max error {ours:.2e} against the bfloat16 peer's {peer:.2e}"
+    assert ours_rel <= 1.2 * peer_rel, f"{case}: relative error {ours_rel:.2e} against the peer's {peer_rel:.2e}"
+    # Scores and softmax statistics stay float32: the lse is float32-accurate.
+    assert lse_err < 1e-4, f"{case}: lse error {lse_err:.2e}"
+
+
+@needs_amx
+def test_the_jit_builds_the_matrix_engine_form(tmp_path, monkeypatch):
+    """A bfloat16 call on this CPU compiles the AMX form: the cached manifest says so,
+    and the library's code holds tile instructions."""
+    monkeypatch.setenv("SWA_TVM_CACHE", str(tmp_path))
+    q, k, v = (rand(1, 2, 70, 64).bfloat16() for _ in range(3))
+    swa_tvm.sliding_window_attention(q, k, v, window_size=(13, 0))
+    manifests = list(tmp_path.rglob("*.so.json"))
+    assert manifests, "the call compiled nothing into the cache"
+    entries = [e for m in manifests for e in json.loads(m.read_text())["kernels"]]
+    assert [e["schedule"] for e in entries if e["spec"]["dtype"] == "bfloat16"] == ["amx"]
+    code = b"".join(m.with_suffix("").read_bytes() for m in manifests)
+    assert _has_tdpbf16ps(code), "no TDPBF16PS instruction in the compiled library"
+
+
+def _has_tdpbf16ps(code: bytes) -> bool:
+    """TDPBF16PS is VEX.128.F3.0F38 5C /r (tmm registers in ModRM and VEX.vvvv): the
+    opcode byte 0x5C after a three-byte VEX prefix whose map is 0F38 and pp = F3."""
+    for i in range(len(code) - 4):
+        if code[i] == 0xC4 and (code[i + 1] & 0x1F) == 0x02 and (code[i + 2] & 0x83) == 0x02 and code[i + 3] == 0x5C:
+            return True
+    return False
+
+
+@x86
+def test_library_records_amx_and_refuses_a_cpu_without_it(tmp_path, monkeypatch):
+    """A library built for an AMX CPU class names the features in its manifest, marks
+    its matrix-engine kernels, and refuses, by feature name, to load where they are
+    missing (compiled here whatever this CPU is: LLVM emits AMX for any host)."""
+    spec = KernelSpec("local", 64, "bfloat16", 15, 0)
+    plain = KernelSpec("local", 64, "float32", 15, 0)
+    path = tmp_path / "amx.so"
+    manifest = build.export_library([spec, plain], path, target=AMX_TARGET, logs=None)
+    assert AMX_FLAGS <= set(manifest["cpu_features"])
+    assert {e["name"]: e["schedule"] for e in manifest["kernels"]} == {spec.name: "amx", plain.name: "default"}
+    monkeypatch.setattr(library, "host_cpu_flags", lambda: set(manifest["cpu_features"]) - AMX_FLAGS)
+    with pytest.raises(library.LibraryError, match="amx_bf16, amx_tile"):
+        swa_tvm.load_library(path)
+
+
+@x86
+def test_refused_tile_state_is_a_library_error(tmp_path, monkeypatch):
+    """Where the OS refuses the process AMX tile state, loading a library with AMX
+    kernels raises LibraryError naming it; no kernel is registered to die of SIGILL."""
+    path = tmp_path / "amx.so"
+    manifest = build.export_library([KernelSpec("local", 64, "bfloat16", 7, 0)], path, target=AMX_TARGET, logs=None)
+    monkeypatch.setattr(library, "host_cpu_flags", lambda: set(manifest["cpu_features"]))
+    monkeypatch.setattr(library, "_amx_granted", False)
+
+    class NoTiles:
+        def syscall(self, *args):
+            return -1
+
+    monkeypatch.setattr(library.ctypes, "CDLL", lambda *a, **kw: NoTiles())
+    before = library.REGISTRY.kernels("cpu")
+    with pytest.raises(library.LibraryError, match="tile state"):
+        swa_tvm.load_library(path)
+    assert library.REGISTRY.kernels("cpu") == before
+
+
+def test_which_specs_have_the_form():
+    """bfloat16 local forwards of bounded windows with whole tiles; not float32, not the
+    nonfinite variant (its products guard each weight), not unbounded windows, not a
+    head dim that is not a multiple of 32."""
+    assert amx_serves(KernelSpec("local", 64, "bfloat16", 511, 0, 2, True))
+    assert not amx_serves(KernelSpec("local", 64, "float32", 511, 0))
+    assert not amx_serves(KernelSpec("local", 64, "bfloat16", 511, 0, nonfinite=True))
+    assert not amx_serves(KernelSpec("local", 64, "bfloat16", -1, 0))
+    assert not amx_serves(KernelSpec("local", 48, "bfloat16", 8, 0))
+    assert not amx_serves(KernelSpec("local_dq", 64, "bfloat16", 8, 0))
+    assert amx_block(KernelSpec("local", 64, "bfloat16", 8, 0, block_q=32)) == 64
+    spec = KernelSpec("local", 64, "bfloat16", 8, 0)
+    assert uses_amx(spec, AMX_TARGET)
+    assert not uses_amx(spec, {"kind": "llvm", "mcpu": "znver3"})
+    assert not uses_amx(spec, {"kind": "cuda", "arch": "sm_90"})
+
+
+@needs_amx
+def test_nan_beyond_the_window_reaches_no_row():
+    """The NaN rule in the matrix-engine form: a NaN value at a key no row of a causal
+    window of 4 can see (the last key: only later rows would) leaves every row finite and
+    right (the plain form's NaN shows, and the call is redone with the guarded kernels)."""
+    q, k, v = (rand(1, 2, 80, 64).bfloat16() for _ in range(3))
+    v[:, :, 40] = float("nan")  # seen by rows 40..44 only
+    out = swa_tvm.sliding_window_attention(q, k, v, window_size=(4, 0))
+    ref, _ = sliding_window_attention_ref(q, k, v, window_size=(4, 0))
+    seen = torch.zeros(80, dtype=torch.bool)
+    seen[40:45] = True
+    assert torch.isnan(out[:, :, seen]).all()
+    assert torch.isfinite(out[:, :, ~seen]).all()
+    assert (out[:, :, ~seen].double() - ref[:, :, ~seen]).abs().max() < 2e-2
+
+
+@needs_amx
+def test_the_intrinsic_is_a_matmul():
+    """The tensor intrinsic alone, tensorized into a TE matmul of pair words: equals
+    A @ B in float32 (bfloat16 products are exact in float32; only the sums round)."""
+    import tvm
+    from tvm import s_tir, te
+
+    from swa_tvm.compute.forward import bf16_bits, bf16_value, pair_word, word_half
+    from swa_tvm.schedules import amx
+
+    library.request_amx("test")
+    M, N, K = 48, 64, 96
+    a_bits = te.placeholder((M, K), "uint16", name="a")
+    b = te.placeholder((K, N), "bfloat16", name="b")
+    words = te.compute((K // 2, N), lambda k2, j: pair_word(bf16_bits(b[2 * k2, j]), bf16_bits(b[2 * k2 + 1, j])), name="w")
+    k2, e = te.reduce_axis((0, K // 2), "k2"), te.reduce_axis((0, 2), "e")
+    c = te.compute((M, N), lambda i, j: te.sum(bf16_value(a_bits[i, 2 * k2 + e]) * word_half(words[k2, j], e), axis=[k2, e]),
+                   name="c")
+    sch = s_tir.Schedule(te.create_prim_func([a_bits, b, c]))
+    sch.tensorize(sch.get_loops(sch.get_sblock("c"))[0], amx.register(M, N, K))
+    mod = tvm.compile(sch.mod, target=tvm.target.Target(AMX_TARGET))
+    A, Bm = rand(M, K).bfloat16(), rand(K, N).bfloat16()
+    C = torch.zeros(M, N)
+    mod(tvm.runtime.from_dlpack(A.view(torch.uint16)), tvm.runtime.from_dlpack(Bm), tvm.runtime.from_dlpack(C))
+    torch.testing.assert_close(C, A.float() @ Bm.float(), rtol=1e-5, atol=1e-5)
