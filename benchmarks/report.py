@@ -45,8 +45,8 @@ CLASSES = {
         "and AMX, which no kernel here uses."
     ),
     "llvm-emeraldrapids": (
-        "2 cores of an Intel Xeon, family 6 model 207 (LLVM names it emeraldrapids): AVX-512 with BF16 and FP16, and AMX, which no "
-        "kernel here uses."
+        "2 cores of an Intel Xeon, family 6 model 207 (LLVM names it emeraldrapids): AVX-512 with BF16 and FP16, and AMX, "
+        "on which the bfloat16 local forward and window gradients run."
     ),
     "cuda-sm_90": "One NVIDIA H200 (sm_90), driver 580.159.04, on a machine with torch and no TVM (the runtime only).",
 }
@@ -66,6 +66,11 @@ NOTES = {
     ),
     ("llvm-znver3", "training.json"): "Ran on a Zen 4 class machine of the same pool (LLVM: znver4).",
     ("llvm-znver3", "training_bfloat16.json"): "Ran on a Zen 4 class machine of the same pool (LLVM: znver4).",
+    ("llvm-emeraldrapids", "results_bfloat16.json"): (
+        "swa_tvm's local kernels multiply on AMX tiles (bfloat16 operands, float32 sums); the global rows convert "
+        "to float32. % of matmul is against the bfloat16 matmul of the same run (oneDNN on AMX). There are no "
+        "tuning records for this key: \"tuned\" and \"default\" are the same schedules."
+    ),
     ("llvm-rocketlake", "results_bfloat16.json"): (
         "% of matmul is against the float32 matmul of the same run. swa_tvm's kernels convert bfloat16 to "
         "float32 on load; FlexAttention runs bfloat16 natively."
@@ -624,7 +629,8 @@ def glance(data: dict) -> list[str]:
                 big = max((T for (config, T) in cells if config == "causal W=512" and T <= 16384), default=None)
                 cw = cells.get(("causal W=512", big), {})
                 o = next((cw[m] for m in OURS if m in cw and "pct_peak" in cw[m]), None)
-                extra = f"causal W=512, T={big}: {o['pct_peak']:.0f}% of the float32 matmul" if o else ""
+                mm = d.get("matmul_dtype", "float32")
+                extra = f"causal W=512, T={big}: {o['pct_peak']:.0f}% of the {mm} matmul" if o else ""
                 title = forward_title(key, d)
                 rows.append([f"[{key}](#{anchor(key)})", f"[{title}](#{anchor(title)})",
                              f"{PEER} / swa_tvm: {span(ratios)}", extra])

@@ -89,6 +89,44 @@ def test_accuracy_within_torch_bfloat16_sdpa(case):
     assert lse_err < 1e-4, f"{case}: lse error {lse_err:.2e}"
 
 
+GRAD_CASES = {
+    "causal": dict(shape=(2, 4, 2, 230, 64), window_size=(20, 0)),
+    "symmetric": dict(shape=(1, 4, 4, 200, 64), window_size=(64, 64)),
+    "dilation 2": dict(shape=(1, 2, 2, 250, 64), window_size=(100, 0), dilation=2),
+    "head dim 128, right side": dict(shape=(1, 2, 1, 150, 128), window_size=(30, 5)),
+}
+
+
+@needs_amx
+@pytest.mark.parametrize("case", list(GRAD_CASES))
+def test_gradients_within_torch_bfloat16_sdpa(case):
+    """dq, dk, dv of the matrix-engine gradients (P and dS rounded to bfloat16 for their
+    products, as FlashAttention's backward does) are as close to float64 autograd as
+    torch's bfloat16 SDPA's are, and no call needed the guarded kernels."""
+    cfg = dict(GRAD_CASES[case])
+    B, H, Hkv, T, D = cfg.pop("shape")
+    torch.manual_seed(zlib.crc32(case.encode()))
+    q = rand(B, H, T, D).bfloat16().requires_grad_()
+    k, v = (rand(B, Hkv, T, D).bfloat16().requires_grad_() for _ in range(2))
+    out = swa_tvm.sliding_window_attention(q, k, v, **cfg)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    xs = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref_grads = torch.autograd.grad(sliding_window_attention_ref(*xs, **cfg)[0], xs, g.double())
+    mask, _ = attention_mask(T, H, cfg["window_size"], cfg.get("dilation", 1), None, 0)
+    ps = [x.detach().requires_grad_() for x in (q, k, v)]
+    rep = H // Hkv
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        ps[0], ps[1].repeat_interleave(rep, 1), ps[2].repeat_interleave(rep, 1), attn_mask=mask.expand(B, H, T, T)
+    )
+    peer_grads = torch.autograd.grad(sdpa, ps, g)
+    for name, ours, peer, ref in zip(("dq", "dk", "dv"), grads, peer_grads, ref_grads):
+        assert ours.dtype == torch.bfloat16 and torch.isfinite(ours).all(), name
+        e_ours = ((ours.double() - ref).norm() / ref.norm()).item()
+        e_peer = ((peer.double() - ref).norm() / ref.norm()).item()
+        assert e_ours <= 1.25 * e_peer, f"{case} {name}: relative error {e_ours:.2e} against SDPA's {e_peer:.2e}"
+
+
 @needs_amx
 def test_the_jit_builds_the_matrix_engine_form(tmp_path, monkeypatch):
     """A bfloat16 call on this CPU compiles the AMX form: the cached manifest says so,
@@ -150,15 +188,18 @@ def test_refused_tile_state_is_a_library_error(tmp_path, monkeypatch):
 
 
 def test_which_specs_have_the_form():
-    """bfloat16 local forwards of bounded windows with whole tiles; not float32, not the
-    nonfinite variant (its products guard each weight), not unbounded windows, not a
-    head dim that is not a multiple of 32."""
+    """bfloat16 local forwards and window gradients of bounded windows with whole tiles;
+    not float32, not the nonfinite variant (its products guard each weight), not
+    unbounded windows, not a head dim that is not a multiple of 32, not the extras' or
+    global rows' kernels."""
     assert amx_serves(KernelSpec("local", 64, "bfloat16", 511, 0, 2, True))
     assert not amx_serves(KernelSpec("local", 64, "float32", 511, 0))
     assert not amx_serves(KernelSpec("local", 64, "bfloat16", 511, 0, nonfinite=True))
     assert not amx_serves(KernelSpec("local", 64, "bfloat16", -1, 0))
     assert not amx_serves(KernelSpec("local", 48, "bfloat16", 8, 0))
-    assert not amx_serves(KernelSpec("local_dq", 64, "bfloat16", 8, 0))
+    assert amx_serves(KernelSpec("local_dq", 64, "bfloat16", 8, 0)) and amx_serves(KernelSpec("local_dkv", 64, "bfloat16", 8, 0))
+    assert not amx_serves(KernelSpec("local_dx", 64, "bfloat16", 8, 0, extras=True))
+    assert not amx_serves(KernelSpec("global", 64, "bfloat16", 0, 0))
     assert amx_block(KernelSpec("local", 64, "bfloat16", 8, 0, block_q=32)) == 64
     spec = KernelSpec("local", 64, "bfloat16", 8, 0)
     assert uses_amx(spec, AMX_TARGET)

@@ -40,7 +40,27 @@ import operator
 
 from tvm import te, tirx
 
-from swa_tvm.compute.forward import Band, Extras, _dims, _exp, _neg_inf, div_nonneg, i64, mod_nonneg, product
+from swa_tvm.compute.forward import (
+    LANES,
+    MATRIX_K,
+    SHORT_EXP,
+    CEPHES_EXP,
+    Band,
+    Extras,
+    ResidueCopies,
+    _dims,
+    _exp,
+    _neg_inf,
+    amx_block,
+    amx_serves,
+    band_words,
+    block_words,
+    div_nonneg,
+    i64,
+    matrix_product,
+    mod_nonneg,
+    product,
+)
 from swa_tvm.spec import KernelSpec, accum_dtype
 
 
@@ -60,18 +80,22 @@ def _grad_inputs(spec: KernelSpec, B, H, Hkv, T, E):
     return ins, (q, k, v, dil, xidx, dout, lse, delta, scale)
 
 
-def local_dq(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = False):
+def local_dq(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = False, amx: bool = False):
     """dq [B,H,T,D] of the local kernel.
 
     Arguments: q, k, v, dilation, [extra_idx], dout, lse, delta, scale, dq. Rows that
     the caller hands to the global kernel carry lse = +inf (and delta = 0): each of
     their probabilities is exactly 0, so they contribute nothing here.
+    ``amx``: the three products in the matrix engine's operand layouts, as the forward's
+    (``forward.local_attention``): the score gradients rounded to bfloat16 for dq.
     """
     assert spec.kind == "local_dq"
+    assert not amx or amx_serves(spec), f"{spec.name} has no matrix-engine form"
     B, H, Hkv, T, E = _dims(shapes, "B H Hkv T E")
-    D, dt, Bq, acc = spec.head_dim, spec.dtype, spec.block_q, accum_dtype(spec.dtype)
+    D, dt, acc = spec.head_dim, spec.dtype, accum_dtype(spec.dtype)
+    Bq = amx_block(spec) if amx else spec.block_q
     ins, (q, k, v, dil, xidx, dout, lse, delta, scale) = _grad_inputs(spec, B, H, Hkv, T, E)
-    band = Band(spec.left, spec.right, Bq, spec.max_dilation, T, H, dil)
+    band = Band(spec.left, spec.right, Bq, spec.max_dilation, T, H, dil, lanes=MATRIX_K if amx else LANES)
     n, kw, clamp = band.nitems, band.width, band.clamp
     group = div_nonneg(H, Hkv)
     ninf = _neg_inf(acc)
@@ -84,33 +108,47 @@ def local_dq(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
     def key(h, beta, kj):
         return clamp(band.partner(h, beta, kj))
 
-    qblk_t = te.compute((B, H, n, D, Bq), lambda b, h, be, c, qi: q[b, h, row(h, be, qi), c].astype(acc), name="qblk_t")
-    dblk_t = te.compute(
-        (B, H, n, D, Bq), lambda b, h, be, c, qi: dout[b, h, row(h, be, qi), c].astype(acc), name="dblk_t"
-    )
+    if not amx or spec.extras:  # (the matrix-engine form reads them for the extras only)
+        qblk_t = te.compute(
+            (B, H, n, D, Bq), lambda b, h, be, c, qi: q[b, h, row(h, be, qi), c].astype(acc), name="qblk_t"
+        )
+        dblk_t = te.compute(
+            (B, H, n, D, Bq), lambda b, h, be, c, qi: dout[b, h, row(h, be, qi), c].astype(acc), name="dblk_t"
+        )
     rstat = te.compute(
         (B, H, n, 2, Bq),
         lambda b, h, be, f, qi: tirx.Select(f == 0, lse[b, h, row(h, be, qi)], delta[b, h, row(h, be, qi)]),
         name="rstat",
     )
-    kband = te.compute(
-        (B, H, n, kw, D), lambda b, h, be, kj, c: k[b, div_nonneg(h, group), key(h, be, kj), c].astype(acc), name="kband"
-    )
-    vband = te.compute(
-        (B, H, n, kw, D), lambda b, h, be, kj, c: v[b, div_nonneg(h, group), key(h, be, kj), c].astype(acc), name="vband"
-    )
-    c = te.reduce_axis((0, D), name="c")
-    score = te.compute(
-        (B, H, n, kw, Bq),
-        lambda b, h, be, kj, qi: te.sum(kband[b, h, be, kj, c] * qblk_t[b, h, be, c, qi], axis=c),
-        name="score",
-    )
-    c2 = te.reduce_axis((0, D), name="c2")
-    dp = te.compute(
-        (B, H, n, kw, Bq),
-        lambda b, h, be, kj, qi: te.sum(vband[b, h, be, kj, c2] * dblk_t[b, h, be, c2, qi], axis=c2),
-        name="dp",
-    )
+    if amx:
+        res = ResidueCopies(dil, T, spec.left, n * Bq + kw, spec.max_dilation, band.info)
+        kv = lambda h: div_nonneg(h, group)  # noqa: E731
+        kband = res.band_rows(res.rows(k, "kres", kv), kw, "kband")
+        kband_t = res.band_cols(res.cols(k, "kres", kv), kw, "kband_t")
+        vband = res.band_rows(res.rows(v, "vres", kv), kw, "vband")
+        score = matrix_product(kband, block_words(q, H, Bq, n, row, "qword"), "score")
+        dp = matrix_product(vband, block_words(dout, H, Bq, n, row, "dword"), "dp")
+    else:
+        kband = te.compute(
+            (B, H, n, kw, D), lambda b, h, be, kj, c: k[b, div_nonneg(h, group), key(h, be, kj), c].astype(acc),
+            name="kband",
+        )
+        vband = te.compute(
+            (B, H, n, kw, D), lambda b, h, be, kj, c: v[b, div_nonneg(h, group), key(h, be, kj), c].astype(acc),
+            name="vband",
+        )
+        c = te.reduce_axis((0, D), name="c")
+        score = te.compute(
+            (B, H, n, kw, Bq),
+            lambda b, h, be, kj, qi: te.sum(kband[b, h, be, kj, c] * qblk_t[b, h, be, c, qi], axis=c),
+            name="score",
+        )
+        c2 = te.reduce_axis((0, D), name="c2")
+        dp = te.compute(
+            (B, H, n, kw, Bq),
+            lambda b, h, be, kj, qi: te.sum(vband[b, h, be, kj, c2] * dblk_t[b, h, be, c2, qi], axis=c2),
+            name="dp",
+        )
     # The exponent is materialized (masked entries -inf) because the exp polynomial
     # repeats its argument; exp(-inf) is exactly 0. Each row's band keys: one interval.
     key_ok = band.interval_mask()
@@ -121,9 +159,11 @@ def local_dq(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
         ),
         name="arg",
     )
+    exp_coeffs = SHORT_EXP if amx else CEPHES_EXP
     ds = te.compute(
         (B, H, n, kw, Bq),
-        lambda b, h, be, kj, qi: mul(_exp(arg[b, h, be, kj, qi], acc, native_exp), dp[b, h, be, kj, qi] - rstat[b, h, be, 1, qi]),
+        lambda b, h, be, kj, qi: mul(_exp(arg[b, h, be, kj, qi], acc, native_exp, exp_coeffs),
+                                     dp[b, h, be, kj, qi] - rstat[b, h, be, 1, qi]),
         name="ds",
     )
     kband_dq = kband
@@ -134,13 +174,17 @@ def local_dq(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
             (B, H, n, kw, D), lambda b, h, be, kj, c: k[b, div_nonneg(h, group), key(h, be, kj), c].astype(acc),
             name="kband_dq",
         )
-    kr = te.reduce_axis((0, kw), name="kr")
-    dqw = te.compute(
-        (B, H, n, Bq, D),
-        lambda b, h, be, qi, cc: te.sum(mul(ds[b, h, be, kr, qi], kband_dq[b, h, be, kr, cc]), axis=kr),
-        name="dqw",
-    )
-    parts = [dqw]
+    if amx:
+        dq_t = matrix_product(kband_t, band_words(ds, "dsword"), "dq_t")  # [D, Bq]
+        parts = [lambda b, h, be, qi, cc: dq_t[b, h, be, cc, qi]]
+    else:
+        kr = te.reduce_axis((0, kw), name="kr")
+        dqw = te.compute(
+            (B, H, n, Bq, D),
+            lambda b, h, be, qi, cc: te.sum(mul(ds[b, h, be, kr, qi], kband_dq[b, h, be, kr, cc]), axis=kr),
+            name="dqw",
+        )
+        parts = [dqw]
     if spec.extras:
         visible = Extras(xidx, dil, B, H, E, spec.left, spec.right, T)
 
@@ -189,7 +233,9 @@ def local_dq(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
         )
     dq_blk = te.compute(
         (B, H, n, Bq, D),
-        lambda b, h, be, qi, cc: functools.reduce(operator.add, [p[b, h, be, qi, cc] for p in parts]),
+        lambda b, h, be, qi, cc: functools.reduce(
+            operator.add, [p(b, h, be, qi, cc) if callable(p) else p[b, h, be, qi, cc] for p in parts]
+        ),
         name="dq_blk",
     )
     dq = te.compute(
@@ -200,20 +246,23 @@ def local_dq(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
     return ins + [dq]
 
 
-def local_dkv(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = False):
+def local_dkv(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = False, amx: bool = False):
     """dk, dv [B,H,T,D] (per query head, accumulation dtype) of the window terms of the
     local kernel.
 
     Arguments: q, k, v, dilation, [extra_idx], dout, lse, delta, scale, dk, dv.
     ``extra_idx`` is accepted for a uniform signature; the extras' own key gradients
-    come from ``local_dx``.
+    come from ``local_dx``. ``amx``: the four products in the matrix engine's operand
+    layouts (the probabilities and score gradients rounded to bfloat16 for dv and dk).
     """
     assert spec.kind == "local_dkv"
+    assert not amx or amx_serves(spec), f"{spec.name} has no matrix-engine form"
     B, H, Hkv, T, E = _dims(shapes, "B H Hkv T E")
-    D, Bk, acc = spec.head_dim, spec.block_q, accum_dtype(spec.dtype)
+    D, acc = spec.head_dim, accum_dtype(spec.dtype)
+    Bk = amx_block(spec) if amx else spec.block_q
     ins, (q, k, v, dil, _, dout, lse, delta, scale) = _grad_inputs(spec, B, H, Hkv, T, E)
     # Key j is seen by query i = j + u*d for -right <= u <= left: the transposed window.
-    band = Band(spec.right, spec.left, Bk, spec.max_dilation, T, H, dil)
+    band = Band(spec.right, spec.left, Bk, spec.max_dilation, T, H, dil, lanes=MATRIX_K if amx else LANES)
     n, qw, clamp = band.nitems, band.width, band.clamp
     group = div_nonneg(H, Hkv)
     ninf = _neg_inf(acc)
@@ -226,33 +275,45 @@ def local_dkv(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = F
     def row(h, beta, qj):
         return clamp(band.partner(h, beta, qj))
 
-    kblk_t = te.compute(
-        (B, H, n, D, Bk), lambda b, h, be, c, kr: k[b, div_nonneg(h, group), key(h, be, kr), c].astype(acc), name="kblk_t"
-    )
-    vblk_t = te.compute(
-        (B, H, n, D, Bk), lambda b, h, be, c, kr: v[b, div_nonneg(h, group), key(h, be, kr), c].astype(acc), name="vblk_t"
-    )
-    qband = te.compute((B, H, n, qw, D), lambda b, h, be, qj, c: q[b, h, row(h, be, qj), c].astype(acc), name="qband")
-    dband = te.compute(
-        (B, H, n, qw, D), lambda b, h, be, qj, c: dout[b, h, row(h, be, qj), c].astype(acc), name="dband"
-    )
     bstat = te.compute(
         (B, H, n, qw, 2),
         lambda b, h, be, qj, f: tirx.Select(f == 0, lse[b, h, row(h, be, qj)], delta[b, h, row(h, be, qj)]),
         name="bstat",
     )
-    c = te.reduce_axis((0, D), name="c")
-    score = te.compute(
-        (B, H, n, qw, Bk),
-        lambda b, h, be, qj, kr: te.sum(qband[b, h, be, qj, c] * kblk_t[b, h, be, c, kr], axis=c),
-        name="score",
-    )
-    c2 = te.reduce_axis((0, D), name="c2")
-    dp = te.compute(
-        (B, H, n, qw, Bk),
-        lambda b, h, be, qj, kr: te.sum(dband[b, h, be, qj, c2] * vblk_t[b, h, be, c2, kr], axis=c2),
-        name="dp",
-    )
+    if amx:
+        res = ResidueCopies(dil, T, spec.right, n * Bk + qw, spec.max_dilation, band.info)
+        kv = lambda h: div_nonneg(h, group)  # noqa: E731
+        qband = res.band_rows(res.rows(q, "qres"), qw, "qband")
+        qband_t = res.band_cols(res.cols(q, "qres"), qw, "qband_t")
+        dband = res.band_rows(res.rows(dout, "dres"), qw, "dband")
+        dband_t = res.band_cols(res.cols(dout, "dres"), qw, "dband_t")
+        score = matrix_product(qband, block_words(k, H, Bk, n, key, "kword", kv), "score")
+        dp = matrix_product(dband, block_words(v, H, Bk, n, key, "vword", kv), "dp")
+    else:
+        kblk_t = te.compute(
+            (B, H, n, D, Bk), lambda b, h, be, c, kr: k[b, div_nonneg(h, group), key(h, be, kr), c].astype(acc),
+            name="kblk_t",
+        )
+        vblk_t = te.compute(
+            (B, H, n, D, Bk), lambda b, h, be, c, kr: v[b, div_nonneg(h, group), key(h, be, kr), c].astype(acc),
+            name="vblk_t",
+        )
+        qband = te.compute((B, H, n, qw, D), lambda b, h, be, qj, c: q[b, h, row(h, be, qj), c].astype(acc), name="qband")
+        dband = te.compute(
+            (B, H, n, qw, D), lambda b, h, be, qj, c: dout[b, h, row(h, be, qj), c].astype(acc), name="dband"
+        )
+        c = te.reduce_axis((0, D), name="c")
+        score = te.compute(
+            (B, H, n, qw, Bk),
+            lambda b, h, be, qj, kr: te.sum(qband[b, h, be, qj, c] * kblk_t[b, h, be, c, kr], axis=c),
+            name="score",
+        )
+        c2 = te.reduce_axis((0, D), name="c2")
+        dp = te.compute(
+            (B, H, n, qw, Bk),
+            lambda b, h, be, qj, kr: te.sum(dband[b, h, be, qj, c2] * vblk_t[b, h, be, c2, kr], axis=c2),
+            name="dp",
+        )
     # The queries that see each block key: one interval of the band.
     query_ok = band.interval_mask()
     arg = te.compute(
@@ -262,12 +323,21 @@ def local_dkv(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = F
         ),
         name="arg",
     )
-    prob = te.compute((B, H, n, qw, Bk), lambda b, h, be, qj, kr: _exp(arg[b, h, be, qj, kr], acc, native_exp), name="prob")
+    exp_coeffs = SHORT_EXP if amx else CEPHES_EXP
+    prob = te.compute(
+        (B, H, n, qw, Bk), lambda b, h, be, qj, kr: _exp(arg[b, h, be, qj, kr], acc, native_exp, exp_coeffs), name="prob"
+    )
     ds = te.compute(
         (B, H, n, qw, Bk),
         lambda b, h, be, qj, kr: mul(prob[b, h, be, qj, kr], dp[b, h, be, qj, kr] - bstat[b, h, be, qj, 1]),
         name="ds",
     )
+    if amx:
+        dv_t = matrix_product(dband_t, band_words(prob, "pword"), "dv_t")  # [D, Bk]
+        dk_t = matrix_product(qband_t, band_words(ds, "dsword"), "dk_t")
+        dk = te.compute((B, H, T, D), lambda b, h, j, cc: _transposed(dk_t, band, b, h, j, cc) * scale, name="dk")
+        dv = te.compute((B, H, T, D), lambda b, h, j, cc: _transposed(dv_t, band, b, h, j, cc), name="dv")
+        return ins + [dk, dv]
     dband_dv, qband_dk = dband, qband
     if native_exp:  # GPU: each product its own gathers (see local_dq)
         dband_dv = te.compute(
@@ -291,6 +361,12 @@ def local_dkv(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = F
     dk = te.compute((B, H, T, D), lambda b, h, j, cc: dk_blk[(b, h) + band.item_of(h, j) + (cc,)] * scale, name="dk")
     dv = te.compute((B, H, T, D), lambda b, h, j, cc: dv_blk[(b, h) + band.item_of(h, j) + (cc,)], name="dv")
     return ins + [dk, dv]
+
+
+def _transposed(blk_t, band, b, h, i, cc):
+    """Element (position i, feature cc) of a per-item [D, block] result."""
+    beta, qi = band.item_of(h, i)
+    return blk_t[b, h, beta, cc, qi]
 
 
 def local_dx(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = False):

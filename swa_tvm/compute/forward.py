@@ -362,45 +362,103 @@ def extra_visible(left: int, right: int, T, x, xr, xt, i, t, r):
     return ok
 
 
-class _ResidueCopies:
-    """k and v of every head, residue-major and zero-padded (the matrix-engine form of
-    the local kernel): slot p of residue r holds position r + d*(p - left) of the head's
-    key sequence (d its dilation), zero where that is before 0, at or past T, or where
-    r >= d. Item beta's band is then slots [ib*block, ib*block + width) of residue r:
-    contiguous rows, loaded in place, never out of bounds, whatever the dilation. Zero
-    keys and values add nothing: their scores are masked and their probabilities 0.
-    ``k``: [B, H, max_dilation, slots, D]; ``v_t``: [B, H, max_dilation, D, slots] (the
-    second product's first operand is V transposed); both hold bfloat16 bits as uint16
-    (``bf16_value``)."""
+class ResidueCopies:
+    """Tensors of every head, residue-major and zero-padded: the matrix-engine form's
+    operands (the local kernels' forward and gradients). Slot p of residue r holds
+    position r + d*(p - lo) of the head's sequence (d its dilation, lo the band's side
+    before its block), zero where that is before 0, at or past T, or where r >= d. Item
+    beta's band is then slots [ib*block, ib*block + width) of residue r: contiguous
+    rows, never out of bounds, whatever the dilation. Zero keys and values add nothing:
+    their scores are masked and their probabilities 0.
 
-    def __init__(self, k, v, dil, T, H, group, left: int, slots, max_dilation: int):
-        B, D = k.shape[0], k.shape[3]
-        zero = tirx.const(0, "uint16")
+    ``rows(x, name)``: [B, H, max_dilation, slots, D]; ``cols(x, name)``: the same
+    transposed, [B, H, max_dilation, D, slots] (made from the rows, so the transpose
+    does no index arithmetic). Both hold bfloat16 bits as uint16 (``bf16_value``).
+    ``band_rows``/``band_cols`` copy an item's band out of them."""
 
-        def pos(h, r, p):
-            return i64(r) + i64(dil[h]) * (i64(p) - left)
+    def __init__(self, dil, T, lo: int, slots, max_dilation: int, item_info):
+        self.dil, self.T, self.lo, self.slots, self.md, self.info = dil, T, lo, slots, max_dilation, item_info
+        self._rows = {}
 
-        def ok(h, r, p):
-            return tirx.all(p >= left, r < dil[h], pos(h, r, p) < T)
+    def _ok(self, h, r, p):
+        return tirx.all(p >= self.lo, r < self.dil[h], self._pos(h, r, p) < self.T)
 
-        def clamp(x):
-            return tirx.max(tirx.min(x, T - 1), 0)
+    def _pos(self, h, r, p):
+        return i64(r) + i64(self.dil[h]) * (i64(p) - self.lo)
 
-        def bits(x):
-            return tirx.reinterpret("uint16", x)
+    def rows(self, x, name: str, head=lambda h: h):
+        """x [B, heads, T, D] (``head`` maps a query head to x's head) as residue rows."""
+        if name not in self._rows:
+            B, D, T = x.shape[0], x.shape[3], self.T
+            zero = tirx.const(0, "uint16")
 
-        self.k = te.compute(
-            (B, H, max_dilation, slots, D),
-            lambda b, h, r, p, c: tirx.Select(ok(h, r, p), bits(k[b, div_nonneg(h, group), clamp(pos(h, r, p)), c]), zero),
-            name="kres",
-        )
-        vres = te.compute(
-            (B, H, max_dilation, slots, D),
-            lambda b, h, r, p, c: tirx.Select(ok(h, r, p), bits(v[b, div_nonneg(h, group), clamp(pos(h, r, p)), c]), zero),
-            name="vres",
-        )
-        # Transposed in a stage of its own: a plain transpose, no index arithmetic per element.
-        self.v_t = te.compute((B, H, max_dilation, D, slots), lambda b, h, r, c, p: vres[b, h, r, p, c], name="vres_t")
+            def value(b, h, r, p, c):
+                pos = tirx.max(tirx.min(self._pos(h, r, p), T - 1), 0)
+                return tirx.Select(self._ok(h, r, p), tirx.reinterpret("uint16", x[b, head(h), pos, c]), zero)
+
+            self._rows[name] = te.compute((B, self.dil.shape[0], self.md, self.slots, D), value, name=name)
+        return self._rows[name]
+
+    def cols(self, x, name: str, head=lambda h: h):
+        rows = self.rows(x, name, head)
+        B, H, md, slots, D = rows.shape
+        return te.compute((B, H, md, D, slots), lambda b, h, r, c, p: rows[b, h, r, p, c], name=name + "_t")
+
+    def band_rows(self, res, width, name: str):
+        """Item beta's band of residue rows ``res``: [B, H, items, width, D]."""
+        B, H, _, _, D = res.shape
+        info = self.info
+        return te.compute((B, H, info.shape[1], width, D),
+                          lambda b, h, beta, j, c: res[b, h, info[h, beta, 3], info[h, beta, 2] + j, c], name=name)
+
+    def band_cols(self, res_t, width, name: str):
+        """Item beta's band of transposed residue rows ``res_t``: [B, H, items, D, width]."""
+        B, H, _, D, _ = res_t.shape
+        info = self.info
+        return te.compute((B, H, info.shape[1], D, width),
+                          lambda b, h, beta, c, j: res_t[b, h, info[h, beta, 3], c, info[h, beta, 2] + j], name=name)
+
+
+def block_words(x, H, block: int, nitems, row, name: str, head=lambda h: h):
+    """Pair words [B, H, items, D/2, block] of the block rows of x [B, heads, T, D]
+    (``row(h, beta, i)``: the clamped position of block row i; ``head`` maps a query
+    head to x's): the second operand of a product over the head dim (``pair_word``)."""
+    B, D = x.shape[0], x.shape[3]
+
+    def word(b, h, beta, c2, i):
+        pos = row(h, beta, i)
+        return pair_word(bf16_bits(x[b, head(h), pos, 2 * c2]), bf16_bits(x[b, head(h), pos, 2 * c2 + 1]))
+
+    return te.compute((B, H, nitems, D // 2, block), word, name=name)
+
+
+def band_words(p, name: str):
+    """Pair words [B, H, items, width/2, block] of float32 weights p [B, H, items,
+    width, block] (probabilities, score gradients) rounded to bfloat16: the second
+    operand of a product over the band, formed from two rows with vector integer ops."""
+    B, H, n, width, block = p.shape
+    return te.compute(
+        (B, H, n, width // 2, block),
+        lambda b, h, beta, j2, i: pair_word(bf16_round_bits(p[b, h, beta, 2 * j2, i]),
+                                            bf16_round_bits(p[b, h, beta, 2 * j2 + 1, i])),
+        name=name,
+    )
+
+
+def matrix_product(a, words, name: str):
+    """[B, H, items, M, N] = sum over K of A[.., M, K] * W[.., K, N]: ``a`` bfloat16 bits
+    [.., M, K] (uint16), ``words`` pair words [.., K/2, N]; float32 sums. The expression
+    the matrix-engine intrinsic (schedules.amx) describes."""
+    B, H, n, M, K = a.shape
+    N = words.shape[4]
+    k2 = te.reduce_axis((0, K // 2), name=name + "_k2")
+    e = te.reduce_axis((0, 2), name=name + "_e")
+    return te.compute(
+        (B, H, n, M, N),
+        lambda b, h, beta, i, j: te.sum(bf16_value(a[b, h, beta, i, 2 * k2 + e]) * word_half(words[b, h, beta, k2, j], e),
+                                        axis=[k2, e]),
+        name=name,
+    )
 
 
 # Reduction depth of one matrix-engine step: a tile row of 64 bytes holds 32 bfloat16.
@@ -409,12 +467,17 @@ MATRIX_K = 32
 MATRIX_TILE = 16
 
 
+# The kernels with a matrix-engine form: the local forward and its window gradients.
+AMX_KINDS = ("local", "local_dq", "local_dkv")
+
+
 def amx_serves(spec: KernelSpec) -> bool:
-    """Whether the local forward of ``spec`` has a matrix-engine (AMX) form: bfloat16
-    products of bounded windows, the head dim a whole number of tile rows, the block a
-    whole number of result tiles. The nonfinite variant keeps its guarded products."""
-    return (spec.kind == "local" and spec.dtype == "bfloat16" and not spec.nonfinite and spec.left >= 0
-            and spec.right >= 0 and spec.head_dim % MATRIX_K == 0 and spec.block_q % MATRIX_TILE == 0)
+    """Whether ``spec`` has a matrix-engine (AMX) form: a local forward or window gradient
+    (AMX_KINDS) of a bounded window in bfloat16, the head dim a whole number of tile
+    rows, its items a whole number of result tiles. The nonfinite variant keeps its
+    guarded products."""
+    return (spec.kind in AMX_KINDS and spec.dtype == "bfloat16" and not spec.nonfinite and spec.left >= 0
+            and spec.right >= 0 and spec.head_dim % MATRIX_K == 0 and amx_block(spec) % MATRIX_TILE == 0)
 
 
 # Rows per work item of the matrix-engine form, at least: 64 rows halve the passes over
@@ -482,39 +545,12 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
         (B, H, nitems, D, Bq), lambda b, h, beta, cc, qi: q[b, h, clamp(row_of(h, beta, qi)), cc], name="qblk_t"
     )
     if amx:
-        res = _ResidueCopies(k, v, dil, T, H, group, left, nitems * Bq + kw, spec.max_dilation)
-        qword = te.compute(
-            (B, H, nitems, D // 2, Bq),
-            lambda b, h, beta, c2, qi: pair_word(
-                bf16_bits(q[b, h, clamp(row_of(h, beta, qi)), 2 * c2]),
-                bf16_bits(q[b, h, clamp(row_of(h, beta, qi)), 2 * c2 + 1]),
-            ),
-            name="qword",
-        )
-        # The item's band, a contiguous block of the residue copies: a plain copy. (The
-        # tensorized products must read at offsets that are affine in the loops, not
-        # ones loaded from item_info.)
-        kband = te.compute(
-            (B, H, nitems, kw, D),
-            lambda b, h, beta, kj, cc: res.k[b, h, item_info[h, beta, 3], item_info[h, beta, 2] + kj, cc],
-            name="kband",
-        )
-        vband_t = te.compute(
-            (B, H, nitems, D, kw),
-            lambda b, h, beta, cc, kj: res.v_t[b, h, item_info[h, beta, 3], cc, item_info[h, beta, 2] + kj],
-            name="vband_t",
-        )
-        c2 = te.reduce_axis((0, D // 2), name="c2")
-        e = te.reduce_axis((0, 2), name="e")
-        score = te.compute(
-            (B, H, nitems, kw, Bq),
-            lambda b, h, beta, kj, qi: te.sum(
-                bf16_value(kband[b, h, beta, kj, 2 * c2 + e])
-                * word_half(qword[b, h, beta, c2, qi], e),
-                axis=[c2, e],
-            ),
-            name="score",
-        )
+        res = ResidueCopies(dil, T, left, nitems * Bq + kw, spec.max_dilation, item_info)
+        kv_head = lambda h: div_nonneg(h, group)  # noqa: E731
+        kband = res.band_rows(res.rows(k, "kres", kv_head), kw, "kband")
+        vband_t = res.band_cols(res.cols(v, "vres", kv_head), kw, "vband_t")
+        qword = block_words(q, H, Bq, nitems, lambda h, beta, i: clamp(row_of(h, beta, i)), "qword")
+        score = matrix_product(kband, qword, "score")
     else:
         kband = te.compute(
             (B, H, nitems, kw, D),
@@ -614,26 +650,8 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
 
     if amx:
         wprob, wsum, _ = softmax_part("w", masked, kw, None)
-        # P rounded to bfloat16, as pair words along the band: the second product's
-        # packed operand, formed from two probability rows with vector integer operations.
-        pword = te.compute(
-            (B, H, nitems, kw // 2, Bq),
-            lambda b, h, beta, r2, qi: pair_word(
-                bf16_round_bits(wprob[b, h, beta, 2 * r2, qi]), bf16_round_bits(wprob[b, h, beta, 2 * r2 + 1, qi])
-            ),
-            name="pword",
-        )
-        r2 = te.reduce_axis((0, kw // 2), name="wr2")
-        e2 = te.reduce_axis((0, 2), name="we")
-        wacc_t = te.compute(
-            (B, H, nitems, D, Bq),
-            lambda b, h, beta, cc, qi: te.sum(
-                bf16_value(vband_t[b, h, beta, cc, 2 * r2 + e2])
-                * word_half(pword[b, h, beta, r2, qi], e2),
-                axis=[r2, e2],
-            ),
-            name="wacc_t",
-        )
+        # P rounded to bfloat16, as pair words along the band: the second product's operand.
+        wacc_t = matrix_product(vband_t, band_words(wprob, "pword"), "wacc_t")
         # Read as [Bq, D] like the other parts' sums of weighted values.
         parts = [(wsum, lambda b, h, beta, qi, cc: wacc_t[b, h, beta, cc, qi])]
     else:

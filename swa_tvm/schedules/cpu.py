@@ -25,6 +25,8 @@ The extras' and global rows' gradients run one parallel loop per (batch, head).
 
 from __future__ import annotations
 
+import dataclasses
+
 from tvm import s_tir, tirx
 from tvm.s_tir.stmt import SBlock, SBlockRealize
 from tvm.sym import Analyzer, IntervalSet
@@ -34,7 +36,6 @@ from swa_tvm.compute.forward import (
     EXTRA_TILE,
     GLOBAL_BLOCK,
     GLOBAL_CHUNK,
-    MATRIX_K,
     amx_block,
     band_width,
     i64,
@@ -285,6 +286,45 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8,
             _prob_value_product(sch, name, spec.block_q, spec.head_dim, vector_lanes, k, kw)
 
 
+def _amx_residue_copies(sch, spec: KernelSpec, rows, cols) -> None:
+    """The residue-major copies of the matrix-engine form (``compute.forward.ResidueCopies``),
+    each its own parallel loop: ``rows`` vectorized along the head dim; the transposes
+    of ``cols`` in 32 x 32 blocks, so their reads and writes both stay within a few pages,
+    the inner loop unrolled (vectorized, it became 16-bit gathers)."""
+    for name in rows:
+        loops = sch.get_loops(sch.get_sblock(name))
+        sch.parallel(sch.fuse(*loops[:-1]))
+        _vectorize_inner(sch, loops[-1], min(spec.head_dim, 32))
+    for name in cols:
+        b, h, r, c, p = sch.get_loops(sch.get_sblock(name + "_t"))
+        po, pi = sch.split(p, factors=[None, 32])
+        co, ci = sch.split(c, factors=[None, 32])
+        sch.reorder(po, co, ci, pi)
+        sch.parallel(sch.fuse(b, h, r, po))
+        sch.unroll(pi)
+
+
+def _amx_item_stages(sch, spec: KernelSpec, products, band_rows, band_cols, words, elementwise, vector_lanes) -> None:
+    """An item's matrix-engine stages, once they are at the item loop: each product of
+    ``products`` tensorized whole into one intrinsic call (schedules.amx; the shapes are
+    the stages' own); the band copies vectorized along their rows; the block pair words
+    walked rows outside; the elementwise stages two vectors at a time along the block."""
+    for name in products:
+        blk = sch.get_sblock(name)
+        m, n, k2 = (int(iv.dom.extent) for iv in sch.get(blk).iter_vars[-4:-1])  # [.., M, N, K/2, 2]
+        sch.tensorize(sch.get_loops(blk)[-4], amx.register(m, n, 2 * k2))
+    for name in band_rows:
+        _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1], min(spec.head_dim, 32))
+    for name in band_cols:
+        _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1], 32)
+    for name in words:
+        c2_l, i_l = sch.get_loops(sch.get_sblock(name))[-2:]
+        sch.reorder(i_l, c2_l)
+    for name in elementwise:
+        if _has(sch, name):
+            _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1], 2 * vector_lanes)
+
+
 def schedule_local_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 16, knobs=None) -> None:
     """The matrix-engine form of the local kernel (``compute.forward``, ``amx=True``):
     the plan of ``schedule_local``, with each item's two products tensorized whole into
@@ -294,19 +334,7 @@ def schedule_local_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int 
     float32 vectors along the block rows."""
     knobs = knobs or Defaults()
     block = amx_block(spec)
-    kw = band_width(block, spec.left, spec.right, MATRIX_K)
-    for name in ("kres", "vres"):
-        loops = sch.get_loops(sch.get_sblock(name))
-        sch.parallel(sch.fuse(*loops[:-1]))
-        _vectorize_inner(sch, loops[-1], min(spec.head_dim, 32))
-    # The transpose in 32 x 32 blocks, so its reads and writes both stay within a few
-    # pages; the inner loop unrolled (vectorized, it became 16-bit gathers).
-    b, h, r, c, p = sch.get_loops(sch.get_sblock("vres_t"))
-    po, pi = sch.split(p, factors=[None, 32])
-    co, ci = sch.split(c, factors=[None, 32])
-    sch.reorder(po, co, ci, pi)
-    sch.parallel(sch.fuse(b, h, r, po))
-    sch.unroll(pi)
+    _amx_residue_copies(sch, spec, ["kres", "vres"], ["vres"])
 
     out = sch.get_sblock("out")
     b, h, i, cc = sch.get_loops(out)
@@ -330,27 +358,12 @@ def schedule_local_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int 
     sch.annotate(item, "pragma_auto_unroll_max_step", knobs.choice(sch, UNROLL_STEPS, 0))
     sch.annotate(item, "pragma_unroll_explicit", 1)
 
-    # Both products whole, one intrinsic call per item: scores [band, block] over the
-    # head dim, P·V^T [D, block] over the band.
-    sch.tensorize(sch.get_loops(sch.get_sblock("score"))[-4], amx.register(kw, block, spec.head_dim))
-    sch.tensorize(sch.get_loops(sch.get_sblock("wacc_t"))[-4], amx.register(spec.head_dim, block, kw))
-
-    # The band copies: contiguous rows, vectorized along them.
-    _vectorize_inner(sch, sch.get_loops(sch.get_sblock("kband"))[-1], min(spec.head_dim, 32))
-    _vectorize_inner(sch, sch.get_loops(sch.get_sblock("vband_t"))[-1], 32)
-    # The query block's pair words: rows outside, pairs of features inside.
-    blk = sch.get_sblock("qword")
-    c2_l, qi_l = sch.get_loops(blk)[-2:]
-    sch.reorder(qi_l, c2_l)
     # The band's max and sum follow each row of masked scores and probabilities as it is
-    # made (reverse_compute_at), instead of a pass of their own over the [band, block]
-    # tile; two vectors per operation. (Measured: 5% off the causal W=512 forward.)
-    lanes = 2 * vector_lanes
+    # made (reverse_compute_at), instead of a pass of their own over the [band, block] tile.
     for prod, red in (("masked", "wmax"), ("wprob", "wsum")):
         sch.reverse_compute_at(sch.get_sblock(red), sch.get_loops(sch.get_sblock(prod))[-2])
-    for name in ("masked", "wprob", "pword", "xmasked", "xprob", "wmax", "wsum"):
-        if _has(sch, name):
-            _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1], lanes)
+    _amx_item_stages(sch, spec, ["score", "wacc_t"], ["kband"], ["vband_t"], ["qword"],
+                     ["masked", "wprob", "pword", "xmasked", "xprob", "wmax", "wsum"], vector_lanes)
     for name in ("xmax", "xsum"):
         if _has(sch, name):
             _vertical_reduce(sch, name, vector_lanes, True)
@@ -360,6 +373,44 @@ def schedule_local_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int 
         sch.reorder(qi_l, cc_l)
         _key_row_product(sch, "xscore", EXTRA_TILE, block, vector_lanes, Defaults(), True, True)
         _prob_value_product(sch, "xacc", block, spec.head_dim, vector_lanes, Defaults(), None)
+
+
+def schedule_local_dq_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 16, knobs=None) -> None:
+    """The matrix-engine form of dq (``compute.backward.local_dq``, ``amx=True``): the
+    plan of ``schedule_local_dq`` with its three products tensorized (scores and dP
+    [band, block] over the head dim, dQ^T [D, block] over the band)."""
+    knobs = knobs or Defaults()
+    _amx_residue_copies(sch, spec, ["kres", "vres"], ["kres"])
+    _gather_back(sch, ["dq"], spec, vector_lanes)
+    per_item = ["dqx", "dq_t", "xds", "dsword", "ds", "xarg", "arg", "krange", "xdp", "xscore", "dp", "score"]
+    per_item += ["rstat", "dblk_t", "qblk_t", "dword", "qword", "kband", "kband_t", "vband"]
+    _items(sch, ["dq_blk"], per_item, knobs)
+    _vectorize_inner(sch, sch.get_loops(sch.get_sblock("dq_blk"))[-1], vector_lanes)
+    _amx_item_stages(sch, spec, ["score", "dp", "dq_t"], ["kband", "vband"], ["kband_t"], ["qword", "dword"],
+                     ["arg", "ds", "dsword", "xarg", "xds"], vector_lanes)
+    if _has(sch, "dqx"):
+        _block_feature_product(sch, "dqx", dataclasses.replace(spec, block_q=amx_block(spec)), vector_lanes, knobs)
+        for name in ("xscore", "xdp"):
+            blk = sch.get_sblock(name)
+            qi, c = sch.get_loops(blk)[-2:]
+            sch.reorder(c, qi)
+
+
+def schedule_local_dkv_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 16, knobs=None) -> None:
+    """The matrix-engine form of dk, dv (``compute.backward.local_dkv``, ``amx=True``): the
+    plan of ``schedule_local_dkv`` with its four products tensorized (scores and dP
+    [band, block] over the head dim, dV^T and dK^T [D, block] over the band)."""
+    knobs = knobs or Defaults()
+    _amx_residue_copies(sch, spec, ["qres", "dres"], ["qres", "dres"])
+    _gather_back(sch, ["dk", "dv"], spec, vector_lanes)
+    per_item = ["dsword", "pword", "ds", "prob", "arg", "krange", "dp", "score", "bstat", "vword", "kword"]
+    per_item += ["qband", "qband_t", "dband", "dband_t"]
+    _items(sch, ["dk_t", "dv_t"], per_item, knobs)  # program order: the TE makes dk_t first
+    _amx_item_stages(sch, spec, ["score", "dp", "dv_t", "dk_t"], ["qband", "dband"], ["qband_t", "dband_t"],
+                     ["kword", "vword"], ["arg", "prob", "ds", "pword", "dsword"], vector_lanes)
+
+
+AMX_SCHEDULES = {"local": schedule_local_amx, "local_dq": schedule_local_dq_amx, "local_dkv": schedule_local_dkv_amx}
 
 
 def _prob_value_product(sch, name, rows: int, head_dim: int, vector_lanes: int, knobs, keys: int | None):
@@ -681,10 +732,17 @@ def skip_dead_keys(func, spec: KernelSpec):
     return _guard_key_loop(func, "wacc_update", 5, span_of)  # b, h, beta, qi, cc, kr
 
 
-def drop_init(func, blocks=("score_o", "wacc_t_o")):
-    """A scheduled kernel without the zero init of the named tensorized blocks: their
-    intrinsic (schedules.amx) computes the whole product from zeroed tiles and writes
-    every element, so the init is a pass of stores whose values are never read."""
+# The products the matrix-engine forms tensorize (compute.forward.matrix_product stages).
+AMX_PRODUCTS = ("score", "dp", "wacc_t", "dq_t", "dv_t", "dk_t")
+
+
+def drop_init(func, products=AMX_PRODUCTS):
+    """A scheduled matrix-engine kernel without the zero init of its tensorized products
+    (the blocks ``<product>_o`` that tensorize leaves): their intrinsic (schedules.amx)
+    computes the whole product from zeroed tiles and writes every element, so the init
+    is a pass of stores whose values are never read."""
+    blocks = {p + "_o" for p in products}
+    dropped = []
 
     def without_init(stmt):
         if isinstance(stmt, tirx.SeqStmt):
@@ -697,13 +755,19 @@ def drop_init(func, blocks=("score_o", "wacc_t_o")):
             return tirx.IfThenElse(stmt.condition, without_init(stmt.then_case), other)
         if isinstance(stmt, SBlockRealize):
             blk = stmt.block
-            init = None if blk.name_hint in blocks else blk.init
+            init = blk.init
+            if blk.name_hint in blocks and init is not None:
+                init = None
+                dropped.append(blk.name_hint)
             blk = SBlock(blk.iter_vars, blk.reads, blk.writes, blk.name_hint, without_init(blk.body), init,
                          blk.alloc_buffers, blk.match_buffers, blk.annotations)
             return SBlockRealize(stmt.iter_values, stmt.predicate, blk)
         return stmt
 
-    return func.with_body(without_init(func.body))
+    func = func.with_body(without_init(func.body))
+    if not dropped:
+        raise ValueError(f"drop_init: no tensorized product ({', '.join(sorted(blocks))}) in the kernel")
+    return func
 
 
 def _always_true(cond, loops: dict, analyzer) -> bool:
@@ -781,6 +845,6 @@ def schedule(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8, knobs
     one, or with ``knobs=Sampled()`` one point of the MetaSchedule search space.
     ``amx``: the PrimFunc is the matrix-engine form (``compute.prim_func(amx=True)``)."""
     if amx:
-        schedule_local_amx(sch, spec, vector_lanes, knobs)
+        AMX_SCHEDULES[spec.kind](sch, spec, vector_lanes, knobs)
     else:
         SCHEDULES[spec.kind](sch, spec, vector_lanes, knobs)

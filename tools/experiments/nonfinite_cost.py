@@ -2,8 +2,8 @@
 its guarded one (KernelSpec.nonfinite: a select per product, so a key outside a row's
 view adds nothing whatever it holds), both from one exported library with the tuning
 records, timed on the same inputs with rounds alternated, medians; and what the check
-costs by which the eager layer decides whether to run the guarded kernels (a summing
-pass over the result).
+costs by which the eager layer decides whether to run the guarded kernels (one pass
+over the result: a sum, or a 16-bit result's min and max).
 
     TVM_NUM_THREADS=2 python -m tools.experiments.nonfinite_cost
     TVM_NUM_THREADS=2 python -m tools.experiments.nonfinite_cost --spec head_dim=64,window=511:0,dtype=bfloat16 --T 8192
