@@ -217,6 +217,8 @@ def command_of(d: dict, key: str) -> str:
             module = "benchmarks.training"
             args = re.sub(r"(^| )--training(?= |$)", "", args).strip()
     else:
+        m = re.match(r"python -m (benchmarks\.\w+)", cmd)
+        module = m.group(1) if m else module
         args = re.sub(r"^python -m benchmarks\.\w+ ?", "", cmd)
     args = re.sub(r"(^| )--out \S+", "", args).strip()
     args = quote_methods(args)

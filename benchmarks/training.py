@@ -67,6 +67,7 @@ def _grads(fn, q, k, v, dout):
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)  # recorded in the results as the command
     p = argparse.ArgumentParser(prog="python -m benchmarks.training", description=__doc__.split("\n\n")[0])
     p.add_argument("--T", type=int, nargs="+", default=[4096, 16384], help="sequence lengths")
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=CONFIGS, metavar="CONFIG",

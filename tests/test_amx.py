@@ -248,3 +248,29 @@ def test_the_intrinsic_is_a_matmul():
     C = torch.zeros(M, N)
     mod(tvm.runtime.from_dlpack(A.view(torch.uint16)), tvm.runtime.from_dlpack(Bm), tvm.runtime.from_dlpack(C))
     torch.testing.assert_close(C, A.float() @ Bm.float(), rtol=1e-5, atol=1e-5)
+
+
+@x86
+def test_host_target_adds_amx_its_cpu_name_lacks(monkeypatch):
+    """A CPU with AMX that LLVM names by a model without it (a virtual machine's Intel
+    reported as rocketlake) gets AMX in the host target's -mattr, so its bfloat16
+    kernels use the engine; a CPU without AMX gets none, and the class key stays the
+    -mcpu's."""
+    from swa_tvm.compiler import targets
+
+    monkeypatch.setattr(tvm_codegen(), "llvm_get_system_cpu", lambda: "rocketlake")
+    monkeypatch.setattr(library, "host_cpu_flags", lambda: {"avx512f", "amx_tile", "amx_bf16", "amx_int8"})
+    t = targets.host_target()
+    assert t["mattr"] == ["+amx-tile", "+amx-bf16"] and targets.target_key(t) == "llvm-rocketlake"
+    assert uses_amx(KernelSpec("local", 64, "bfloat16", 8, 0), t)
+    monkeypatch.setattr(library, "host_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    assert "mattr" not in targets.host_target()
+    monkeypatch.setattr(tvm_codegen(), "llvm_get_system_cpu", lambda: "sapphirerapids")
+    monkeypatch.setattr(library, "host_cpu_flags", lambda: {"avx512f", "amx_tile", "amx_bf16"})
+    assert "mattr" not in targets.host_target()  # LLVM's sapphirerapids has AMX already
+
+
+def tvm_codegen():
+    import tvm
+
+    return tvm.target.codegen

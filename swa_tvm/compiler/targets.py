@@ -16,11 +16,34 @@ from swa_tvm.runtime.library import X86_FEATURES
 
 
 def host_target(num_cores: int | None = None) -> dict:
-    """The llvm target of this machine: detected -mcpu, all usable cores."""
+    """The llvm target of this machine: detected -mcpu, all usable cores, and the AMX
+    features the CPU has where LLVM's -mcpu does not imply them (``_missing_amx``)."""
     import tvm
 
     cores = num_cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    return {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(), "num-cores": int(cores or 1)}
+    target = {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(), "num-cores": int(cores or 1)}
+    missing = _missing_amx(target)
+    if missing:
+        target["mattr"] = missing
+    return target
+
+
+# The CPU flags of AMX with bfloat16 and LLVM's names for them.
+AMX_FEATURES = {"amx_tile": "amx-tile", "amx_bf16": "amx-bf16"}
+
+
+def _missing_amx(target: dict) -> list[str]:
+    """``+feature`` for each AMX feature this CPU has (/proc/cpuinfo) that LLVM's -mcpu
+    for it lacks: a virtual machine may report an Intel CPU with AMX under an older
+    model number, which LLVM then names (rocketlake) without AMX."""
+    import tvm
+
+    from swa_tvm.runtime.library import host_cpu_flags
+
+    if not set(AMX_FEATURES) <= host_cpu_flags():
+        return []
+    have = tvm.target.codegen.llvm_get_cpu_features(tvm.target.Target(target))
+    return [f"+{name}" for name in AMX_FEATURES.values() if name not in have]
 
 
 CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")

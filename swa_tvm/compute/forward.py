@@ -480,9 +480,9 @@ def amx_serves(spec: KernelSpec) -> bool:
             and spec.right >= 0 and spec.head_dim % MATRIX_K == 0 and amx_block(spec) % MATRIX_TILE == 0)
 
 
-# Rows per work item of the matrix-engine form, at least: 64 rows halve the passes over
-# the band per row against 32 (the causal W=512 bfloat16 forward at T=16384 ran 36.6 ms
-# at 64 rows, 41.2 at 32 and 38.8 at 128 on 2 Emerald Rapids cores, 2026-12-06).
+# Rows per work item of the matrix-engine form, at least. `python -m
+# tools.experiments.amx_blocks` (causal W=512 at T=16384, 2 Emerald Rapids cores,
+# 2026-12-06): 35.2 ms at 64 rows, 36.2 at 32, 36.6 at 128.
 AMX_MIN_BLOCK = 64
 
 
