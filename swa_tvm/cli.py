@@ -81,6 +81,7 @@ def _ptxas_text(r: dict) -> str:
 
 # What `info` says of each fused CUDA kernel (compiler/kernels.py's table).
 FUSED_TEXT = {k.name: k.description for k in FUSED_KERNELS}
+FUSED_TEXT["amx"] = "matrix-engine (AMX) schedule"
 
 
 def _tuned_text(k) -> str:

@@ -94,26 +94,40 @@ GRAD_CASES = {
     "symmetric": dict(shape=(1, 4, 4, 200, 64), window_size=(64, 64)),
     "dilation 2": dict(shape=(1, 2, 2, 250, 64), window_size=(100, 0), dilation=2),
     "head dim 128, right side": dict(shape=(1, 2, 1, 150, 128), window_size=(30, 5)),
+    "globals and sinks": dict(shape=(1, 2, 2, 260, 64), window_size=(60, 3), global_idx=[[0, 100]], num_sinks=2),
 }
 
 
 @needs_amx
 @pytest.mark.parametrize("case", list(GRAD_CASES))
-def test_gradients_within_torch_bfloat16_sdpa(case):
+def test_gradients_within_torch_bfloat16_sdpa(case, monkeypatch):
     """dq, dk, dv of the matrix-engine gradients (P and dS rounded to bfloat16 for their
     products, as FlashAttention's backward does) are as close to float64 autograd as
-    torch's bfloat16 SDPA's are, and no call needed the guarded kernels."""
+    torch's bfloat16 SDPA's are; the kernels that ran are the AMX ones, and no call
+    needed the guarded kernels."""
+    from swa_tvm import eager
+
     cfg = dict(GRAD_CASES[case])
     B, H, Hkv, T, D = cfg.pop("shape")
+    if "global_idx" in cfg:
+        cfg["global_idx"] = torch.tensor(cfg["global_idx"], dtype=torch.int32)
     torch.manual_seed(zlib.crc32(case.encode()))
     q = rand(B, H, T, D).bfloat16().requires_grad_()
     k, v = (rand(B, Hkv, T, D).bfloat16().requires_grad_() for _ in range(2))
+    redone, check = [], eager._redo_nonfinite
+    monkeypatch.setattr(eager, "_redo_nonfinite", lambda *a: redone.append(check(*a)) or redone[-1])
+    launched, launch = [], eager._launch
+    monkeypatch.setattr(eager, "_launch", lambda kern, *a: launched.append(kern) or launch(kern, *a))
     out = swa_tvm.sliding_window_attention(q, k, v, **cfg)
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), g)
+    assert redone == [False, False], "a call was redone with the guarded kernels"
+    schedules = {kern.spec.kind: kern.schedule for kern in launched}
+    assert [schedules[kind] for kind in ("local", "local_dq", "local_dkv")] == ["amx"] * 3, schedules
     xs = [x.detach().double().requires_grad_() for x in (q, k, v)]
     ref_grads = torch.autograd.grad(sliding_window_attention_ref(*xs, **cfg)[0], xs, g.double())
-    mask, _ = attention_mask(T, H, cfg["window_size"], cfg.get("dilation", 1), None, 0)
+    mask, _ = attention_mask(T, H, cfg["window_size"], cfg.get("dilation", 1), cfg.get("global_idx"),
+                             cfg.get("num_sinks", 0))
     ps = [x.detach().requires_grad_() for x in (q, k, v)]
     rep = H // Hkv
     sdpa = torch.nn.functional.scaled_dot_product_attention(
@@ -160,8 +174,11 @@ def test_library_records_amx_and_refuses_a_cpu_without_it(tmp_path, monkeypatch)
     plain = KernelSpec("local", 64, "float32", 15, 0)
     path = tmp_path / "amx.so"
     manifest = build.export_library([spec, plain], path, target=AMX_TARGET, logs=None)
-    assert AMX_FLAGS <= set(manifest["cpu_features"])
+    assert AMX_FLAGS <= set(manifest["cpu_features"]) and manifest["format"] == 3
     assert {e["name"]: e["schedule"] for e in manifest["kernels"]} == {spec.name: "amx", plain.name: "default"}
+    # Without matrix-engine kernels the library needs no AMX (and older loaders read it).
+    alone = build.export_library([plain], tmp_path / "plain.so", target=AMX_TARGET, logs=None)
+    assert not AMX_FLAGS & set(alone["cpu_features"]) and alone["format"] == 2
     monkeypatch.setattr(library, "host_cpu_flags", lambda: set(manifest["cpu_features"]) - AMX_FLAGS)
     with pytest.raises(library.LibraryError, match="amx_bf16, amx_tile"):
         swa_tvm.load_library(path)
@@ -208,12 +225,14 @@ def test_which_specs_have_the_form():
 
 
 @needs_amx
-def test_nan_beyond_the_window_reaches_no_row():
-    """The NaN rule in the matrix-engine form: a NaN value at a key no row of a causal
-    window of 4 can see (the last key: only later rows would) leaves every row finite and
-    right (the plain form's NaN shows, and the call is redone with the guarded kernels)."""
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_nan_beyond_the_window_reaches_no_row(where):
+    """The NaN rule in the matrix-engine form: a NaN in the key or value at position 40,
+    which only rows 40..44 of a causal window of 4 see, leaves every other row finite
+    and right (the plain form's NaN shows in the result, and the call is redone with the
+    guarded kernels)."""
     q, k, v = (rand(1, 2, 80, 64).bfloat16() for _ in range(3))
-    v[:, :, 40] = float("nan")  # seen by rows 40..44 only
+    (k if where == "k" else v)[:, :, 40] = float("nan")
     out = swa_tvm.sliding_window_attention(q, k, v, window_size=(4, 0))
     ref, _ = sliding_window_attention_ref(q, k, v, window_size=(4, 0))
     seen = torch.zeros(80, dtype=torch.bool)
@@ -254,8 +273,8 @@ def test_the_intrinsic_is_a_matmul():
 def test_host_target_adds_amx_its_cpu_name_lacks(monkeypatch):
     """A CPU with AMX that LLVM names by a model without it (a virtual machine's Intel
     reported as rocketlake) gets AMX in the host target's -mattr, so its bfloat16
-    kernels use the engine; a CPU without AMX gets none, and the class key stays the
-    -mcpu's."""
+    kernels use the engine; a CPU whose name implies AMX that the OS hides gets it taken
+    out; the class key stays the -mcpu's."""
     from swa_tvm.compiler import targets
 
     monkeypatch.setattr(tvm_codegen(), "llvm_get_system_cpu", lambda: "rocketlake")
@@ -268,9 +287,49 @@ def test_host_target_adds_amx_its_cpu_name_lacks(monkeypatch):
     monkeypatch.setattr(tvm_codegen(), "llvm_get_system_cpu", lambda: "sapphirerapids")
     monkeypatch.setattr(library, "host_cpu_flags", lambda: {"avx512f", "amx_tile", "amx_bf16"})
     assert "mattr" not in targets.host_target()  # LLVM's sapphirerapids has AMX already
+    # The OS (or a hypervisor) hides AMX from a CPU whose name implies it: no AMX code.
+    monkeypatch.setattr(library, "host_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    t = targets.host_target()
+    assert t["mattr"] == ["-amx-tile", "-amx-bf16"]
+    assert not uses_amx(KernelSpec("local", 64, "bfloat16", 8, 0), t)
 
 
 def tvm_codegen():
     import tvm
 
     return tvm.target.codegen
+
+
+def test_short_exp_error():
+    """The matrix-engine form's exp polynomial (forward.SHORT_EXP, degree 5 against
+    Cephes' 7), evaluated in float32 as the kernels do, is within 3e-7 of exp relative
+    over the scores' range, and exactly 0 below it."""
+    import numpy as np
+    import tvm
+    from tvm import te
+
+    from swa_tvm.compute.forward import SHORT_EXP, _exp
+
+    x = te.placeholder((1 << 16,), "float32", name="x")
+    y = te.compute(x.shape, lambda i: _exp(x[i], "float32", coeffs=SHORT_EXP), name="y")
+    f = tvm.compile(te.create_prim_func([x, y]), target="llvm")
+    xs = np.concatenate([-np.linspace(0, 87, (1 << 16) - 2), [-100.0, -np.inf]]).astype("float32")
+    ys = np.empty_like(xs)
+    f(tvm.runtime.tensor(xs), out := tvm.runtime.tensor(ys))
+    ys = out.numpy()
+    exact = np.exp(xs.astype("float64"))
+    rel = np.abs(ys[:-2] - exact[:-2]) / exact[:-2]
+    assert rel.max() < 3e-7, rel.max()
+    assert ys[-2] == 0 and ys[-1] == 0
+
+
+
+def test_tuning_refuses_the_matrix_engine_form():
+    """The search space is the float32-product form's: a kernel the target builds on the
+    matrix engine is refused by name (its records would apply to no build), others pass."""
+    from swa_tvm.tuning.candidates import check_no_amx_specs
+
+    amx_spec, plain = KernelSpec("local", 64, "bfloat16", 15, 0), KernelSpec("local", 64, "float32", 15, 0)
+    with pytest.raises(ValueError, match=amx_spec.name):
+        check_no_amx_specs([plain, amx_spec], AMX_TARGET)
+    check_no_amx_specs([plain, amx_spec], {"kind": "llvm", "mcpu": "znver3"})

@@ -26,6 +26,7 @@ from swa_tvm.compiler.records import (
     log_dir,
 )
 from swa_tvm.compiler.targets import (
+    AMX_FEATURES,
     _cpu_features,
     _vector_lanes,
     normalize_target,
@@ -34,7 +35,11 @@ from swa_tvm.compiler.targets import (
 )
 from swa_tvm.compute import prim_func
 from swa_tvm.runtime import library
-from swa_tvm.runtime.library import MANIFEST_FORMAT, sha256_file
+from swa_tvm.runtime.library import MANIFEST_FORMAT, MANIFEST_FORMATS, sha256_file
+
+# The manifest format of a library without matrix-engine kernels: loaders from before
+# format 3 still read it.
+LEGACY_FORMAT = MANIFEST_FORMATS[0]
 from swa_tvm.schedules import cpu as cpu_schedules
 from swa_tvm.schedules import cuda as cuda_schedules
 from swa_tvm.spec import KernelSpec
@@ -59,7 +64,8 @@ def schedule_spec(spec: KernelSpec, tvm_target, record=None, tiles=None):
         sch = s_tir.Schedule(tvm.IRModule({spec.name: prim_func(spec, amx=True)}))
         sch.work_on(spec.name)
         cpu_schedules.schedule(sch, spec, vector_lanes=_vector_lanes(tvm_target), amx=True)
-        return cpu_schedules.drop_init(cpu_schedules.drop_fused_bound_predicates(sch.mod[spec.name]))
+        func = cpu_schedules.drop_fused_bound_predicates(sch.mod[spec.name])
+        return cpu_schedules.drop_init(func, cpu_schedules.AMX_PRODUCTS[spec.kind])
     if record is not None and record.trace is not None:
         return _postprocess(spec, kind, apply_record(spec, record.trace, kind))
     fused = kernels.fused_kernel(default_schedule(spec, kind))
@@ -196,7 +202,7 @@ def export_library(
         root = default_logs_root() if logs == DEFAULT_LOGS else logs
         where = log_dir(root, target) if root else "(no tuning logs configured)"
         for s in specs:
-            if records.get(s.name) is None:
+            if records.get(s.name) is None and not uses_amx(s, target):  # the AMX form has no search yet
                 warnings.warn(
                     f"kernel {s.name}: no tuning record for {target_key(target)} in {where}; "
                     "using the default schedule",
@@ -247,13 +253,17 @@ def export_library(
             }
         return entry
 
+    amx = any(uses_amx(s, target) for s in specs)
     manifest = {
-        "format": MANIFEST_FORMAT,
+        "format": MANIFEST_FORMAT if amx else LEGACY_FORMAT,
         "tvm_version": library.tvm_version(),
         "target": target,
         "target_key": target_key(target),
         "machine": platform.machine(),
-        "cpu_features": _cpu_features(tvm.target.Target(target)) if target.get("kind") == "llvm" else [],
+        # The target's features, AMX only where a kernel uses it: a library without
+        # matrix-engine kernels also loads where the OS does not expose AMX.
+        "cpu_features": [f for f in _cpu_features(tvm.target.Target(target)) if amx or f not in AMX_FEATURES]
+        if target.get("kind") == "llvm" else [],
         "cuda_arch": target.get("arch") if target.get("kind") == "cuda" else None,
         # How the device code is packed (cuda_pack): compiled, loadable by the runtime alone.
         **({"cuda_device_code": "fatbin"} if target.get("kind") == "cuda" else {}),

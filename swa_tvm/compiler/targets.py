@@ -16,34 +16,38 @@ from swa_tvm.runtime.library import X86_FEATURES
 
 
 def host_target(num_cores: int | None = None) -> dict:
-    """The llvm target of this machine: detected -mcpu, all usable cores, and the AMX
-    features the CPU has where LLVM's -mcpu does not imply them (``_missing_amx``)."""
+    """The llvm target of this machine: detected -mcpu, all usable cores, and -mattr where
+    LLVM's -mcpu and the CPU disagree on AMX (``_amx_mattr``)."""
     import tvm
 
     cores = num_cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     target = {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(), "num-cores": int(cores or 1)}
-    missing = _missing_amx(target)
-    if missing:
-        target["mattr"] = missing
+    mattr = _amx_mattr(target)
+    if mattr:
+        target["mattr"] = mattr
     return target
 
 
-# The CPU flags of AMX with bfloat16 and LLVM's names for them.
+# The CPU flags of AMX with bfloat16 and LLVM's names for them (the manifest lists the flags).
 AMX_FEATURES = {"amx_tile": "amx-tile", "amx_bf16": "amx-bf16"}
 
 
-def _missing_amx(target: dict) -> list[str]:
+def _amx_mattr(target: dict) -> list[str]:
     """``+feature`` for each AMX feature this CPU has (/proc/cpuinfo) that LLVM's -mcpu
-    for it lacks: a virtual machine may report an Intel CPU with AMX under an older
-    model number, which LLVM then names (rocketlake) without AMX."""
+    for it lacks, ``-feature`` for each it implies that the CPU does not expose. A virtual
+    machine may report an Intel CPU with AMX under an older model, which LLVM then names
+    (rocketlake) without AMX; and an OS or hypervisor may hide AMX from a CPU whose name
+    implies it."""
     import tvm
 
     from swa_tvm.runtime.library import host_cpu_flags
 
-    if not set(AMX_FEATURES) <= host_cpu_flags():
+    if platform.machine() not in ("x86_64", "AMD64"):
         return []
     have = tvm.target.codegen.llvm_get_cpu_features(tvm.target.Target(target))
-    return [f"+{name}" for name in AMX_FEATURES.values() if name not in have]
+    if set(AMX_FEATURES) <= host_cpu_flags():
+        return [f"+{name}" for name in AMX_FEATURES.values() if name not in have]
+    return [f"-{name}" for name in AMX_FEATURES.values() if name in have]
 
 
 CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")

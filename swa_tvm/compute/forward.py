@@ -40,11 +40,13 @@ def _neg_inf(dtype: str):
     return tirx.infinity(dtype) * tirx.const(-1, dtype)
 
 
-# Cephes' expf: exp(r) = 1 + r + r^2 * p(r) on |r| <= ln2/2, p of degree 5 (~1 ulp).
+# Cephes' expf: exp(r) = 1 + r + r^2 * p(r) on |r| <= ln2/2, p of degree 5 (exp of degree
+# 7, ~1 ulp).
 CEPHES_EXP = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
-# p of degree 3, fitted near-minimax to exp's relative error: 1.8e-7 at most (3 ulp), two
-# multiply-adds fewer per probability. For the matrix-engine form, whose probabilities
-# are rounded to bfloat16 (2^-9) for their product; the sums and lse keep 1.8e-7.
+# p of degree 3 (exp of degree 5), fitted near-minimax to exp's relative error: within
+# 3e-7 of exp in float32 (tests/test_amx.py::test_short_exp_error), two multiply-adds
+# fewer per probability. For the matrix-engine form, whose probabilities are rounded to
+# bfloat16 (2^-9) for their product.
 SHORT_EXP = (0.00834533893965831, 0.04192566279447259, 0.1666679418325884, 0.49998878308726225)
 
 
@@ -134,8 +136,8 @@ def bf16_round_bits(x):
 
 def pair_word(lo_bits, hi_bits):
     """Two bfloat16 values' bits in one uint32 word, ``lo`` in the low half: a VNNI pair,
-    the layout the matrix engine's second operand takes (a 16 x 64-byte tile holds a
-    32 x 16 block of pairs along the reduction axis)."""
+    the layout the matrix engine's second operand takes (a 16 x 64-byte tile holds 16 x 16
+    pairs: a 32 x 16 block of values, 32 along the reduction axis)."""
     return tirx.bitwise_or(lo_bits, tirx.shift_left(hi_bits, tirx.const(16, "uint32")))
 
 
@@ -371,17 +373,18 @@ class ResidueCopies:
     rows, never out of bounds, whatever the dilation. Zero keys and values add nothing:
     their scores are masked and their probabilities 0.
 
-    ``rows(x, name)``: [B, H, max_dilation, slots, D]; ``cols(x, name)``: the same
-    transposed, [B, H, max_dilation, D, slots] (made from the rows, so the transpose
-    does no index arithmetic). Both hold bfloat16 bits as uint16 (``bf16_value``).
-    ``band_rows``/``band_cols`` copy an item's band out of them."""
+    ``rows(x, name, head)``: [B, heads, max_dilation, slots, D], where heads are x's own
+    when max_dilation is 1 (every dilation is 1, so a GQA group shares one copy) and
+    the query heads otherwise (a head's dilation decides its layout); ``head`` maps a
+    query head to x's. ``cols``: the same transposed, [.., D, slots], made from the
+    rows, so the transpose does no index arithmetic. Both hold bfloat16 bits as uint16
+    (``bf16_value``). ``band_rows``/``band_cols`` copy an item's band out of them. Each
+    copy holds about max_dilation x T x D values per head (AMX_MAX_DILATION bounds it)."""
 
     def __init__(self, dil, T, lo: int, slots, max_dilation: int, item_info):
         self.dil, self.T, self.lo, self.slots, self.md, self.info = dil, T, lo, slots, max_dilation, item_info
         self._rows = {}
-
-    def _ok(self, h, r, p):
-        return tirx.all(p >= self.lo, r < self.dil[h], self._pos(h, r, p) < self.T)
+        self._head = {}  # copy name -> query head -> the copy's head
 
     def _pos(self, h, r, p):
         return i64(r) + i64(self.dil[h]) * (i64(p) - self.lo)
@@ -389,34 +392,49 @@ class ResidueCopies:
     def rows(self, x, name: str, head=lambda h: h):
         """x [B, heads, T, D] (``head`` maps a query head to x's head) as residue rows."""
         if name not in self._rows:
-            B, D, T = x.shape[0], x.shape[3], self.T
+            B, D, T, lo = x.shape[0], x.shape[3], self.T, self.lo
             zero = tirx.const(0, "uint16")
 
-            def value(b, h, r, p, c):
-                pos = tirx.max(tirx.min(self._pos(h, r, p), T - 1), 0)
-                return tirx.Select(self._ok(h, r, p), tirx.reinterpret("uint16", x[b, head(h), pos, c]), zero)
+            if self.md == 1:
+                def value(b, hx, r, p, c):
+                    pos = i64(p) - lo
+                    ok = tirx.all(p >= lo, pos < T)
+                    return tirx.Select(ok, tirx.reinterpret("uint16", x[b, hx, tirx.max(tirx.min(pos, T - 1), 0), c]), zero)
 
-            self._rows[name] = te.compute((B, self.dil.shape[0], self.md, self.slots, D), value, name=name)
+                self._rows[name] = te.compute((B, x.shape[1], 1, self.slots, D), value, name=name)
+                self._head[name] = head
+            else:
+                def value(b, h, r, p, c):
+                    pos = self._pos(h, r, p)
+                    ok = tirx.all(p >= lo, r < self.dil[h], pos < T)
+                    return tirx.Select(ok, tirx.reinterpret("uint16", x[b, head(h), tirx.max(tirx.min(pos, T - 1), 0), c]),
+                                       zero)
+
+                self._rows[name] = te.compute((B, self.dil.shape[0], self.md, self.slots, D), value, name=name)
+                self._head[name] = lambda h: h
         return self._rows[name]
 
     def cols(self, x, name: str, head=lambda h: h):
         rows = self.rows(x, name, head)
         B, H, md, slots, D = rows.shape
+        self._head[name + "_t"] = self._head[name]
         return te.compute((B, H, md, D, slots), lambda b, h, r, c, p: rows[b, h, r, p, c], name=name + "_t")
 
     def band_rows(self, res, width, name: str):
         """Item beta's band of residue rows ``res``: [B, H, items, width, D]."""
-        B, H, _, _, D = res.shape
-        info = self.info
-        return te.compute((B, H, info.shape[1], width, D),
-                          lambda b, h, beta, j, c: res[b, h, info[h, beta, 3], info[h, beta, 2] + j, c], name=name)
+        B, D, info, head = res.shape[0], res.shape[4], self.info, self._head[res.op.name]
+        return te.compute(
+            (B, self.dil.shape[0], info.shape[1], width, D),
+            lambda b, h, beta, j, c: res[b, head(h), info[h, beta, 3], info[h, beta, 2] + j, c], name=name,
+        )
 
     def band_cols(self, res_t, width, name: str):
         """Item beta's band of transposed residue rows ``res_t``: [B, H, items, D, width]."""
-        B, H, _, D, _ = res_t.shape
-        info = self.info
-        return te.compute((B, H, info.shape[1], D, width),
-                          lambda b, h, beta, c, j: res_t[b, h, info[h, beta, 3], c, info[h, beta, 2] + j], name=name)
+        B, D, info, head = res_t.shape[0], res_t.shape[3], self.info, self._head[res_t.op.name]
+        return te.compute(
+            (B, self.dil.shape[0], info.shape[1], D, width),
+            lambda b, h, beta, c, j: res_t[b, head(h), info[h, beta, 3], c, info[h, beta, 2] + j], name=name,
+        )
 
 
 def block_words(x, H, block: int, nitems, row, name: str, head=lambda h: h):
@@ -469,15 +487,19 @@ MATRIX_TILE = 16
 
 # The kernels with a matrix-engine form: the local forward and its window gradients.
 AMX_KINDS = ("local", "local_dq", "local_dkv")
+# The largest dilation bound the form takes: its operand copies hold max_dilation slots
+# per position (ResidueCopies). Larger bounds keep the float32-product form.
+AMX_MAX_DILATION = 4
 
 
 def amx_serves(spec: KernelSpec) -> bool:
     """Whether ``spec`` has a matrix-engine (AMX) form: a local forward or window gradient
     (AMX_KINDS) of a bounded window in bfloat16, the head dim a whole number of tile
-    rows, its items a whole number of result tiles. The nonfinite variant keeps its
-    guarded products."""
+    rows, its items a whole number of result tiles, a dilation bound of at most
+    AMX_MAX_DILATION. The nonfinite variant keeps its guarded products."""
     return (spec.kind in AMX_KINDS and spec.dtype == "bfloat16" and not spec.nonfinite and spec.left >= 0
-            and spec.right >= 0 and spec.head_dim % MATRIX_K == 0 and amx_block(spec) % MATRIX_TILE == 0)
+            and spec.right >= 0 and spec.head_dim % MATRIX_K == 0 and amx_block(spec) % MATRIX_TILE == 0
+            and spec.max_dilation <= AMX_MAX_DILATION)
 
 
 # Rows per work item of the matrix-engine form, at least. `python -m

@@ -32,7 +32,11 @@ from typing import Any
 from swa_tvm.spec import KernelSpec
 
 # 2: a kernel entry may name extra arguments ("workspace"), which format 1 had none of.
-MANIFEST_FORMAT = 2
+# 3: kernels may use AMX tiles ("schedule": "amx"), which the loader must ask the OS for
+# before their first call; an older loader, which would not, refuses format 3. Libraries
+# without such kernels keep format 2.
+MANIFEST_FORMAT = 3
+MANIFEST_FORMATS = (2, 3)
 # Such sets of arguments: the split-K global rows' pieces (schedules/cuda_flash_tc, and
 # the gradients' dq in schedules/cuda_flash_bwd_tc), an fp32 workspace the caller
 # allocates for any number S >= 1 of pieces of the keys (functional.global_pieces
@@ -249,7 +253,8 @@ class Kernel:
     # WORKSPACES), None for none.
     workspace: str | None = None
     # The manifest's "schedule": "default"/"tuned" (the TE compute, schedules/cpu.py or
-    # schedules/cuda.py, or a record replayed on it) or a fused kernel's module name.
+    # schedules/cuda.py, or a record replayed on it), "amx" (the matrix-engine form,
+    # schedules/cpu.py) or a fused kernel's module name.
     schedule: str | None = None
 
 
@@ -440,8 +445,8 @@ def manifest_kernels(lib_path: str, manifest) -> list[tuple[KernelSpec, dict]]:
     if not isinstance(manifest, dict):
         raise _malformed(lib_path, f"a JSON {type(manifest).__name__}, not an object")
     fmt = manifest.get("format")
-    if not _is_int(fmt) or fmt != MANIFEST_FORMAT:
-        raise LibraryError(f"{lib_path}: manifest format {fmt!r}, expected {MANIFEST_FORMAT}")
+    if not _is_int(fmt) or fmt not in MANIFEST_FORMATS:
+        raise LibraryError(f"{lib_path}: manifest format {fmt!r}, expected one of {MANIFEST_FORMATS}")
     for key in ("tvm_version", "target", "target_key", "machine", "cpu_features", "kernels", "sha256"):
         if key not in manifest:
             raise _malformed(lib_path, f"no {key!r}")

@@ -13,8 +13,9 @@ TVM's legalization.
 
 Tiles: 0-3 = a group of result tiles of one 16-row strip, 4 = A, 5 and 6 = B, each 16
 rows of 64 bytes. The configuration (palette 1) is loaded at the start of each call (one
-call per work item): every tile instruction needs it, and a call may run on any worker
-thread. The schedule drops the zero init the description carries
+call per work item and product): every tile instruction needs it, and a call may run on
+any worker thread. Tile state is not released between calls: the worker threads keep
+it for the next. The schedule drops the zero init the description carries
 (``schedules.cpu.drop_init``): the implementation starts from zeroed tiles. The process must hold the kernel's permission for tile state
 (``runtime.library.request_amx``) before a kernel runs.
 """
@@ -25,9 +26,6 @@ from tvm.script import tirx as T
 from tvm.s_tir import TensorIntrin
 
 from swa_tvm.compute.forward import MATRIX_K, MATRIX_TILE, bf16_value, word_half
-
-_TILE_C, _TILE_A, _TILE_B = 0, 1, 2
-
 
 def intrin_name(rows: int, cols: int, depth: int) -> str:
     return f"swa_amx_bf16_{rows}x{cols}x{depth}"

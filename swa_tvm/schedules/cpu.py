@@ -362,7 +362,7 @@ def schedule_local_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int 
     # made (reverse_compute_at), instead of a pass of their own over the [band, block] tile.
     for prod, red in (("masked", "wmax"), ("wprob", "wsum")):
         sch.reverse_compute_at(sch.get_sblock(red), sch.get_loops(sch.get_sblock(prod))[-2])
-    _amx_item_stages(sch, spec, ["score", "wacc_t"], ["kband"], ["vband_t"], ["qword"],
+    _amx_item_stages(sch, spec, AMX_PRODUCTS["local"], ["kband"], ["vband_t"], ["qword"],
                      ["masked", "wprob", "pword", "xmasked", "xprob", "wmax", "wsum"], vector_lanes)
     for name in ("xmax", "xsum"):
         if _has(sch, name):
@@ -386,7 +386,7 @@ def schedule_local_dq_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: i
     per_item += ["rstat", "dblk_t", "qblk_t", "dword", "qword", "kband", "kband_t", "vband"]
     _items(sch, ["dq_blk"], per_item, knobs)
     _vectorize_inner(sch, sch.get_loops(sch.get_sblock("dq_blk"))[-1], vector_lanes)
-    _amx_item_stages(sch, spec, ["score", "dp", "dq_t"], ["kband", "vband"], ["kband_t"], ["qword", "dword"],
+    _amx_item_stages(sch, spec, AMX_PRODUCTS["local_dq"], ["kband", "vband"], ["kband_t"], ["qword", "dword"],
                      ["arg", "ds", "dsword", "xarg", "xds"], vector_lanes)
     if _has(sch, "dqx"):
         _block_feature_product(sch, "dqx", dataclasses.replace(spec, block_q=amx_block(spec)), vector_lanes, knobs)
@@ -406,11 +406,14 @@ def schedule_local_dkv_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: 
     per_item = ["dsword", "pword", "ds", "prob", "arg", "krange", "dp", "score", "bstat", "vword", "kword"]
     per_item += ["qband", "qband_t", "dband", "dband_t"]
     _items(sch, ["dk_t", "dv_t"], per_item, knobs)  # program order: the TE makes dk_t first
-    _amx_item_stages(sch, spec, ["score", "dp", "dv_t", "dk_t"], ["qband", "dband"], ["qband_t", "dband_t"],
+    _amx_item_stages(sch, spec, AMX_PRODUCTS["local_dkv"], ["qband", "dband"], ["qband_t", "dband_t"],
                      ["kword", "vword"], ["arg", "prob", "ds", "pword", "dsword"], vector_lanes)
 
 
 AMX_SCHEDULES = {"local": schedule_local_amx, "local_dq": schedule_local_dq_amx, "local_dkv": schedule_local_dkv_amx}
+# The products each matrix-engine kernel tensorizes (compute.forward.matrix_product stages).
+AMX_PRODUCTS = {"local": ("score", "wacc_t"), "local_dq": ("score", "dp", "dq_t"),
+                "local_dkv": ("score", "dp", "dv_t", "dk_t")}
 
 
 def _prob_value_product(sch, name, rows: int, head_dim: int, vector_lanes: int, knobs, keys: int | None):
@@ -732,15 +735,11 @@ def skip_dead_keys(func, spec: KernelSpec):
     return _guard_key_loop(func, "wacc_update", 5, span_of)  # b, h, beta, qi, cc, kr
 
 
-# The products the matrix-engine forms tensorize (compute.forward.matrix_product stages).
-AMX_PRODUCTS = ("score", "dp", "wacc_t", "dq_t", "dv_t", "dk_t")
-
-
-def drop_init(func, products=AMX_PRODUCTS):
+def drop_init(func, products):
     """A scheduled matrix-engine kernel without the zero init of its tensorized products
-    (the blocks ``<product>_o`` that tensorize leaves): their intrinsic (schedules.amx)
-    computes the whole product from zeroed tiles and writes every element, so the init
-    is a pass of stores whose values are never read."""
+    (``AMX_PRODUCTS`` of its kind; the blocks ``<product>_o`` that tensorize leaves): their
+    intrinsic (schedules.amx) computes the whole product from zeroed tiles and writes
+    every element, so the init is a pass of stores whose values are never read."""
     blocks = {p + "_o" for p in products}
     dropped = []
 
@@ -765,8 +764,9 @@ def drop_init(func, products=AMX_PRODUCTS):
         return stmt
 
     func = func.with_body(without_init(func.body))
-    if not dropped:
-        raise ValueError(f"drop_init: no tensorized product ({', '.join(sorted(blocks))}) in the kernel")
+    if sorted(dropped) != sorted(blocks):
+        raise ValueError(f"drop_init: the kernel's tensorized products with an init are {sorted(dropped)}, "
+                         f"expected {sorted(blocks)}")
     return func
 
 

@@ -58,6 +58,7 @@ from swa_tvm.schedules.intrinsics import preload_tensor_intrin
 from swa_tvm.spec import KernelSpec
 from swa_tvm.tuning.candidates import (
     check_cuda_specs,
+    check_no_amx_specs,
     input_fills,
     make_builder,
     space_generator,
@@ -161,6 +162,7 @@ def build_batch(
         raise ValueError(f"trials must be >= 1, got {trials}")
     if kind == "cuda":
         check_cuda_specs(specs)
+    check_no_amx_specs(specs, target)
     if os.path.exists(os.path.join(out_dir, "batch.json")):
         raise FileExistsError(f"{out_dir} already holds a batch: give an empty or new folder")
     os.makedirs(out_dir, exist_ok=True)

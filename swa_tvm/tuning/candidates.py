@@ -12,7 +12,7 @@ import tempfile
 from tvm.s_tir import meta_schedule as ms
 
 from swa_tvm.compiler.cuda_pack import export_module
-from swa_tvm.compiler.targets import _vector_lanes
+from swa_tvm.compiler.targets import _vector_lanes, uses_amx
 from swa_tvm.schedules import cpu as cpu_schedules
 from swa_tvm.schedules import cuda as cuda_schedules
 from swa_tvm.spec import BACKWARD_KINDS, KernelSpec
@@ -96,3 +96,15 @@ def check_cuda_specs(specs) -> None:
     if any(s.kind in BACKWARD_KINDS for s in specs):
         raise ValueError("CUDA tuning covers the forward kernels only (the gradient kernels are fused, "
                          "with no search space); tune with --kernels forward")
+
+
+def check_no_amx_specs(specs, target: dict) -> None:
+    """The search space is the float32-product form's; a kernel the target builds in its
+    matrix-engine (AMX) form would be tuned for records no build applies."""
+    amx = [s.name for s in specs if uses_amx(s, target)]
+    if amx:
+        raise ValueError(
+            f"{', '.join(amx)}: built in the matrix-engine (AMX) form for {target.get('mcpu')}, which tuning does "
+            "not search; leave them out, or tune for a target without AMX (-mattr -amx-tile,-amx-bf16)"
+        )
+

@@ -54,6 +54,7 @@ from swa_tvm.spec import KernelSpec
 from swa_tvm.tuning.batch import measure_baselines
 from swa_tvm.tuning.candidates import (
     check_cuda_specs,
+    check_no_amx_specs,
     input_fills,
     make_builder,
     space_generator,
@@ -243,6 +244,7 @@ def tune(
         raise NotImplementedError(f"tuning for target kind {kind!r} is not supported")
     if kind == "cuda":
         check_cuda_tuning(specs, rpc_tracker)
+    check_no_amx_specs(specs, target)
     cores = int(target.get("num-cores", len(os.sched_getaffinity(0)) or 1))
     # The builder's workers start now, beside this process's tensor_intrin import.
     builder = make_builder(target, cores)
