@@ -212,14 +212,11 @@ def _largest_divisor_upto(n: int, cap: int) -> int:
     return max(x for x in range(1, min(n, cap) + 1) if n % x == 0)
 
 
-def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
-    knobs = knobs or Defaults()
-    # masked/rowmax/denom stay materialized per item: each feeds an exp polynomial that
-    # repeats its argument, and the mask is then evaluated once, not twice.
-    # Gathers back to [B,H,T,(D)], merged into one parallel loop over rows. `merge` puts
-    # the merged loop where the last of its loops was and does not check dataflow, so
-    # the gathers are merged first (landing after both item stages) and the item
-    # stages second (landing before the gathers).
+def _local_forward_loops(sch, spec: KernelSpec, vector_lanes: int):
+    """The local forward's two parallel loops: the gathers back to [B,H,T,(D)], merged
+    into one loop over rows, and the item loop of blk_out and blk_lse (they share every
+    producer, so their item loops are merged before the producers are computed at it).
+    Returns the item loop."""
     out = sch.get_sblock("out")
     b, h, i, cc = sch.get_loops(out)
     row = sch.fuse(b, h, i)
@@ -228,8 +225,6 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8,
     b, h, i = sch.get_loops(sch.get_sblock("lse"))
     sch.parallel(sch.merge(row, sch.fuse(b, h, i)))
 
-    # blk_out and blk_lse share every producer, so their item loops are merged into one
-    # before the producers are computed at it.
     root = sch.get_sblock("blk_out")
     b, h, beta, qi, cc = sch.get_loops(root)
     item = sch.fuse(b, h, beta)
@@ -238,6 +233,18 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8,
     item = sch.merge(item, sch.fuse(b2, h2, beta2))
     if spec.head_dim % vector_lanes == 0:
         _vectorize_inner(sch, cc, vector_lanes)
+    return item
+
+
+def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
+    knobs = knobs or Defaults()
+    # masked/rowmax/denom stay materialized per item: each feeds an exp polynomial that
+    # repeats its argument, and the mask is then evaluated once, not twice.
+    # Gathers back to [B,H,T,(D)], merged into one parallel loop over rows. `merge` puts
+    # the merged loop where the last of its loops was and does not check dataflow, so
+    # the gathers are merged first (landing after both item stages) and the item
+    # stages second (landing before the gathers).
+    item = _local_forward_loops(sch, spec, vector_lanes)
 
     # The products read key and value rows straight from k and v (contiguous rows).
     for name in ("kband", "vband"):
@@ -246,12 +253,7 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8,
     # Producers of blk_out, innermost first so each compute_at finds its consumer placed.
     order = ["denom", "wacc", "xacc", "wsum", "xsum", "wprob", "xprob", "rowmax", "wmax", "xmax"]
     order += ["masked", "xmasked", "krange", "score", "xscore", "qblk_t"]
-    for name in order:
-        if _has(sch, name):
-            sch.compute_at(sch.get_sblock(name), item, preserve_unit_loops=True)
-    sch.parallel(item)
-    sch.annotate(item, "pragma_auto_unroll_max_step", knobs.choice(sch, UNROLL_STEPS, 0))
-    sch.annotate(item, "pragma_unroll_explicit", 1)
+    _stages_at(sch, item, order, knobs)
 
     rows_vec = spec.block_q % vector_lanes == 0
     # Query block, transposed: walk rows outside and features inside (contiguous loads).
@@ -336,27 +338,10 @@ def schedule_local_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int 
     block = amx_block(spec)
     _amx_residue_copies(sch, spec, ["kres", "vres"], ["vres"])
 
-    out = sch.get_sblock("out")
-    b, h, i, cc = sch.get_loops(out)
-    row = sch.fuse(b, h, i)
-    _vectorize_inner(sch, cc, vector_lanes)
-    b, h, i = sch.get_loops(sch.get_sblock("lse"))
-    sch.parallel(sch.merge(row, sch.fuse(b, h, i)))
-
-    root = sch.get_sblock("blk_out")
-    b, h, beta, qi, cc = sch.get_loops(root)
-    item = sch.fuse(b, h, beta)
-    b2, h2, beta2, _ = sch.get_loops(sch.get_sblock("blk_lse"))
-    item = sch.merge(item, sch.fuse(b2, h2, beta2))
-    _vectorize_inner(sch, cc, vector_lanes)
+    item = _local_forward_loops(sch, spec, vector_lanes)
     order = ["denom", "wacc_t", "xacc", "wsum", "xsum", "pword", "wprob", "xprob", "rowmax", "wmax", "xmax"]
     order += ["masked", "xmasked", "krange", "score", "xscore", "qword", "qblk_t", "kband", "vband_t"]
-    for name in order:
-        if _has(sch, name):
-            sch.compute_at(sch.get_sblock(name), item, preserve_unit_loops=True)
-    sch.parallel(item)
-    sch.annotate(item, "pragma_auto_unroll_max_step", knobs.choice(sch, UNROLL_STEPS, 0))
-    sch.annotate(item, "pragma_unroll_explicit", 1)
+    _stages_at(sch, item, order, knobs)
 
     # The band's max and sum follow each row of masked scores and probabilities as it is
     # made (reverse_compute_at), instead of a pass of their own over the [band, block] tile.
@@ -554,13 +539,19 @@ def _items(sch, roots, per_item, knobs, depth: int = 3):
         loops = sch.get_loops(sch.get_sblock(r))
         fused = sch.fuse(*loops[:depth])
         item = fused if item is None else sch.merge(item, fused)
-    for name in per_item:
+    _stages_at(sch, item, per_item, knobs)
+    return item
+
+
+def _stages_at(sch, item, names, knobs) -> None:
+    """Compute each stage of ``names`` (innermost consumer first, so each finds its
+    consumers placed) at the item loop, and run that loop in parallel."""
+    for name in names:
         if _has(sch, name):
             sch.compute_at(sch.get_sblock(name), item, preserve_unit_loops=True)
     sch.parallel(item)
     sch.annotate(item, "pragma_auto_unroll_max_step", knobs.choice(sch, UNROLL_STEPS, 0))
     sch.annotate(item, "pragma_unroll_explicit", 1)
-    return item
 
 
 def _gather_back(sch, names, spec, vector_lanes):
