@@ -1,23 +1,24 @@
 """Tensor intrinsics for Intel's matrix engine (AMX): bfloat16 products with float32 sums.
 
 One intrinsic per product shape: a rows x cols float32 result C = A @ B (multiples of
-16) over reduction depth K (a multiple of 32), the whole of a reduction with its zero
-init, so the result never round-trips through memory between steps. A is rows x K
-bfloat16, as uint16 bits (any row stride; ``compute.forward.bf16_value``) and B is K/2 rows of 16
-uint32 pair words (``compute.forward.pair_word``: two bfloat16 of consecutive reduction
-indices per word, the engine's "VNNI" layout). The description is the math as the
-computes write it (``word_half`` for B's values), so ``Schedule.tensorize`` and
-MetaSchedule match it like TVM's own x86 intrinsics; the implementation drives the tiles
-through LLVM's AMX intrinsics, tiles named by number, so no bfloat16 vector type reaches
-TVM's legalization.
+16) over reduction depth K (a multiple of 32), the whole reduction with its zero init,
+so the result never round-trips through memory between steps. A is rows x K bfloat16,
+held as uint16 bits (any row stride; ``compute.forward.bf16_value``); B is K/2 rows of
+cols uint32 pair words (``compute.forward.pair_word``: the bfloat16 of two consecutive
+reduction indices per word, the engine's "VNNI" layout). The description is the math
+as the computes write it (``word_half`` for B's values), so ``Schedule.tensorize``
+matches it as it matches TVM's own x86 intrinsics. The implementation drives the tiles
+through LLVM's AMX intrinsics, tiles named by number, so no bfloat16 vector type
+reaches TVM's legalization.
 
 Tiles: 0-3 = a group of result tiles of one 16-row strip, 4 = A, 5 and 6 = B, each 16
-rows of 64 bytes. The configuration (palette 1) is loaded at the start of each call (one
-call per work item and product): every tile instruction needs it, and a call may run on
-any worker thread. Tile state is not released between calls: the worker threads keep
-it for the next. The schedule drops the zero init the description carries
-(``schedules.cpu.drop_init``): the implementation starts from zeroed tiles. The process must hold the kernel's permission for tile state
-(``runtime.library.request_amx``) before a kernel runs.
+rows of 64 bytes. Each call (one per work item and product) loads the configuration
+(palette 1) first: every tile instruction needs it, and a call may run on any worker
+thread. Tile state is not released between calls; the worker threads keep it for the
+next. The schedule drops the zero init the description carries
+(``schedules.cpu.drop_init``): the implementation starts from zeroed tiles. The
+process must hold the OS's permission for tile state (``runtime.library.request_amx``)
+before a kernel runs.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tvm.script import tirx as T
 from tvm.s_tir import TensorIntrin
 
 from swa_tvm.compute.forward import MATRIX_K, MATRIX_TILE, bf16_value, word_half
+
 
 def intrin_name(rows: int, cols: int, depth: int) -> str:
     return f"swa_amx_bf16_{rows}x{cols}x{depth}"
