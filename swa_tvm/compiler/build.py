@@ -36,13 +36,13 @@ from swa_tvm.compiler.targets import (
 from swa_tvm.compute import prim_func
 from swa_tvm.runtime import library
 from swa_tvm.runtime.library import MANIFEST_FORMAT, MANIFEST_FORMATS, sha256_file
+from swa_tvm.schedules import cpu as cpu_schedules
+from swa_tvm.schedules import cuda as cuda_schedules
+from swa_tvm.spec import KernelSpec
 
 # The manifest format of a library without matrix-engine kernels: loaders from before
 # format 3 still read it.
 LEGACY_FORMAT = MANIFEST_FORMATS[0]
-from swa_tvm.schedules import cpu as cpu_schedules
-from swa_tvm.schedules import cuda as cuda_schedules
-from swa_tvm.spec import KernelSpec
 
 
 class UntunedKernelWarning(UserWarning):
