@@ -80,6 +80,15 @@ def _grad_inputs(spec: KernelSpec, B, H, Hkv, T, E):
     return ins, (q, k, v, dil, xidx, dout, lse, delta, scale)
 
 
+def _band_block_product(shape, band, blk_t, D: int, name: str, axis: str):
+    """[.., band, block] = band rows [.., band, D] times block columns [.., D, block],
+    summed over the features: the scores and dP of the float32-product gradients."""
+    c = te.reduce_axis((0, D), name=axis)
+    return te.compute(
+        shape, lambda b, h, be, j, i: te.sum(band[b, h, be, j, c] * blk_t[b, h, be, c, i], axis=c), name=name
+    )
+
+
 def local_dq(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = False, amx: bool = False):
     """dq [B,H,T,D] of the local kernel.
 
@@ -137,18 +146,8 @@ def local_dq(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
             (B, H, n, kw, D), lambda b, h, be, kj, c: v[b, div_nonneg(h, group), key(h, be, kj), c].astype(acc),
             name="vband",
         )
-        c = te.reduce_axis((0, D), name="c")
-        score = te.compute(
-            (B, H, n, kw, Bq),
-            lambda b, h, be, kj, qi: te.sum(kband[b, h, be, kj, c] * qblk_t[b, h, be, c, qi], axis=c),
-            name="score",
-        )
-        c2 = te.reduce_axis((0, D), name="c2")
-        dp = te.compute(
-            (B, H, n, kw, Bq),
-            lambda b, h, be, kj, qi: te.sum(vband[b, h, be, kj, c2] * dblk_t[b, h, be, c2, qi], axis=c2),
-            name="dp",
-        )
+        score = _band_block_product((B, H, n, kw, Bq), kband, qblk_t, D, "score", "c")
+        dp = _band_block_product((B, H, n, kw, Bq), vband, dblk_t, D, "dp", "c2")
     # The exponent is materialized (masked entries -inf) because the exp polynomial
     # repeats its argument; exp(-inf) is exactly 0. Each row's band keys: one interval.
     key_ok = band.interval_mask()
@@ -302,18 +301,8 @@ def local_dkv(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = F
         dband = te.compute(
             (B, H, n, qw, D), lambda b, h, be, qj, c: dout[b, h, row(h, be, qj), c].astype(acc), name="dband"
         )
-        c = te.reduce_axis((0, D), name="c")
-        score = te.compute(
-            (B, H, n, qw, Bk),
-            lambda b, h, be, qj, kr: te.sum(qband[b, h, be, qj, c] * kblk_t[b, h, be, c, kr], axis=c),
-            name="score",
-        )
-        c2 = te.reduce_axis((0, D), name="c2")
-        dp = te.compute(
-            (B, H, n, qw, Bk),
-            lambda b, h, be, qj, kr: te.sum(dband[b, h, be, qj, c2] * vblk_t[b, h, be, c2, kr], axis=c2),
-            name="dp",
-        )
+        score = _band_block_product((B, H, n, qw, Bk), qband, kblk_t, D, "score", "c")
+        dp = _band_block_product((B, H, n, qw, Bk), dband, vblk_t, D, "dp", "c2")
     # The queries that see each block key: one interval of the band.
     query_ok = band.interval_mask()
     arg = te.compute(

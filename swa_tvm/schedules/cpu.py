@@ -734,27 +734,13 @@ def drop_init(func, products):
     blocks = {p + "_o" for p in products}
     dropped = []
 
-    def without_init(stmt):
-        if isinstance(stmt, tirx.SeqStmt):
-            return tirx.SeqStmt([without_init(x) for x in stmt.seq])
-        if isinstance(stmt, tirx.For):
-            return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, without_init(stmt.body),
-                            stmt.thread_binding, stmt.annotations)
-        if isinstance(stmt, tirx.IfThenElse):
-            other = stmt.else_case and without_init(stmt.else_case)
-            return tirx.IfThenElse(stmt.condition, without_init(stmt.then_case), other)
-        if isinstance(stmt, SBlockRealize):
-            blk = stmt.block
-            init = blk.init
-            if blk.name_hint in blocks and init is not None:
-                init = None
-                dropped.append(blk.name_hint)
-            blk = SBlock(blk.iter_vars, blk.reads, blk.writes, blk.name_hint, without_init(blk.body), init,
-                         blk.alloc_buffers, blk.match_buffers, blk.annotations)
-            return SBlockRealize(stmt.iter_values, stmt.predicate, blk)
-        return stmt
+    def without_init(blk):
+        if blk.name_hint in blocks and blk.init is not None:
+            dropped.append(blk.name_hint)
+            return None
+        return blk.init
 
-    func = func.with_body(without_init(func.body))
+    func = func.with_body(_rebuild(func.body, init=without_init))
     if sorted(dropped) != sorted(blocks):
         raise ValueError(f"drop_init: the kernel's tensorized products with an init are {sorted(dropped)}, "
                          f"expected {sorted(blocks)}")
@@ -795,24 +781,28 @@ def drop_fused_bound_predicates(func):
     return func.with_body(_rebuild(func.body, predicate=predicate))
 
 
-def _rebuild(stmt, loops=None, loop_body=None, predicate=None):
-    """A scheduled body rebuilt with ``loop_body(loop, new_body)`` as each loop's body
-    and ``predicate(realize, loops)`` as each block's predicate (``loops``: the
-    enclosing loops by loop var)."""
+def _rebuild(stmt, loops=None, loop_body=None, predicate=None, init=None):
+    """A scheduled body rebuilt with ``loop_body(loop, new_body)`` as each loop's body,
+    ``predicate(realize, loops)`` as each block's predicate (``loops``: the enclosing
+    loops by loop var) and ``init(block)`` as each block's init."""
     loops = loops or {}
+
+    def again(x, inner=loops):
+        return _rebuild(x, inner, loop_body, predicate, init)
+
     if isinstance(stmt, tirx.SeqStmt):
-        return tirx.SeqStmt([_rebuild(x, loops, loop_body, predicate) for x in stmt.seq])
+        return tirx.SeqStmt([again(x) for x in stmt.seq])
     if isinstance(stmt, tirx.For):
-        body = _rebuild(stmt.body, {**loops, stmt.loop_var: stmt}, loop_body, predicate)
+        body = again(stmt.body, {**loops, stmt.loop_var: stmt})
         body = loop_body(stmt, body) if loop_body else body
         return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body, stmt.thread_binding, stmt.annotations)
     if isinstance(stmt, tirx.IfThenElse):
-        other = stmt.else_case and _rebuild(stmt.else_case, loops, loop_body, predicate)
-        return tirx.IfThenElse(stmt.condition, _rebuild(stmt.then_case, loops, loop_body, predicate), other)
+        other = stmt.else_case and again(stmt.else_case)
+        return tirx.IfThenElse(stmt.condition, again(stmt.then_case), other)
     if isinstance(stmt, SBlockRealize):
         blk = stmt.block
-        blk = SBlock(blk.iter_vars, blk.reads, blk.writes, blk.name_hint, _rebuild(blk.body, loops, loop_body, predicate),
-                     blk.init, blk.alloc_buffers, blk.match_buffers, blk.annotations)
+        blk = SBlock(blk.iter_vars, blk.reads, blk.writes, blk.name_hint, again(blk.body),
+                     init(blk) if init else blk.init, blk.alloc_buffers, blk.match_buffers, blk.annotations)
         return SBlockRealize(stmt.iter_values, predicate(stmt, loops) if predicate else stmt.predicate, blk)
     return stmt
 
