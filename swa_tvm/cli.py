@@ -1,5 +1,5 @@
-"""The ``swa-tvm`` command line: tune kernels, export a library, describe one, import
-measurements made elsewhere.
+"""The ``swa-tvm`` command line: tune kernels, validate their records, export a library,
+describe one, import measurements made elsewhere.
 
 Exit codes: 0 success, 1 the command failed (message on stderr), 2 usage error,
 130 interrupted (tune keeps every record measured before the interrupt).
@@ -94,8 +94,10 @@ def _tuned_text(k) -> str:
     if t.get("default_point") and k.get("schedule") in FUSED_TEXT:
         return f"{FUSED_TEXT[k['schedule']]}: measured faster than its {t.get('records', '?')} tuning records"
     if t.get("default_point"):
-        return f"tuned: the default schedule (no searched record beat it by the required margin; {t.get('records', '?')} records)"
-    return f"tuned: {t.get('gflops', 0):.1f} GFLOP/s at the tuning shape, best of {t.get('records', '?')} records"
+        return f"tuned: the default schedule (no searched record validated faster at every shape; {t.get('records', '?')} records)"
+    worst = t.get("worst_ratio")
+    won = f", validated: at most {worst:.2f}x the default's time at every shape" if worst else ""
+    return f"tuned: {t.get('gflops', 0):.1f} GFLOP/s at the tuning shape, best of {t.get('records', '?')} records{won}"
 
 
 def _cmd_tune(args) -> int:
@@ -163,13 +165,34 @@ def _cmd_tune(args) -> int:
             num_trials_per_iter=args.trials_per_iter,
             seed=args.seed,
             progress=not args.quiet,
+            validate_candidates=args.validate_candidates,
         )
     finally:
         signal.signal(signal.SIGINT, previous)
     for r in results:
         best = f"{r.best_ms:.2f} ms, {r.best_gflops:.1f} GFLOP/s" if r.best_ms else "no valid record"
-        print(f"  {r.spec.name}: {r.records} records (+{r.trials}), best {best}")
+        which = " (the default schedule)" if r.default_point else ""
+        print(f"  {r.spec.name}: {r.records} records (+{r.trials}), applied {best}{which}")
     print(f"done in {time.time() - t0:.0f}s")
+    return 0
+
+
+def _cmd_validate(args) -> int:
+    from swa_tvm.compiler.targets import normalize_target
+    from swa_tvm.tuning.validate import validate
+
+    target = normalize_target(args.target)
+    verdicts = validate(_kernel_specs(args), target, args.logs or _default_logs(), candidates=args.candidates,
+                        rounds=args.rounds, progress=lambda m: print(m, file=sys.stderr))
+    if not verdicts:
+        print("no searched records to validate for these kernels")
+    for v in verdicts:
+        worst = v.entry["worst_ratio"]
+        if v.kept:
+            print(f"  {v.spec.name}: record {v.kept} kept, at most {worst[v.kept]:.2f}x the default's time")
+        else:
+            ratios = ", ".join(f"{w:.2f}" for w in worst.values()) or "none agreed with the default"
+            print(f"  {v.spec.name}: the default schedule stays (records' worst ratios: {ratios})")
     return 0
 
 
@@ -254,7 +277,20 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-out", metavar="DIR",
                    help="build TRIALS candidates per kernel into DIR instead of measuring them here, for "
                         "python -m swa_tvm.tuning.measure on the device's machine (then import-measurements)")
+    t.add_argument("--validate-candidates", type=int, default=3, metavar="N",
+                   help="CPU: then time the N fastest searched records of each kernel against the default "
+                        "schedule at the validation shapes (swa-tvm validate); 0 skips it (records then apply "
+                        "only after swa-tvm validate)")
     t.set_defaults(func=_cmd_tune)
+
+    val = sub.add_parser("validate", help="time a CPU class's searched records against the default schedule at "
+                                          "the tuning shape, T=16384 and B=4; keep those that win at every shape")
+    val.add_argument("--spec", action="append", required=True, help=spec_help)
+    val.add_argument("--target", default="llvm", help=target_help)
+    val.add_argument("--logs", help=LOGS_HELP)
+    val.add_argument("--candidates", type=int, default=3, help="the fastest searched records tried per kernel")
+    val.add_argument("--rounds", type=int, default=7, help="round-robin rounds per shape (their median is compared)")
+    val.set_defaults(func=_cmd_validate)
 
     m = sub.add_parser("import-measurements",
                        help="commit a batch measured elsewhere (swa_tvm.tuning.measure) as tuning records")

@@ -89,9 +89,17 @@ def test_cpu_batch_round_trip(cpu_batch, tmp_path, capsys):
     assert [t for row in got for t in row] == pytest.approx([t for row in want for t in row], rel=1e-6)
     base = json.loads((folder / records.BASELINE_FILE).read_text())
     assert list(base.values())[0]["run_secs"] == pytest.approx(rows[task["baseline"]["id"]]["run_secs"])
-    assert records.best_record(KSPEC, host_target(), str(logs)) is not None
+    # A CPU record applies once validated on the class's machine (the batch's baseline
+    # is the default schedule, not a record of it).
+    assert records.best_record(KSPEC, host_target(), str(logs)) is None
+    from swa_tvm.tuning import validate
 
-    # Export applies the imported records; the library computes the right answer.
+    (verdict,) = validate.validate([KSPEC], host_target(), str(logs), shapes=[{}, {"T": 4096}], rounds=3)
+    assert set(verdict.entry["worst_ratio"]) == {records.trace_digest(r.trace) for r in recs}
+    best = records.best_record(KSPEC, host_target(), str(logs))
+    assert (best is not None) == (verdict.kept is not None)
+
+    # Export applies what validation kept; the library computes the right answer.
     import torch
 
     import swa_tvm
@@ -99,7 +107,7 @@ def test_cpu_batch_round_trip(cpu_batch, tmp_path, capsys):
 
     lib = tmp_path / "tuned.so"
     manifest = swa_tvm.export_library([KSPEC], lib, logs=str(logs))
-    assert manifest["kernels"][0]["tuned"]
+    assert manifest["kernels"][0]["tuned"] is (verdict.kept is not None)
     swa_tvm.load_library(lib)
     q, k, v = (torch.randn(2, 3, 70, 16) for _ in range(3))
     ref, _ = sliding_window_attention_ref(q, k, v, window_size=(7, 0))
@@ -216,7 +224,7 @@ def test_cuda_batch_builds_the_search_space_and_the_fused_baseline(cuda_batch):
     names = [a[3]["name"] for a in task["args"]]
     assert names == ["q", "k", "v", "dilation", "sink_logit", "out", "lse"]
     # The GPU fills the arguments by the rule MetaSchedule's runner follows here.
-    from swa_tvm.tuning.tune import input_fills
+    from swa_tvm.tuning.candidates import input_fills
 
     fills = [{k: v for k, v in a[3].items() if k not in ("name", "output")} for a in task["args"]]
     assert fills == input_fills([a[:3] for a in task["args"]]) and fills[3] == {"fill": "ones"}

@@ -248,9 +248,12 @@ def export_library(
                 "run_ms": round(rec.run_ms, 4),
                 "gflops": round(rec.gflops, 2),
                 "records": rec.records,
-                # No searched record beat the default (CUDA: the fused kernel) by DEFAULT_MARGIN.
+                # No searched record was validated (CUDA: beat the fused kernel by DEFAULT_MARGIN).
                 "default_point": rec.default_point,
             }
+            if rec.validation and not rec.default_point:
+                entry["tuning"]["worst_ratio"] = rec.validation["worst_ratio"][rec.validation["kept"]]
+                entry["tuning"]["validated"] = rec.validation["date"]
         return entry
 
     amx = any(uses_amx(s, target) for s in specs)

@@ -18,6 +18,7 @@ never leaves a torn line; a torn last line from a power loss is skipped with a w
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import warnings
@@ -267,13 +268,13 @@ class BestRecord:
     gflops: float
     records: int  # how many records this workload has
     default_point: bool = False  # the default schedule's own record (nothing beat it)
+    validation: dict | None = None  # a searched CPU record's verdict (VALIDATION_FILE's entry)
 
 
-# A searched record replaces the default schedule only if it measured at least this much
-# faster than the default's own record. Smaller wins are within this shared machine's
-# noise and did not survive the replay on the symbolic-T kernel: the committed dk/dv
-# record of 2026-12-03 measured 2% ahead of the default at the tuning shape and ran ~20%
-# behind it in use.
+# A fused CUDA kernel is replaced by a searched record only if the record measured at
+# least this much faster than the fused kernel on the GPU. Smaller wins are within a shared
+# machine's noise: the CPU dk/dv record of 2026-12-03 measured 2% ahead of the default at
+# the tuning shape and ran ~20% behind it in use (CPU records now pass VALIDATION_FILE).
 DEFAULT_MARGIN = 0.05
 
 
@@ -287,6 +288,27 @@ def _same_target_class(record_target, target: dict) -> bool:
 
 
 BASELINE_FILE = "baselines.json"
+
+# A searched CPU record is applied only where ``swa_tvm.tuning.validate`` timed it against
+# the default schedule, both exported as the symbolic-T kernel, back to back in one
+# process, at the tuning shape, a long T and B > 1, and it won at every shape. This file
+# beside the records holds those verdicts: workload key -> entry ("kept": the winning
+# record's trace_digest, or None; "shapes": each shape's timings).
+VALIDATION_FILE = "validation.json"
+
+
+def trace_digest(trace) -> str:
+    """A short, stable name of a record's trace (its text's SHA-256)."""
+    return hashlib.sha256(str(trace).encode()).hexdigest()[:16]
+
+
+def read_validation(folder: str) -> dict:
+    """The verdicts of VALIDATION_FILE in a CPU log folder ({} without one)."""
+    path = os.path.join(folder, VALIDATION_FILE)
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)["verdicts"]
 
 
 def read_baselines(folder: str) -> dict:
@@ -303,18 +325,25 @@ def _secs(run_secs) -> float:
     return float(np.mean([float(s) for s in run_secs]))
 
 
-def _best_in(db, spec: KernelSpec, target: dict, baselines: dict | None = None, mod=None) -> BestRecord | None:
+def _best_in(db, spec: KernelSpec, target: dict, baselines: dict | None = None, mod=None,
+             validation: dict | None = None) -> BestRecord | None:
     kind = target.get("kind")
     mod = mod if mod is not None else tuning_workload(spec, target_kind=kind)
     recs = db.records_for(mod)
     mine = [r for r in recs if _same_target_class(r.target, target)]
     if not mine:
         return None
-    best, is_default = mine[0], False
+    best, is_default, verdict = mine[0], False, None
     if kind == "llvm":
+        # The default schedule's own record, unless validation kept a searched one.
         trace = str(default_point(spec, _vector_lanes(tvm.target.Target(target))).trace)
         default = next((r for r in mine if str(r.trace) == trace), None)
-        if default is not None and (default is best or _secs(best.run_secs) > (1 - DEFAULT_MARGIN) * _secs(default.run_secs)):
+        verdict = (validation or {}).get(workload_key(mod))
+        kept = verdict.get("kept") if verdict else None
+        best = next((r for r in mine if kept and trace_digest(r.trace) == kept), None)
+        if best is None:
+            if default is None:
+                return None
             best, is_default = default, True
     elif kind == "cuda":
         # The default is the fused kernel: a record replaces it only when measured faster
@@ -326,13 +355,15 @@ def _best_in(db, spec: KernelSpec, target: dict, baselines: dict | None = None, 
             t = _secs(base["run_secs"])
             return BestRecord(None, t * 1e3, workload_flops(spec) / t / 1e9, len(recs), True)
     t = _secs(best.run_secs)
-    return BestRecord(best.trace, t * 1e3, workload_flops(spec) / t / 1e9, len(recs), is_default)
+    return BestRecord(best.trace, t * 1e3, workload_flops(spec) / t / 1e9, len(recs), is_default, verdict)
 
 
 def best_records(specs: Iterable[KernelSpec], target: dict, logs_root: str | None) -> dict:
-    """The fastest valid record of each spec in ``logs_root``'s folder for ``target``
-    (None where there is none), reading that folder once. A record whose ``trace`` is
-    None stands for the default kernel, measured faster than every record."""
+    """The record each spec is built with from ``logs_root``'s folder for ``target``
+    (None where there is none), reading that folder once. On a CPU: the searched record
+    that validation kept (VALIDATION_FILE), else the default schedule's own record. On
+    CUDA: the fastest record, or one whose ``trace`` is None, standing for the fused
+    kernel, measured faster than every record."""
     specs = list(specs)
     folder = log_dir(logs_root, target) if logs_root else None
     if folder is None or not os.path.exists(os.path.join(folder, RECORD_FILE)):
@@ -340,12 +371,12 @@ def best_records(specs: Iterable[KernelSpec], target: dict, logs_root: str | Non
     kind = target.get("kind")
     mods = {s.name: tuning_workload(s, target_kind=kind) for s in specs}
     db = open_log(folder, only={workload_key(m) for m in mods.values()})
-    baselines = read_baselines(folder)
-    return {s.name: _best_in(db, s, target, baselines, mods[s.name]) for s in specs}
+    baselines, validation = read_baselines(folder), read_validation(folder)
+    return {s.name: _best_in(db, s, target, baselines, mods[s.name], validation) for s in specs}
 
 
 def best_record(spec: KernelSpec, target: dict, logs_root: str | None) -> BestRecord | None:
-    """The fastest valid record for ``spec`` in ``logs_root``'s folder for ``target``."""
+    """``best_records`` of one spec."""
     return best_records([spec], target, logs_root)[spec.name]
 
 

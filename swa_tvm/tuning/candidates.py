@@ -9,6 +9,8 @@ import functools
 import os
 import tempfile
 
+import numpy as np
+
 from tvm.s_tir import meta_schedule as ms
 
 from swa_tvm.compiler.cuda_pack import export_module
@@ -21,7 +23,7 @@ from swa_tvm.tuning.builder import PooledBuilder
 
 def input_fills(args_info) -> list[dict]:
     """How each tensor argument ``("TENSOR", dtype, shape)`` of a kernel is filled to
-    measure it, the one rule for MetaSchedule's runner (``tune.tuning_inputs``) and the
+    measure it, the one rule for MetaSchedule's runner (``tuning_inputs``) and the
     GPU batch runner (``measure``, from ``batch``'s annotations): floats random normal;
     the [H] int table (dilation) ones; the [B, E] int tables (extra and global
     positions) distinct and sorted below T, the longest third dim of the 4-D tensors
@@ -36,6 +38,21 @@ def input_fills(args_info) -> list[dict]:
         else:
             fills.append({"fill": "ones"})
     return fills
+
+
+def tuning_inputs(args_info) -> list[np.ndarray]:
+    """A kernel's tuning inputs, filled by ``input_fills``."""
+    rng = np.random.default_rng(0)
+    out = []
+    for (_, dtype, shape), fill in zip(args_info, input_fills(args_info)):
+        if fill["fill"] == "positions":
+            rows = [np.sort(rng.permutation(fill["high"])[: shape[1]]) for _ in range(shape[0])]
+            out.append(np.stack(rows).astype(dtype))
+        elif fill["fill"] == "ones":
+            out.append(np.ones(shape, dtype=dtype))
+        else:
+            out.append(rng.standard_normal(shape).astype(dtype))
+    return out
 
 
 def space_generator(spec: KernelSpec, tvm_target):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Iterable
@@ -43,6 +44,7 @@ from swa_tvm.compiler.records import (
     log_dir,
     open_log,
     read_baselines,
+    read_validation,
     tuning_workload,
     tvm_target_of,
     workload_flops,
@@ -55,27 +57,13 @@ from swa_tvm.tuning.batch import measure_baselines
 from swa_tvm.tuning.candidates import (
     check_cuda_specs,
     check_no_amx_specs,
-    input_fills,
     make_builder,
     space_generator,
+    tuning_inputs,
 )
+from swa_tvm.tuning.validate import validate
 
 # --------------------------------------------------------------------------- measuring
-
-
-def tuning_inputs(args_info) -> list[np.ndarray]:
-    """A kernel's tuning inputs, filled by ``input_fills``."""
-    rng = np.random.default_rng(0)
-    out = []
-    for (_, dtype, shape), fill in zip(args_info, input_fills(args_info)):
-        if fill["fill"] == "positions":
-            rows = [np.sort(rng.permutation(fill["high"])[: shape[1]]) for _ in range(shape[0])]
-            out.append(np.stack(rows).astype(dtype))
-        elif fill["fill"] == "ones":
-            out.append(np.ones(shape, dtype=dtype))
-        else:
-            out.append(rng.standard_normal(shape).astype(dtype))
-    return out
 
 
 def alloc_args_local(device, args_info, alloc_repeat):
@@ -147,8 +135,9 @@ class TuneResult:
     spec: KernelSpec
     trials: int  # measured this run
     records: int  # in the log for this kernel after the run
-    best_ms: float | None
+    best_ms: float | None  # the applied record's (the default schedule's, unless one was validated)
     best_gflops: float | None
+    default_point: bool = False
 
 
 def _progress_callback(specs, bar):
@@ -232,11 +221,15 @@ def tune(
     num_trials_per_iter: int = 32,
     seed: int | None = None,
     progress: bool = True,
+    validate_candidates: int = 3,
 ) -> list[TuneResult]:
     """Tune every kernel of ``specs`` for ``trials`` more measured candidates each,
     appending records to ``<logs_root>/<target-key>/``. The default schedule's point is
     measured first (once per log); existing records seed the search, so a second run
-    continues where the first stopped."""
+    continues where the first stopped. On a CPU the ``validate_candidates`` fastest
+    searched records of each kernel are then validated against the default schedule
+    (``swa_tvm.tuning.validate``; 0: not validated here, so not applied until
+    ``swa-tvm validate`` runs)."""
     check_tune_arguments(trials, rpc_tracker, rpc_key)
     specs = list(dict.fromkeys(specs))
     kind = target.get("kind")
@@ -316,10 +309,14 @@ def tune(
                 bar.close()
     finally:
         builder.close()
+    if kind == "llvm" and validate_candidates > 0:
+        validate(specs, target, logs_root, candidates=validate_candidates,
+                 progress=(lambda m: print(m, file=sys.stderr)) if progress else None)
     results = []
-    baselines = read_baselines(folder)
+    baselines, validation = read_baselines(folder), read_validation(folder)
     for spec in specs:
-        best = _best_in(db, spec, target, baselines)  # the log in memory holds this run's records
+        # The log in memory holds this run's records.
+        best = _best_in(db, spec, target, baselines, validation=validation)
         records = len(db.records_for(tuning_workload(spec, target_kind=kind)))
         results.append(
             TuneResult(
@@ -328,6 +325,7 @@ def tune(
                 records,
                 best.run_ms if best else None,
                 best.gflops if best else None,
+                bool(best and best.default_point),
             )
         )
     return results

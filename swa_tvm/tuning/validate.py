@@ -1,0 +1,274 @@
+"""Validation of CPU tuning records: a searched record is applied only where it beats
+the default schedule at every shape users run, not only at the tuning shape.
+
+A search measures its candidates at one shape (``records.TUNE_SHAPES``: B=1, T=2048),
+each minutes apart from the default schedule's own measurement. Both differ from use:
+the exported kernel is the symbolic-T one, and users run long sequences and batches.
+Records chosen that way ran up to 1.2x slower than the default in the forward benchmark.
+
+``validate`` therefore builds, for each kernel, the symbolic-T kernel exactly as export
+does, once with the default schedule and once with each of the fastest searched records,
+and times them in this process back to back (round-robin, order rotated each round,
+median of the rounds) at ``validation_shapes``: the tuning shape, T=16384 and B=4. A
+candidate whose outputs differ from the default's beyond the dtype's tolerance is
+rejected. A record is kept only if its median is at least ``WIN_MARGIN`` below the
+default's at every shape; of several such records, the one with the smallest worst-shape
+ratio. The verdicts go to ``records.VALIDATION_FILE`` beside the records, and
+``records.best_records`` applies a searched record only where a verdict kept it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+import tvm
+from tvm.tirx.buffer import is_buffer_var
+
+from swa_tvm.compiler.build import compile_specs
+from swa_tvm.compiler.records import (
+    TUNE_SCALARS,
+    VALIDATION_FILE,
+    _same_target_class,
+    default_point,
+    log_dir,
+    open_log,
+    read_validation,
+    trace_digest,
+    tune_shapes,
+    tuning_workload,
+    workload_key,
+)
+from swa_tvm.compiler.targets import _vector_lanes, normalize_target, target_key, uses_amx
+from swa_tvm.compute import prim_func
+from swa_tvm.runtime.library import default_tvm_threads
+from swa_tvm.spec import KernelSpec
+from swa_tvm.tuning.candidates import tuning_inputs
+
+log = logging.getLogger("swa_tvm.tuning")
+
+# A kept record is at least this much faster than the default at every shape: the
+# medians of back-to-back rounds on a shared 2-core machine still move by ~1-2%.
+WIN_MARGIN = 0.02
+# Outputs of a candidate against the default schedule's on the same inputs.
+TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
+
+
+def validation_shapes(spec: KernelSpec) -> list[dict]:
+    """The shapes a record must win at: the tuning shape, a long sequence and a batch.
+    KV-cache kernels: a decode step against 4096 keys, against 16384, and a batch."""
+    base = tune_shapes(spec)
+    if spec.kind.startswith("cache"):
+        long = {"Tk": 16384}
+        if not (spec.left >= 0 and spec.right >= 0):
+            long["NK"] = 16384  # an unbounded window scans every cached key
+        return [base, tune_shapes(spec, long), tune_shapes(spec, {"B": 4})]
+    return [base, tune_shapes(spec, {"T": max(16384, base["T"])}), tune_shapes(spec, {"B": 4})]
+
+
+@dataclass
+class Verdict:
+    spec: KernelSpec
+    kept: str | None  # trace_digest of the kept record, None: the default schedule stays
+    entry: dict  # what VALIDATION_FILE holds for the kernel
+
+
+class _Candidate:
+    def __init__(self, spec, target, trace, name):
+        self.name, self.trace = name, trace
+        record = None if trace is None else _Trace(trace)
+        module, _ = compile_specs([spec], target, records={spec.name: record})
+        self.func = module[spec.name]
+
+
+@dataclass
+class _Trace:  # what compile_specs reads of a record
+    trace: object
+
+
+# Sizes the concrete tuning workload fixes and the symbolic kernel takes as arguments.
+SIZE_ARGUMENTS = {"nkeys": "NK"}
+
+
+def _arguments(spec: KernelSpec, shapes: dict) -> list:
+    """The symbolic kernel's arguments at ``shapes``: tensors filled as tuning fills them
+    (its concrete workload's), the scale and TUNE_SCALARS as a tuning measurement fixes
+    them, sizes (SIZE_ARGUMENTS) from ``shapes``."""
+    concrete = prim_func(spec, shapes).params
+    infos = [("TENSOR", str(p.dtype), [int(x) for x in p.shape]) for p in concrete if is_buffer_var(p)]
+    filled = iter(tuning_inputs(infos))
+    args = []
+    for p in prim_func(spec).params:
+        if is_buffer_var(p):
+            args.append(tvm.runtime.tensor(next(filled)))
+        elif p.name == "scale":
+            args.append(1.0 / spec.head_dim**0.5)
+        elif p.name in TUNE_SCALARS:
+            args.append(TUNE_SCALARS[p.name][0])
+        elif p.name in SIZE_ARGUMENTS:
+            args.append(shapes[SIZE_ARGUMENTS[p.name]])
+        else:
+            raise ValueError(f"kernel {spec.name}: no validation value for its argument {p.name!r}")
+    return args
+
+
+def _rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def _time_round_robin(candidates: list[_Candidate], args: list, rounds: int) -> list[float]:
+    """Median ms of each candidate on ``args``: one warm-up call each, then ``rounds``
+    rounds calling every candidate once, the order rotated each round."""
+    for c in candidates:
+        c.func(*args)
+    times = [[] for _ in candidates]
+    for r in range(rounds):
+        order = list(range(len(candidates)))
+        order = order[r % len(order):] + order[: r % len(order)]
+        for i in order:
+            t0 = time.perf_counter()
+            candidates[i].func(*args)
+            times[i].append((time.perf_counter() - t0) * 1e3)
+    return [statistics.median(t) for t in times]
+
+
+def _searched_traces(db, spec: KernelSpec, target: dict, count: int) -> list:
+    """The ``count`` fastest searched traces of ``spec`` in ``db`` (distinct, the default
+    point's left out)."""
+    mod = tuning_workload(spec)
+    mine = [r for r in db.records_for(mod) if _same_target_class(r.target, target)]
+    default = str(default_point(spec, _vector_lanes(tvm.target.Target(target))).trace)
+    seen, searched = {default}, []
+    for r in mine:
+        text = str(r.trace)
+        if text not in seen:
+            seen.add(text)
+            searched.append(r.trace)
+        if len(searched) == count:
+            break
+    return searched
+
+
+def validate_spec(spec: KernelSpec, target: dict, traces: list, rounds: int = 7,
+                  shapes: list[dict] | None = None, progress=None) -> Verdict:
+    """Time the default schedule and each searched trace of ``traces`` at ``shapes``
+    (default ``validation_shapes``); keep the best record that wins at every shape."""
+    shapes = shapes if shapes is not None else validation_shapes(spec)
+    cands = [_Candidate(spec, target, None, "default")]
+    cands += [_Candidate(spec, target, t, trace_digest(t)) for t in traces]
+    per_shape = []
+    rejected = {}
+    for shape in shapes:
+        args = _arguments(spec, shape)
+        tensors = [a for a in args if isinstance(a, tvm.runtime.Tensor)]
+        ms = _time_round_robin(cands, args, rounds)
+        # Each candidate's outputs against the default's on the same inputs (the inputs,
+        # untouched, compare equal).
+        cands[0].func(*args)
+        want = [t.numpy().copy() for t in tensors]
+        for c in cands[1:]:
+            c.func(*args)
+            err = max(_rel_err(t.numpy(), w) for t, w in zip(tensors, want))
+            if not err <= TOLERANCE.get(spec.dtype, 1e-4):
+                rejected[c.name] = f"outputs differ from the default's by {err:.2e} at {shape}"
+        per_shape.append({"shape": shape, "default_ms": round(ms[0], 4),
+                          "record_ms": {c.name: round(t, 4) for c, t in zip(cands[1:], ms[1:])}})
+        if progress:
+            ratios = ", ".join(f"{t / ms[0]:.2f}" for t in ms[1:])
+            progress(f"{spec.name} at {_shape_text(shape)}: default {ms[0]:.2f} ms, records x{ratios}")
+    worst = {}
+    for c in cands[1:]:
+        if c.name not in rejected:
+            worst[c.name] = max(s["record_ms"][c.name] / s["default_ms"] for s in per_shape)
+    winners = {n: w for n, w in worst.items() if w <= 1 - WIN_MARGIN}
+    kept = min(winners, key=winners.get) if winners else None
+    entry = {
+        "spec": spec.name,
+        "kept": kept,
+        "rule": f"median at least {WIN_MARGIN:.0%} below the default's at every shape",
+        "worst_ratio": {n: round(w, 4) for n, w in worst.items()},
+        "rejected": rejected,
+        "shapes": per_shape,
+        "rounds": rounds,
+        "threads": int(os.environ.get("TVM_NUM_THREADS", "0")) or None,
+        "target_key": target_key(target),
+        "processor": _processor(),
+        "date": datetime.date.today().isoformat(),
+    }
+    return Verdict(spec, kept, entry)
+
+
+def _shape_text(shape: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in shape.items() if k in ("B", "T", "Tk"))
+
+
+def _processor() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def write_verdicts(folder: str, verdicts: Iterable[Verdict], tuning_workloads: dict) -> str:
+    """Merge ``verdicts`` into the folder's VALIDATION_FILE (replacing each kernel's
+    earlier verdict); written to a temporary file and renamed, never torn."""
+    table = read_validation(folder)
+    for v in verdicts:
+        table[workload_key(tuning_workloads[v.spec.name])] = v.entry
+    path = os.path.join(folder, VALIDATION_FILE)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"format": 1, "verdicts": table}, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def validate(specs: Iterable[KernelSpec], target: dict | str | None, logs_root: str, *, candidates: int = 3,
+             rounds: int = 7, shapes: list[dict] | None = None, progress=None) -> list[Verdict]:
+    """Validate the ``candidates`` fastest searched records of each CPU kernel of
+    ``specs`` in ``logs_root``'s folder for ``target`` against the default schedule, and
+    write the verdicts (VALIDATION_FILE). ``shapes``: overrides of the tuning shape
+    (``{"T": 512}``) instead of ``validation_shapes``, for tests. Kernels without
+    searched records get no verdict."""
+    target = normalize_target(target)
+    if target.get("kind") != "llvm":
+        raise ValueError("validation times CPU kernels; CUDA records are weighed against the fused kernels' "
+                         "GPU baselines (baselines.json)")
+    if candidates < 1:
+        raise ValueError(f"candidates must be >= 1, got {candidates}")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    # The matrix-engine (AMX) form is built with its own schedule: no record applies.
+    specs = [s for s in dict.fromkeys(specs) if not uses_amx(s, target)]
+    folder = log_dir(logs_root, target)
+    mods = {s.name: tuning_workload(s) for s in specs}
+    db = open_log(folder, only={workload_key(m) for m in mods.values()})
+    default_tvm_threads(int(target.get("num-cores", len(os.sched_getaffinity(0)) or 1)))
+    verdicts = []
+    for spec in specs:
+        traces = _searched_traces(db, spec, target, candidates)
+        if not traces:
+            continue
+        log.info("validating %d record(s) of %s against its default schedule", len(traces), spec.name)
+        full = [tune_shapes(spec, s) for s in shapes] if shapes is not None else None
+        v = validate_spec(spec, target, traces, rounds, full, progress)
+        verdicts.append(v)
+        write_verdicts(folder, [v], mods)  # each kernel's verdict as soon as it is known
+    return verdicts
+
+
+__all__ = ["validate", "validate_spec", "validation_shapes", "Verdict", "WIN_MARGIN"]
