@@ -414,10 +414,11 @@ def time_variants(results: dict, dev: torch.device, libs: str, kinds=FORWARD_KIN
         return
     meta, module = load_variants(libs)
     # What ``swa-tvm import-tiles`` needs to turn the rows into tile records (swa_tvm.compiler.tiles).
-    commit = os.path.join(libs, os.pardir, "COMMIT")
+    commit = os.path.join(libs, os.pardir, "COMMIT")  # git describe, then the checkout's root
+    built = open(commit).read().split("\n") if os.path.exists(commit) else [None]
     results["variants_meta"] = {
-        "spec": meta["spec"], "arch": meta["arch"], "shape": list(shape),
-        "bundle": open(commit).read().strip() if os.path.exists(commit) else None,
+        "spec": meta["spec"], "arch": meta["arch"], "shape": list(shape), "bundle": built[0],
+        "bundle_root": built[1] if len(built) > 1 and built[1] else None,
     }
     run_variants(results, meta, module, libs, dev, kinds, stage, shape)
 
