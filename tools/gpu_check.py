@@ -72,7 +72,8 @@ def _out_of_time() -> bool:
 OUT_OF_TIME = "skipped: the run's time budget was spent"
 # Seconds a child process (a wgmma variant's or probe's row) may take, at most; main's
 # --child-timeout-s. Capped by the time the run has left.
-_child_timeout = 60.0
+DEFAULT_CHILD_TIMEOUT = 60.0
+_child_timeout = DEFAULT_CHILD_TIMEOUT
 # Writes gpu_results.json as it stands (main sets it): called after every stage and
 # after every variant row, so that a run cut short keeps what it measured.
 _saver = None
@@ -911,9 +912,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="seconds after which nothing more is timed (the stages left write what they skipped), "
                         "so that the run ends inside the device tool's limit with its results written")
-    p.add_argument("--child-timeout-s", type=float, default=_child_timeout,
+    p.add_argument("--child-timeout-s", type=float, default=DEFAULT_CHILD_TIMEOUT,
                    help=f"seconds each child process (a wgmma variant or probe) may take, at most the time left "
-                        f"(default {_child_timeout:.0f})")
+                        f"(default {DEFAULT_CHILD_TIMEOUT:.0f})")
     args = p.parse_args(argv)
     args.stage_list = parse_stages(args.stages, args.tune, args.skip_bench)
     global _deadline, _child_timeout, _saver
@@ -923,7 +924,7 @@ def main(argv=None) -> int:
         return _run(args)
     finally:
         # The budget is this run's, not the next caller's of these functions.
-        _deadline, _child_timeout, _saver = float("inf"), 60.0, None
+        _deadline, _child_timeout, _saver = float("inf"), DEFAULT_CHILD_TIMEOUT, None
 
 
 def _stage_functions(args, results: dict, dev: torch.device) -> dict:
