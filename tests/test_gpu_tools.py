@@ -81,8 +81,8 @@ def test_gpu_check_runs_its_stages_in_the_order_of_what_they_decide(tmp_path, mo
     assert gpu_check.main(argv + ["--stages", "decode,kv_cache,bars", "--tune"]) == 0
     assert calls == ["bench_decode", "check_kv_cache", "bars", "measure_tune_batch"]
     calls.clear()
-    assert gpu_check.main(argv + ["--skip-bench", "--tune"]) == 0
-    assert calls == ["check_patterns", "measure_tune_batch"]
+    assert gpu_check.main(argv + ["--skip-bench", "--tune"]) == 0  # the bench's stages out, not the variants
+    assert calls == ["variants", "grad_variants", "check_patterns", "measure_tune_batch"]
     with pytest.raises(SystemExit, match="unknown nonsense"):
         gpu_check.main(argv + ["--stages", "bars,nonsense"])
     # A spent budget (0 s): every stage skipped, each saying so, and the run failed.
@@ -475,7 +475,7 @@ def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
     # 4 x 32: dynamic shared memory; 2 x 16 with two chunk stages.
     monkeypatch.setattr(gpu_bundle, "TC_BWD_VARIANTS", ((2, 32), (4, 32), (2, 16, True, False, 2)))
     monkeypatch.setattr(gpu_bundle, "WGMMA_PROBES", (("kn", 64, 128, 1, True),))
-    path = gpu_bundle.build_variants(str(tmp_path), "sm_90")
+    path = gpu_bundle.build_variants(str(tmp_path), "sm_90", gradients=True)
     meta = json.load(open(tmp_path / "lib" / "variants" / "variants.json"))
     assert os.path.exists(path) and meta["library"] == os.path.basename(path) and meta["arch"] == "sm_90a"
     assert meta["spec"]["kind"] == "local"

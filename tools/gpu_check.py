@@ -876,13 +876,13 @@ def time_training(results: dict, dev: torch.device, flex, T: int, W: int, shape=
 # KV-cache check, the decode timing and the tuning batch only when named (or --tune).
 STAGES = ("variants", "bars", "training", "scaling", "grad_variants", "correctness", "kv_cache", "decode", "tuning")
 DEFAULT_STAGES = ("variants", "bars", "training", "scaling", "grad_variants", "correctness")
-TIMING_STAGES = ("variants", "bars", "training", "scaling", "grad_variants", "decode")  # what --skip-bench drops
+BENCH_STAGES = ("bars", "training", "scaling", "decode")  # what --skip-bench drops (not the variants)
 
 
 def parse_stages(text: str | None, tune: bool = False, skip_bench: bool = False) -> list[str]:
     """The stages to run, in order: ``text``'s comma-separated names (default
-    DEFAULT_STAGES), ``tuning`` added with ``tune``, the timing ones dropped with
-    ``skip_bench``."""
+    DEFAULT_STAGES), ``tuning`` added with ``tune``, the bench ones (BENCH_STAGES)
+    dropped with ``skip_bench``."""
     stages = [x.strip() for x in text.split(",") if x.strip()] if text else list(DEFAULT_STAGES)
     unknown = [x for x in stages if x not in STAGES]
     if unknown:
@@ -890,7 +890,7 @@ def parse_stages(text: str | None, tune: bool = False, skip_bench: bool = False)
     if tune and "tuning" not in stages:
         stages.append("tuning")
     if skip_bench:
-        stages = [x for x in stages if x not in TIMING_STAGES]
+        stages = [x for x in stages if x not in BENCH_STAGES]
     return list(dict.fromkeys(stages))
 
 
@@ -901,7 +901,7 @@ def main(argv=None) -> int:
     p.add_argument("--stages", help=f"comma-separated stages, run in that order (default {','.join(DEFAULT_STAGES)}; "
                                     f"all: {','.join(STAGES)})")
     p.add_argument("--quick", action="store_true", help="small timing shapes (a smoke run)")
-    p.add_argument("--skip-bench", action="store_true", help=f"leave out the timing stages ({','.join(TIMING_STAGES)})")
+    p.add_argument("--skip-bench", action="store_true", help=f"leave out the bench stages ({','.join(BENCH_STAGES)})")
     p.add_argument("--tune", action="store_true", help="also measure the MetaSchedule batch (stage tuning, last)")
     p.add_argument("--batch", default=os.path.join("build", "gpu", "tune_batch"),
                    help="the tuning batch the tuning stage measures (skipped when absent)")
