@@ -132,6 +132,14 @@ def test_variants_run_wgmma_probes_first_each_child_under_its_own_timeout(tmp_pa
     assert rows["k__tc_b_wgmma"]["ms"] == 1.0 and rows["probe_x"]["ms"] == 1.0
     assert saved == [["probe_x"], ["probe_x", "k__tc_slow_wgmma"], ["probe_x", "k__tc_slow_wgmma", "k__tc_b_wgmma"]]
     assert results["variant_best"]["local"]["function"] == "k__tc_b_wgmma"
+    # Children that run out of their time in a row (a hang the wgmma code shares): past
+    # MAX_CONSECUTIVE_TIMEOUTS, the wgmma kernels left are skipped, saying why.
+    monkeypatch.setattr(gpu_check, "MAX_CONSECUTIVE_TIMEOUTS", 1)
+    results = {}
+    gpu_check.run_variants(results, meta, None, str(tmp_path), torch.device("cpu"))
+    errors = [r.get("error", "") for r in results["variants"]]
+    assert errors[0] == "" and errors[1].startswith(gpu_check.CHILD_TIMED_OUT), errors
+    assert errors[2].startswith("skipped: 1 children in a row ran out of their time"), errors
     # The run's time left caps a child's timeout: 1.5 s left, a 60 s child timeout.
     monkeypatch.setattr(gpu_check, "_child_timeout", 60.0)
     monkeypatch.setattr(gpu_check, "_deadline", time.monotonic() + 1.5)
@@ -353,7 +361,7 @@ def test_gpu_decide_sh_runs_every_step_and_profiles_three_kernels(tmp_path):
     calls = log.read_text().splitlines()
     steps = [c for c in calls if "-m tools." in c or c.startswith("ncu ")]
     check = next(c for c in steps if "-m tools.gpu_check" in c)
-    assert "--stages variants,bars,training,scaling" in check and "--child-timeout-s 45" in check
+    assert "--stages variants,bars,training,scaling" in check and "--child-timeout-s 30" in check
     assert "--tune" not in check and "--budget-s 260" in check
     order = [next(m for m in ("gpu_check", "flex_ablation", "--pick", "ncu", "gpu_summary") if m in c) for c in steps]
     assert order.index("gpu_check") < order.index("flex_ablation") < order.index("ncu") < order.index("gpu_summary")

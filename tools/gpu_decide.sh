@@ -21,7 +21,7 @@ OUT=${OUT:-.}
 mkdir -p "$OUT"
 DECIDE_S=${DECIDE_S:-480}        # the whole run
 CHECK_S=${CHECK_S:-260}          # the GPU check's --budget-s (its timeout: 30 s more)
-CHILD_TIMEOUT_S=${CHILD_TIMEOUT_S:-45}
+CHILD_TIMEOUT_S=${CHILD_TIMEOUT_S:-30}
 ABLATION_S=${ABLATION_S:-80}     # the ablation's --budget-s (its timeout: 20 s more)
 END=$((SECONDS + DECIDE_S))
 exec > >(tee -a "$OUT/log.txt") 2>&1
