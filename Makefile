@@ -52,11 +52,15 @@ SHIPPED := swa_tvm/tuning_logs/shipped_specs.txt
 tune: $(STAMP)
 	$(VENV)/bin/swa-tvm tune --trials $(TRIALS) $$(grep -v '^#' $(SHIPPED) | sed 's/^/--spec /')
 
-# CUDA libraries, the TVM runtime and the tvm-ffi wheel for tools/gpu_check.sh on a
-# GPU machine without TVM (needs nvcc, not a GPU): build/gpu/.
+# CUDA libraries, the TVM runtime and the tvm-ffi wheel for tools/gpu_decide.sh and
+# tools/gpu_check.sh on a GPU machine without TVM (needs nvcc, not a GPU): build/gpu/,
+# what the decision run needs (GPU_BUNDLE_FLAGS: --gradients, --kv-cache,
+# --tune-trials N for more). This checkout's swa_tvm, whatever the editable install
+# points at.
 CUDA_ARCH ?= sm_90
+GPU_BUNDLE_FLAGS ?=
 gpu-bundle: $(STAMP)
-	$(VPY) -m tools.gpu_bundle --arch $(CUDA_ARCH)
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(VPY) -m tools.gpu_bundle --arch $(CUDA_ARCH) $(GPU_BUNDLE_FLAGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo_out

@@ -211,3 +211,35 @@ def test_kv_cache_kernels_compile_for_cuda(tmp_path, arch, fresh_registry):
             assert r["registers"] <= 255 and r["spill_stores"] == 0, (f, r)
     swa_tvm.load_library(path)
     assert {k.spec.name for k in library.REGISTRY.kernels("cuda")} == {k.name for k in kernels}
+
+
+@pytest.mark.slow  # nvcc
+@needs_nvcc
+def test_sm_90a_library_is_refused_at_load_on_a_gpu_of_another_arch(tmp_path, monkeypatch, fresh_registry):
+    """A library exported for sm_90a (Hopper's arch-specific target, which wgmma needs):
+    its manifest says so, and where a CUDA GPU is present (here: the device query
+    monkeypatched) loading it on another arch is refused by the file's name and both
+    archs, nothing registered; on sm_90 it passes that check (on to the runtime)."""
+    path = tmp_path / "lib_sm_90a.so"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UntunedKernelWarning)
+        manifest = swa_tvm.export_library([AttentionSpec.parse("head_dim=32,window=15:0,dtype=float16")], path,
+                                          target="cuda -arch=sm_90a")
+    assert manifest["cuda_arch"] == "sm_90a" and manifest["target"] == {"kind": "cuda", "arch": "sm_90a"}
+    assert manifest["target_key"] == "cuda-sm_90a" and "sm_90a" in targets.CUDA_ARCHS
+    monkeypatch.setattr(library, "cuda_unavailable_reason", lambda: None)  # a GPU is present
+    for other in ("sm_80", "sm_89", "sm_100"):
+        monkeypatch.setattr(library, "cuda_device_arch", lambda other=other: other)
+        with pytest.raises(library.LibraryError,
+                           match=rf"lib_sm_90a\.so: built for sm_90a, whose code runs on sm_90 GPUs alone, "
+                                 rf"but this GPU is {other}"):
+            library.load_library(path)
+        assert library.REGISTRY.kernels("cuda") == [] and str(path) not in library.REGISTRY.libraries
+
+    def past_the_check():
+        raise RuntimeError("past the arch check")
+
+    monkeypatch.setattr(library, "cuda_device_arch", lambda: "sm_90")
+    monkeypatch.setattr(library, "_load_tvm_runtime", past_the_check)
+    with pytest.raises(RuntimeError, match="past the arch check"):
+        library.load_library(path)

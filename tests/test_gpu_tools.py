@@ -18,20 +18,20 @@ pytestmark = pytest.mark.slow
 
 
 def test_gpu_check_harness_on_cpu(tmp_path, fresh_registry):
-    """The GPU check's correctness stage, run on the CPU kernels: the harness itself
-    (cases, reference, tolerances, results file) works before it costs GPU time."""
+    """The GPU check's correctness and KV-cache stages, run on the CPU kernels: the
+    harness itself (cases, reference, tolerances, results file) works before it costs
+    GPU time."""
     from tools import gpu_check
 
     # A library that does not load (here: no manifest) is recorded and fails the run,
     # and the stages still run.
     (tmp_path / "libs").mkdir()
     (tmp_path / "libs" / "broken.so").write_bytes(b"not a library")
-    # A spent time budget (0 s) skips every stage after correctness, and says so.
-    rc = gpu_check.main(["--device", "cpu", "--libs", str(tmp_path / "libs"), "--out", str(tmp_path), "--skip-bench",
-                         "--budget-s", "0"])
+    rc = gpu_check.main(["--device", "cpu", "--libs", str(tmp_path / "libs"), "--out", str(tmp_path),
+                         "--stages", "correctness,kv_cache"])
     results = json.load(open(tmp_path / "gpu_results.json"))
-    assert rc == 1 and results["ok"] is False
-    assert [results[s] for s in ("bench", "variants", "tuning")] == [gpu_check.OUT_OF_TIME] * 3
+    assert rc == 1 and results["ok"] is False and results["stages"] == ["correctness", "kv_cache"]
+    assert "variants" not in results and "timing" not in results and "tuning" not in results
     [broken] = results["libraries"]
     assert broken["path"].endswith("broken.so") and "broken.so" in broken["error"], broken
     assert len(results["correctness"]) == 6 and all(r["ok"] and r["out_rel_err"] < 1e-5 for r in results["correctness"])
@@ -41,12 +41,112 @@ def test_gpu_check_harness_on_cpu(tmp_path, fresh_registry):
                                                                        "v_global", "sink_logits"}
     assert all(e < 1e-4 for g in grads.values() for e in g.values()), grads
     assert results["stream_and_compile"] == {"compile_fullgraph_equal": True}
-    # The KV-cache stage runs with correctness, whatever the budget: every case, out,
-    # lse and the gradients of q, k, v (and the sink logits where given).
+    # The KV-cache stage: every case, out, lse and the gradients of q, k, v (and the sink
+    # logits where given).
     kv = {r["case"]: r for r in results["kv_cache"]}
     assert set(kv) == {c[0] for c in gpu_check.KV_CASES}
     assert all(r["ok"] and r["out_rel_err"] < 1e-5 and max(r["grad_rel_err"].values()) < 1e-4 for r in kv.values()), kv
     assert set(kv["chunk, per-head dilation, sinks, sink logits"]["grad_rel_err"]) == {"q", "k", "v", "sink_logits"}
+
+
+def test_gpu_check_runs_its_stages_in_the_order_of_what_they_decide(tmp_path, monkeypatch):
+    """By default the forward variants (wgmma probes and kernels first), then the bars,
+    training, scaling, the gradients' variants and correctness; the KV-cache check,
+    decode timing and tuning batch only when named (tuning by --tune, last); the results
+    file written after every stage; a spent budget skips every stage and says so."""
+    from tools import gpu_check
+
+    calls, seen = [], []
+
+    def stage(name):
+        def run(results, *args):
+            # What the file held when this stage began: every earlier stage's time.
+            on_disk = json.load(open(tmp_path / "gpu_results.json"))
+            seen.append(sorted(k[:-len("_seconds")] for k in on_disk if k.endswith("_seconds")))
+            calls.append(name if name != "time_variants" else args[3])
+        return run
+
+    for fn in ("bars", "training", "scaling", "check_patterns", "check_kv_cache", "bench_decode",
+               "measure_tune_batch", "time_variants"):
+        monkeypatch.setattr(gpu_check, fn, stage(fn))
+    argv = ["--device", "cpu", "--libs", str(tmp_path / "none"), "--out", str(tmp_path)]
+    assert gpu_check.main(argv) == 0
+    want = ["variants", "bars", "training", "scaling", "grad_variants", "check_patterns"]
+    assert tuple(gpu_check.DEFAULT_STAGES) == ("variants", "bars", "training", "scaling", "grad_variants", "correctness")
+    assert calls == want
+    assert [len(s) for s in seen] == list(range(6)) and seen[-1] == sorted(gpu_check.DEFAULT_STAGES[:5])
+    results = json.load(open(tmp_path / "gpu_results.json"))
+    assert results["stages"] == list(gpu_check.DEFAULT_STAGES) and results["ok"] is True
+    calls.clear()
+    assert gpu_check.main(argv + ["--stages", "decode,kv_cache,bars", "--tune"]) == 0
+    assert calls == ["bench_decode", "check_kv_cache", "bars", "measure_tune_batch"]
+    calls.clear()
+    assert gpu_check.main(argv + ["--skip-bench", "--tune"]) == 0  # the bench's stages out, not the variants
+    assert calls == ["variants", "grad_variants", "check_patterns", "measure_tune_batch"]
+    with pytest.raises(SystemExit, match="unknown nonsense"):
+        gpu_check.main(argv + ["--stages", "bars,nonsense"])
+    # A spent budget (0 s): every stage skipped, each saying so, and the run failed.
+    calls.clear()
+    assert gpu_check.main(argv + ["--budget-s", "0"]) == 1
+    results = json.load(open(tmp_path / "gpu_results.json"))
+    assert calls == [] and [results[s] for s in gpu_check.DEFAULT_STAGES] == [gpu_check.OUT_OF_TIME] * 6
+
+
+def test_variants_run_wgmma_probes_first_each_child_under_its_own_timeout(tmp_path, monkeypatch):
+    """The variant stage's order (wgmma probes, wgmma kernels, then the rest) and its
+    children: one that hangs is killed after its own timeout (--child-timeout-s, capped
+    by the time the run has left), not the run's, and the rows after it still run; the
+    results are saved after every row."""
+    import sys
+    import time
+
+    from tools import gpu_check
+
+    entries = [{"function": "k__tc_a", "kind": "local"}, {"function": "k__tc_slow_wgmma", "kind": "local", "wgmma": True},
+               {"function": "k__dq", "kind": "local_dq"}, {"function": "k__tc_b_wgmma", "kind": "local", "wgmma": True},
+               {"function": "probe_x", "kind": "wgmma_probe", "wgmma": True}]
+    assert [e["function"] for e in gpu_check.variant_order(entries)] == ["probe_x", "k__tc_slow_wgmma",
+                                                                         "k__tc_b_wgmma", "k__tc_a"]
+    assert [e["function"] for e in gpu_check.variant_order(entries, gpu_check.GRAD_KINDS)] == ["k__dq"]
+
+    def child(entry, libs, device, shape, budget_s):
+        if "slow" in entry["function"]:
+            return [sys.executable, "-c", "import time; time.sleep(60)"]
+        row = dict(entry, ms=1.0, tflops=1.0, rel_err_vs_default=0.0)
+        return [sys.executable, "-c", f"print({gpu_check.VARIANT_ROW!r} + {json.dumps(json.dumps(row))})"]
+
+    saved = []
+    monkeypatch.setattr(gpu_check, "child_command", child)
+    monkeypatch.setattr(gpu_check, "_child_timeout", 2.0)
+    monkeypatch.setattr(gpu_check, "_saver", lambda: saved.append([r["function"] for r in results["variants"]]))
+    # The in-process rows (none here: only the wgmma ones and a probe are of these kinds).
+    monkeypatch.setattr(gpu_check, "variant_rows", lambda *a, **k: pytest.fail("no in-process rows expected"))
+    results = {}
+    t0 = time.monotonic()
+    meta = {"spec": {"dtype": "bfloat16"}, "variants": [e for e in entries if e.get("wgmma")]}
+    gpu_check.run_variants(results, meta, None, str(tmp_path), torch.device("cpu"))
+    assert time.monotonic() - t0 < 20
+    rows = {r["function"]: r for r in results["variants"]}
+    assert [r["function"] for r in results["variants"]] == ["probe_x", "k__tc_slow_wgmma", "k__tc_b_wgmma"]
+    assert rows["k__tc_slow_wgmma"]["error"] == "child process: no result within its timeout of 2 s"
+    assert rows["k__tc_b_wgmma"]["ms"] == 1.0 and rows["probe_x"]["ms"] == 1.0
+    assert saved == [["probe_x"], ["probe_x", "k__tc_slow_wgmma"], ["probe_x", "k__tc_slow_wgmma", "k__tc_b_wgmma"]]
+    assert results["variant_best"]["local"]["function"] == "k__tc_b_wgmma"
+    # Children that run out of their time in a row (a hang the wgmma code shares): past
+    # MAX_CONSECUTIVE_TIMEOUTS, the wgmma kernels left are skipped, saying why.
+    monkeypatch.setattr(gpu_check, "MAX_CONSECUTIVE_TIMEOUTS", 1)
+    results = {}
+    gpu_check.run_variants(results, meta, None, str(tmp_path), torch.device("cpu"))
+    errors = [r.get("error", "") for r in results["variants"]]
+    assert errors[0] == "" and errors[1].startswith(gpu_check.CHILD_TIMED_OUT), errors
+    assert errors[2].startswith("skipped: 1 children in a row ran out of their time"), errors
+    # The run's time left caps a child's timeout: 1.5 s left, a 60 s child timeout.
+    monkeypatch.setattr(gpu_check, "_child_timeout", 60.0)
+    monkeypatch.setattr(gpu_check, "_deadline", time.monotonic() + 1.5)
+    t0 = time.monotonic()
+    row = gpu_check.isolated_variant_row(entries[1], str(tmp_path), "cpu")
+    assert time.monotonic() - t0 < 10 and "no result within its timeout of 1 s" in row["error"], row
+    assert gpu_check.isolated_variant_row(entries[3], str(tmp_path), "cpu")["error"] == gpu_check.OUT_OF_TIME
 
 
 def test_gpu_check_decode_timing_on_cpu():
@@ -189,6 +289,185 @@ def test_wgmma_probe_tells_the_layout_readings_apart():
     assert gpu_check.best_variants(rows, torch.bfloat16) == {}  # probes are not timing rows
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _stub_machine(tmp_path, check_rc: int, ncu_sleep_for: str = ""):
+    """A GPU machine of stubs for tools/gpu_check.sh and tools/gpu_decide.sh: $PY logs
+    its arguments and fails tools.gpu_check with ``check_rc``; ncu logs its arguments
+    (sleeping 30 s when they name ``ncu_sleep_for``) and writes its report. Returns
+    (environment, log of every call)."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    (bin_dir / "py").write_text(f"""#!/usr/bin/env bash
+echo "py $*" >> {log}
+case "$*" in
+  *tools.gpu_check*) exit {check_rc} ;;
+  *"--pick default"*) echo tc_w4_c64 ;;
+  *"--pick best"*) echo tc_w8_c64_wgmma ;;
+esac
+exit 0
+""")
+    (bin_dir / "ncu").write_text(f"""#!/usr/bin/env bash
+echo "ncu $*" >> {log}
+if [ -n "{ncu_sleep_for}" ] && [[ "$*" == *"{ncu_sleep_for}"* ]]; then sleep 30; fi
+prev=""
+for a in "$@"; do [ "$prev" = "-o" ] && touch "$a.ncu-rep"; prev=$a; done
+echo details
+""")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PY=str(bin_dir / "py"), OUT=str(tmp_path / "out"),
+               BUNDLE=str(tmp_path / "bundle"))
+    return env, log
+
+
+def test_gpu_check_sh_profiles_after_a_failed_check(tmp_path):
+    """tools/gpu_check.sh: a check that fails (exit status 1) still leads to the
+    profiles asked for, each by ncu's reduced sections (not --set full) under its own
+    timeout, one that hangs killed and the next still run; the script's status is the
+    check's."""
+    import subprocess
+    import time
+
+    env, log = _stub_machine(tmp_path, check_rc=1, ncu_sleep_for="tc_slow_kernel")
+    env.update(PROFILE="tc_slow tc_w4_c64", NCU_TIMEOUT="2")
+    t0 = time.monotonic()
+    proc = subprocess.run(["bash", os.path.join(REPO, "tools", "gpu_check.sh"), "--budget-s", "5"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - t0 < 25
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    calls = log.read_text().splitlines()
+    check = next(i for i, c in enumerate(calls) if "-m tools.gpu_check" in c)
+    assert "--budget-s 5" in calls[check] and "--out " + env["OUT"] in calls[check]
+    profiles = [c for c in calls[check:] if c.startswith("ncu ") and " -o " in c]
+    assert [p.split("-k ")[1].split()[0] for p in profiles] == ["regex:tc_slow_kernel", "regex:tc_w4_c64_kernel"]
+    assert all("--set" not in p and "--section SpeedOfLight" in p and "--section WarpStateStats" in p for p in profiles)
+    assert os.path.exists(os.path.join(env["OUT"], "ncu_tc_w4_c64.txt"))
+    assert "gpu_check: exit status 1" in proc.stdout
+
+
+def test_gpu_decide_sh_runs_every_step_and_profiles_three_kernels(tmp_path):
+    """tools/gpu_decide.sh with stubs: the check (its deciding stages, its own budget and
+    child timeout, no tuning batch), then the ablation, then three reduced ncu profiles
+    (our fastest wgmma forward, our default, Flex's kernel), whatever the check's
+    outcome; everything printed also in $OUT/log.txt."""
+    import subprocess
+
+    env, log = _stub_machine(tmp_path, check_rc=1)
+    proc = subprocess.run(["bash", os.path.join(REPO, "tools", "gpu_decide.sh")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = log.read_text().splitlines()
+    steps = [c for c in calls if "-m tools." in c or c.startswith("ncu ")]
+    check = next(c for c in steps if "-m tools.gpu_check" in c)
+    assert "--stages variants,bars,training,scaling" in check and "--child-timeout-s 30" in check
+    assert "--tune" not in check and "--budget-s 260" in check
+    order = [next(m for m in ("gpu_check", "flex_ablation", "--pick", "ncu", "gpu_summary") if m in c) for c in steps]
+    assert order.index("gpu_check") < order.index("flex_ablation") < order.index("ncu") < order.index("gpu_summary")
+    kernels = [c.split("-k ")[1].split()[0] for c in calls if c.startswith("ncu ") and " -o " in c]
+    assert kernels == ["regex:tc_w8_c64_wgmma_kernel", "regex:tc_w4_c64_kernel", "regex:triton_tem"]
+    assert {f"ncu_{n}.txt" for n in ("best", "default", "flex")} <= set(os.listdir(env["OUT"]))
+    assert "gpu_check: exit status 1" in open(os.path.join(env["OUT"], "log.txt")).read()
+
+
+def test_flex_ablation_rows_and_their_timeouts(tmp_path):
+    """FlexAttention's ablation: Flex's own choice, then BLOCK_M 64 and 128 by 1 and 3
+    stages at one BLOCK_N and warp count with TMA off, options the installed torch's
+    Flex forward reads; a row whose child hangs is killed after the row's own timeout,
+    the rows after it run in a new child, and every row is saved as it completes."""
+    import inspect
+    import sys
+    import time
+
+    from torch._inductor.kernel.flex import flex_attention as flex_source
+
+    from tools import flex_ablation
+
+    rows = flex_ablation.ABLATION_ROWS
+    assert list(rows)[0] == "default" and rows["default"] is None
+    tiles = {n: o for n, o in rows.items() if o is not None}
+    assert sorted((o["BLOCK_M"], o["num_stages"]) for o in tiles.values()) == [(64, 1), (64, 3), (128, 1), (128, 3)]
+    assert {(o["BLOCK_N"], o["num_warps"], o["USE_TMA"]) for o in tiles.values()} == {(64, 8, False)}
+    source = inspect.getsource(flex_source)
+    assert all(f'"{key}"' in source for o in tiles.values() for key in o), "a kernel option Flex does not read"
+
+    def command(left):
+        script = "import json, time\n"
+        for name in left:
+            if name == "m64_s3":
+                script += "time.sleep(60)\n"
+            script += f"print({flex_ablation.ROW!r} + json.dumps({{'config': {name!r}, 'ms': 1.0}}), flush=True)\n"
+        return [sys.executable, "-c", script]
+
+    saved = []
+    t0 = time.monotonic()
+    got = flex_ablation.run_rows(list(rows), command, 3.0, time.monotonic() + 60, lambda r: saved.append(r["config"]))
+    assert time.monotonic() - t0 < 30
+    assert [r["config"] for r in got] == list(rows) == saved
+    assert "no result within 3 s (killed)" in got[2]["error"] and list(rows)[2] == "m64_s3"
+    assert all(r["ms"] == 1.0 for i, r in enumerate(got) if i != 2)
+
+
+def test_gpu_bundle_size_check_counts_tree_and_bundle(tmp_path, monkeypatch):
+    """The bundle's size check: the files that travel with the tree (tracked and
+    untracked-not-ignored, not ignored ones, not the bundle twice) plus the bundle,
+    against the limit; over it, a loud failure saying by how much."""
+    import subprocess
+
+    from tools import gpu_bundle
+
+    root = tmp_path / "repo"
+    root.mkdir()
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    (root / ".gitignore").write_text("ignored/\n")
+    (root / "tracked.bin").write_bytes(b"x" * (3 << 20))
+    subprocess.run(["git", "-C", str(root), "add", "tracked.bin", ".gitignore"], check=True)
+    (root / "untracked.bin").write_bytes(b"x" * (1 << 20))
+    (root / "ignored").mkdir()
+    (root / "ignored" / "big.bin").write_bytes(b"x" * (8 << 20))
+    bundle = root / "bundle"  # not ignored: counted once, as the bundle
+    (bundle / "lib").mkdir(parents=True)
+    (bundle / "lib" / "a.so").write_bytes(b"x" * (2 << 20))
+    tree, size = gpu_bundle.check_size(str(root), str(bundle), 7)
+    assert size == 2 << 20 and tree == (4 << 20) + len("ignored/\n")
+    with pytest.raises(SystemExit, match=r"come to 6\.0 MiB, 1\.0 MiB over the 5 MiB"):
+        gpu_bundle.check_size(str(root), str(bundle), 5)
+    # The bundle is built from this checkout's swa_tvm, and says which.
+    assert gpu_bundle.source_checkout()[0] == REPO
+    import swa_tvm
+
+    monkeypatch.setattr(swa_tvm, "__file__", "/elsewhere/swa_tvm/__init__.py")
+    with pytest.raises(SystemExit, match="imported from /elsewhere"):
+        gpu_bundle.source_checkout()
+
+
+def test_gpu_profile_picks_and_summary_outcome():
+    """What the decision run profiles: variants.json's default forward, the fastest
+    wgmma forward that agreed (not a faster one that disagreed, nor a gradient); and
+    the summary's outcome from the probes and the wgmma rows against Flex."""
+    from tools import gpu_profile, gpu_summary
+
+    meta = {"variants": [{"function": "k__tc_w2_c32", "kind": "local_dq", "default": True},
+                         {"function": "k__tc_w4_c64", "kind": "local", "default": True},
+                         {"function": "k__tc_w8_c64", "kind": "local", "default": False}]}
+    assert gpu_profile.pick_default(meta) == "tc_w4_c64"
+    rows = [{"function": "k__tc_w4_c64", "kind": "local", "ms": 8.0, "rel_err_vs_default": 0.0},
+            {"function": "k__tc_w8_c64_wgmma", "kind": "local", "wgmma": True, "ms": 6.0, "rel_err_vs_default": 1e-3},
+            {"function": "k__tc_w8_c64_wgmma_vt", "kind": "local", "wgmma": True, "ms": 5.0, "rel_err_vs_default": 0.7},
+            {"function": "k__tc_w4_c32_wgmma", "kind": "local_dq", "wgmma": True, "ms": 1.0, "rel_err_vs_default": 0.0},
+            {"function": "probe", "kind": "wgmma_probe", "wgmma": True, "swap": False, "agrees": True}]
+    results = {"variants_meta": {"spec": {"dtype": "bfloat16"}}, "variants": rows,
+               "timing": [{"config": "causal", "flex_attention_ms": 7.0}]}
+    assert gpu_profile.pick_best(results) == "tc_w8_c64_wgmma"
+    assert gpu_summary.outcome(results) == "wgmma default"
+    assert gpu_summary.outcome(dict(results, timing=[{"config": "causal", "flex_attention_ms": 5.5}])) == "wgmma behind"
+    assert gpu_profile.pick_best(dict(results, variants=rows[:1])) == "tc_w4_c64"  # no wgmma row: the fastest
+    assert gpu_summary.outcome(dict(results, variants=rows[:1])) == "no wgmma"
+    swapped_agrees = dict(rows[4], swap=True)
+    assert gpu_summary.outcome(dict(results, variants=rows + [swapped_agrees])) == "descriptors"
+
+
 @needs_nvcc
 def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
     """The GPU check's tile-configuration sweep: one module, one function per variant
@@ -204,7 +483,7 @@ def test_gpu_bundle_builds_tile_variants(tmp_path, monkeypatch):
     # 4 x 32: dynamic shared memory; 2 x 16 with two chunk stages.
     monkeypatch.setattr(gpu_bundle, "TC_BWD_VARIANTS", ((2, 32), (4, 32), (2, 16, True, False, 2)))
     monkeypatch.setattr(gpu_bundle, "WGMMA_PROBES", (("kn", 64, 128, 1, True),))
-    path = gpu_bundle.build_variants(str(tmp_path), "sm_90")
+    path = gpu_bundle.build_variants(str(tmp_path), "sm_90", gradients=True)
     meta = json.load(open(tmp_path / "lib" / "variants" / "variants.json"))
     assert os.path.exists(path) and meta["library"] == os.path.basename(path) and meta["arch"] == "sm_90a"
     assert meta["spec"]["kind"] == "local"

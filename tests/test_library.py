@@ -328,6 +328,20 @@ def test_kernels_never_floor_divide_by_the_runtime_dilation(kind):
     assert floor_by_dilation == []
 
 
+@pytest.mark.parametrize("built,device,refused", [("sm_90a", "sm_90", False), ("sm_90a", "sm_80", True),
+                                                 ("sm_90a", "sm_100", True), ("sm_90", "sm_100", False),
+                                                 ("sm_80", "sm_90", False), ("sm_90a", None, False), (None, "sm_90", False)])
+def test_arch_specific_cuda_code_is_refused_on_another_arch(built, device, refused):
+    """load_library's arch check: sm_XYa code (wgmma) runs on sm_XY alone, so on any
+    other GPU it is refused, naming the file and both archs; sm_XY code is left to the
+    launch's check (it runs on later GPUs too), an unknown device to the call."""
+    if refused:
+        with pytest.raises(library.LibraryError, match=rf"lib\.so: built for {built}, .* this GPU is {device}"):
+            library.check_arch_specific("lib.so", built, device)
+    else:
+        assert library.check_arch_specific("lib.so", built, device) is None
+
+
 @pytest.mark.parametrize("arch,device_cc,refused", [("sm_80", (9, 0), False), ("sm_90", (8, 6), True),
                                                     ("sm_90a", (9, 0), False), ("sm_90a", (10, 0), True)])
 def test_cuda_kernels_refuse_a_device_their_code_does_not_run_on(monkeypatch, arch, device_cc, refused):

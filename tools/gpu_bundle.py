@@ -1,17 +1,29 @@
 """Build, on a machine without a GPU, everything the GPU check needs on one with a GPU.
 
 The GPU machine has CUDA, torch and Triton but no TVM compiler, and what travels there is
-limited (64 MiB), so the full apache-tvm wheel cannot go. This writes ``build/gpu/``:
+limited (the repository's tree and the bundle together: 64 MiB), so the full apache-tvm
+wheel cannot go. By default this writes to ``build/gpu/`` what the decision run
+(tools/gpu_decide.sh) needs, and no more:
 
-- ``lib/*.so`` (+ manifests): CUDA libraries compiled here with nvcc for one arch;
+- ``lib/*.so`` (+ manifests): the check and bench libraries, compiled here with nvcc
+  for one arch (no ``.so.cu`` sources: nothing there reads them);
+- ``lib/variants/``: the fused forward under its tile configurations and the wgmma
+  probes (sm_90a for Hopper, whose wgmma needs it), ``variants.json`` naming them;
 - ``runtime/``: libtvm_runtime.so and libtvm_runtime_cuda.so from the installed TVM and a
   ``tvm_version`` file (what ``library.tvm_version`` reads without apache-tvm);
 - ``wheels/``: the apache-tvm-ffi wheel for the GPU machine's Python (fetched by pip);
-- ``tune_batch/``: a batch of MetaSchedule candidates for the GPU to measure
-  (:mod:`swa_tvm.tuning.batch`), continuing from the records in ``tuning_logs/``.
+- ``COMMIT``: the checkout it was built from (its root and ``git describe``).
 
-Then ``tools/gpu_check.sh`` (run there, see :mod:`tools.gpu_check`) loads and checks
-them. Usage: ``python -m tools.gpu_bundle [--arch sm_90] [--out build/gpu]``.
+Only when asked: ``--gradients`` (the dq and dk/dv kernels' tile variants),
+``--kv-cache`` (the KV-cache libraries, for the check's kv_cache and decode stages),
+``--tune-trials N`` (``tune_batch/``: MetaSchedule candidates for the GPU to measure,
+:mod:`swa_tvm.tuning.batch`, continuing from the records in ``tuning_logs/``). At the
+end it prints the tree's and the bundle's sizes against the limit and fails if they
+are over (``--max-mib``).
+
+Then ``tools/gpu_decide.sh`` or ``tools/gpu_check.sh`` (run there, see
+:mod:`tools.gpu_check`) loads and checks them. Usage: ``python -m tools.gpu_bundle
+[--arch sm_90] [--out build/gpu]`` (``make gpu-bundle``), from the repository root.
 """
 
 from __future__ import annotations
@@ -26,27 +38,32 @@ import sys
 import time
 import warnings
 
-import tvm
+# This checkout's swa_tvm, not the one an editable install points at (main checks).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if sys.path[:1] != [ROOT]:
+    sys.path.insert(0, ROOT)
 
-from swa_tvm.compiler.build import UntunedKernelWarning, cuda_source, export_library
-from swa_tvm.compiler.cuda_pack import (
+import tvm  # noqa: E402
+
+from swa_tvm.compiler.build import UntunedKernelWarning, cuda_source, export_library  # noqa: E402
+from swa_tvm.compiler.cuda_pack import (  # noqa: E402
     export_module,
     fatbin_cubin,
     library_blob,
     read_cuda_modules,
 )
-from swa_tvm.compiler.records import default_logs_root
-from swa_tvm.compiler.targets import normalize_target
-from swa_tvm.schedules import (
+from swa_tvm.compiler.records import default_logs_root  # noqa: E402
+from swa_tvm.compiler.targets import normalize_target  # noqa: E402
+from swa_tvm.schedules import (  # noqa: E402
     cuda_flash,
     cuda_flash_bwd,
     cuda_flash_bwd_tc,
     cuda_flash_tc,
     cuda_wgmma,
 )
-from swa_tvm.spec import AttentionSpec
-from swa_tvm.tuning.batch import build_batch
-from tools import sass
+from swa_tvm.spec import AttentionSpec  # noqa: E402
+from swa_tvm.tuning.batch import build_batch  # noqa: E402
+from tools import sass  # noqa: E402
 
 # Correctness libraries: every pattern in every dtype, at a head dim and windows small
 # enough for a dense float64 reference.
@@ -88,14 +105,17 @@ def _cache_kernels(texts) -> list:
             if k.kind.startswith("cache") and k.block_q in KV_BLOCKS]
 
 
-def build_libraries(out: str, arch: str) -> list[str]:
+def build_libraries(out: str, arch: str, kv_cache: bool = False) -> list[str]:
+    """The check libraries (CHECK_SPECS in every dtype) and the bench library
+    (BENCH_SPECS); with ``kv_cache`` the KV-cache ones (KV_CHECK_SPECS, KV_BENCH_SPECS)."""
     target = normalize_target(f"cuda -arch={arch}")
     os.makedirs(os.path.join(out, "lib"), exist_ok=True)
     jobs = [(f"check_{dt}", [k for s in CHECK_SPECS for k in AttentionSpec.parse(f"{s},dtype={dt}").kernels()])
             for dt in CHECK_DTYPES]
     jobs.append(("bench_bf16", [k for s in BENCH_SPECS for k in AttentionSpec.parse(s).kernels()]))
-    jobs += [(f"kvcache_{dt}", _cache_kernels(f"{s},dtype={dt}" for s in KV_CHECK_SPECS)) for dt in CHECK_DTYPES]
-    jobs.append(("kvcache_bench_bf16", _cache_kernels(KV_BENCH_SPECS)))
+    if kv_cache:
+        jobs += [(f"kvcache_{dt}", _cache_kernels(f"{s},dtype={dt}" for s in KV_CHECK_SPECS)) for dt in CHECK_DTYPES]
+        jobs.append(("kvcache_bench_bf16", _cache_kernels(KV_BENCH_SPECS)))
     paths = []
     for name, kernels in jobs:
         path = os.path.join(out, "lib", f"{name}_{arch}.so")
@@ -158,12 +178,13 @@ WGMMA_PROBES = (("nk", 64, 128, 1, False), ("kn", 64, 128, 1, False), ("kn", 64,
                 ("nk", 128, 64, 2, False))
 
 
-def build_variants(out: str, arch: str) -> str:
-    """One CUDA module holding the local kernel of VARIANT_SPEC and its dq and dk/dv
-    kernels under several tile configurations, each its own function
-    (``<kernel>__tc_w4_c64``, ``<kernel>__cores``), and ``variants.json`` naming them
-    (with the kernel kind each computes). It lives in ``lib/variants/``, away from the
-    libraries the check registers: same kernels, so the registry could hold only one."""
+def build_variants(out: str, arch: str, gradients: bool = False) -> str:
+    """One CUDA module holding the local kernel of VARIANT_SPEC (with ``gradients`` also
+    its dq and dk/dv kernels) under several tile configurations, each its own function
+    (``<kernel>__tc_w4_c64``, ``<kernel>__cores``), and the wgmma probes for Hopper;
+    ``variants.json`` names them (with the kernel kind each computes). It lives in
+    ``lib/variants/``, away from the libraries the check registers: same kernels, so the
+    registry could hold only one."""
     kernels = {k.kind: k for k in AttentionSpec.parse(VARIANT_SPEC).kernels()}
     funcs, entries = {}, []
     # wgmma needs the arch-specific sm_90a (whose code runs on sm_90 GPUs only).
@@ -179,7 +200,7 @@ def build_variants(out: str, arch: str) -> str:
         ("local", cuda_flash_tc, cuda_flash, TC_VARIANTS),
         ("local_dq", cuda_flash_bwd_tc, cuda_flash_bwd, TC_BWD_VARIANTS),
         ("local_dkv", cuda_flash_bwd_tc, cuda_flash_bwd, TC_BWD_VARIANTS),
-    ):
+    )[:3 if gradients else 1]:
         spec = kernels[kind]
         for variant in tc_configs:
             cfg = tc.TCConfig(*variant) if kind == "local" else tc.TCBwdConfig(*variant)
@@ -240,9 +261,11 @@ def build_variants(out: str, arch: str) -> str:
     return path
 
 
-# The tuning batch: the kernel of the issue's bars, TUNE_TRIALS candidates.
+# The tuning batch (only with --tune-trials): the kernel of the issue's bars.
 TUNE_SPEC = "head_dim=128,window=4095:0,dtype=bfloat16"
 TUNE_TRIALS = 16
+# What the device tool carries: the repository's tree and the bundle, together.
+CARRY_LIMIT_MIB = 64
 
 
 def build_tune_batch(out: str, arch: str, trials: int = TUNE_TRIALS) -> str:
@@ -280,28 +303,84 @@ def fetch_ffi_wheel(out: str, python_version: str) -> None:
     )
 
 
+def tree_bytes(root: str, exclude: str | None = None) -> int:
+    """Bytes of the files that travel with the working tree of the git checkout at
+    ``root``: tracked, and untracked ones git does not ignore (those under ``exclude``
+    left out: the bundle, counted on its own)."""
+    listed = subprocess.run(["git", "-C", root, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    skip = os.path.abspath(exclude) + os.sep if exclude else None
+    total = 0
+    for rel in filter(None, dict.fromkeys(listed)):
+        path = os.path.join(root, rel)
+        if (skip and os.path.abspath(path).startswith(skip)) or not os.path.isfile(path) or os.path.islink(path):
+            continue
+        total += os.path.getsize(path)
+    return total
+
+
+def folder_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs
+               if not os.path.islink(os.path.join(d, f)))
+
+
+def check_size(root: str, out: str, limit_mib: float = CARRY_LIMIT_MIB) -> tuple[int, int]:
+    """Print the tree's and the bundle's sizes against ``limit_mib``; SystemExit
+    (status 1, saying by how much) when together they are over. Returns both sizes."""
+    tree, bundle = tree_bytes(root, out), folder_bytes(out)
+    total, limit = tree + bundle, limit_mib * 2**20
+    print(f"carried: tree {tree / 2**20:.1f} MiB + {out} {bundle / 2**20:.1f} MiB = {total / 2**20:.1f} MiB "
+          f"of {limit_mib:g} MiB", flush=True)
+    if total > limit:
+        raise SystemExit(f"gpu_bundle: the tree and {out} come to {total / 2**20:.1f} MiB, "
+                         f"{(total - limit) / 2**20:.1f} MiB over the {limit_mib:g} MiB the device tool carries; "
+                         "leave out what the run does not need (--kv-cache, --gradients, --tune-trials)")
+    return tree, bundle
+
+
+def source_checkout() -> tuple[str, str]:
+    """(root, ``git describe``) of the checkout this swa_tvm is imported from, which must
+    be this module's (not another one an editable install points at)."""
+    import swa_tvm
+
+    where = os.path.abspath(swa_tvm.__file__)
+    if not where.startswith(ROOT + os.sep):
+        raise SystemExit(f"gpu_bundle: swa_tvm is imported from {where}, not from this checkout {ROOT}; "
+                         f"run it with PYTHONPATH={ROOT}")
+    head = subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"], capture_output=True, text=True)
+    return ROOT, head.stdout.strip() or "unknown (not a git checkout)"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.gpu_bundle", description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", default="sm_90", help="CUDA arch of the GPU machine (default sm_90: H100/H200)")
     p.add_argument("--out", default=os.path.join("build", "gpu"), help="output folder (default build/gpu)")
     p.add_argument("--python-version", default="3.12", help="the GPU machine's Python (default 3.12)")
     p.add_argument("--skip-libraries", action="store_true", help="only the runtime and the wheel")
-    p.add_argument("--tune-trials", type=int, default=TUNE_TRIALS,
-                   help=f"candidates in the tuning batch (default {TUNE_TRIALS}; 0: no batch)")
+    p.add_argument("--gradients", action="store_true", help="also the dq and dk/dv kernels' tile variants")
+    p.add_argument("--kv-cache", action="store_true", help="also the KV-cache libraries (stages kv_cache, decode)")
+    p.add_argument("--tune-trials", type=int, default=0,
+                   help=f"candidates in a MetaSchedule tuning batch (default 0: none; e.g. {TUNE_TRIALS})")
+    p.add_argument("--max-mib", type=float, default=CARRY_LIMIT_MIB,
+                   help=f"what the tree and the bundle may come to (default {CARRY_LIMIT_MIB})")
     args = p.parse_args(argv)
+    root, describe = source_checkout()
+    # What a previous build left and this one would not write (kv-cache libraries, a
+    # batch, gradient variants) must not travel: start from an empty folder.
+    if os.path.isdir(args.out) and os.listdir(args.out) and not os.path.exists(os.path.join(args.out, "COMMIT")):
+        raise SystemExit(f"gpu_bundle: {args.out} holds files and no COMMIT (not a bundle): refusing to clear it")
+    shutil.rmtree(args.out, ignore_errors=True)
     copy_runtime(args.out)
     fetch_ffi_wheel(args.out, args.python_version)
     if not args.skip_libraries:
-        build_libraries(args.out, args.arch)
-        build_variants(args.out, args.arch)
+        build_libraries(args.out, args.arch, kv_cache=args.kv_cache)
+        build_variants(args.out, args.arch, gradients=args.gradients)
         if args.tune_trials > 0:
             build_tune_batch(args.out, args.arch, args.tune_trials)
     # Which code the bundle was built from (the GPU run's results quote it).
-    head = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True)
     with open(os.path.join(args.out, "COMMIT"), "w") as f:
-        f.write((head.stdout.strip() or "unknown (not a git checkout)") + "\n")
-    total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.out) for f in fs)
-    print(f"{args.out}: {total / 2**20:.1f} MiB (the device tool carries up to 64 MiB)")
+        f.write(f"{describe}\n{root}\n")
+    check_size(root, args.out, args.max_mib)
     return 0
 
 

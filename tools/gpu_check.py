@@ -1,33 +1,39 @@
 """The GPU check: run on a machine with an NVIDIA GPU and no TVM compiler.
 
 It loads the CUDA libraries built elsewhere (:mod:`tools.gpu_bundle`) through the TVM
-runtime only, then, in one process:
+runtime only, then runs its stages (``--stages``, default ``DEFAULT_STAGES``) in the
+order of what they decide, writing ``<out>/gpu_results.json`` after every stage and
+after every variant row:
 
-1. correctness: every pattern (window causal and symmetric, uniform and per-head
+1. ``variants``: the fused forward's tile configurations (``lib/variants``) at the bar
+   shape (bf16 B=1 H=32 H_kv=8 D=128 T=32768, causal W=4096), each checked against the
+   registered library's forward first: the wgmma probes (one instruction against a
+   matrix product: which reading of the descriptors the hardware has), then the wgmma
+   forwards, each in a child process under its own timeout (``--child-timeout-s``: an
+   illegal instruction poisons a CUDA context), then the mma.sync and CUDA-core ones;
+2. ``bars``: the bf16 matmul rate and an L2 read rate, then ours against FlexAttention
+   (compiled, sliding-window block mask), SDPA with a banded mask and SDPA causal with
+   no window at the bar shape (plain, dilation 2, 64 globals); each forward variant
+   against the same FlexAttention and matmul rate (``against_the_bars``);
+3. ``training``: forward + backward against FlexAttention and SDPA at the bar shape;
+4. ``scaling``: our forward at T = 8K ... 128K (as far as memory allows);
+5. ``grad_variants``: the dq and dk/dv kernels' tile configurations, where the bundle
+   holds them (``gpu_bundle --gradients``);
+6. ``correctness``: every pattern (window causal and symmetric, uniform and per-head
    dilation, globals with and without their own projections, sinks, learned sink
-   logits, GQA) in float16, bfloat16 and float32 against the float64 dense reference on
-   fresh random inputs, out, lse and the gradients of every float input (through
-   ``torch.autograd``: the backward kernels), with tolerances by dtype; a call on a side
-   stream and under ``torch.compile(fullgraph=True)``; ``attention_with_kv_cache``
-   (decode steps, chunks, rolling buffers) the same way (``check_kv_cache``);
-2. timing (median of CUDA-event timed runs after warm-up) of ours against FlexAttention
-   (sliding-window block mask, compiled), SDPA with a banded boolean mask and SDPA causal
-   with no window, at bf16 B=1 H=32 H_kv=8 D=128 T=32768 causal W=4096, plain, dilation 2
-   and +64 global tokens; the bf16 matmul rate measured in the same run as the ceiling;
-   a decode step and a prefill chunk against a KV cache (``bench_decode``);
-3. scaling: our forward time at T = 8K ... 128K (as far as memory allows); training
-   (forward + backward) against FlexAttention and SDPA at the timing shape (causal);
-4. variants: the fused forward, dq and dk/dv kernels' tile configurations (tensor cores
-   and CUDA cores) timed against each other at the timing shape (``lib/variants``),
-   each checked against the default kernels; those never run on a GPU before (wgmma,
-   and the wgmma probes: one instruction against a matrix product) each in a child
-   process; ``swa-tvm import-tiles`` turns the rows into tile records (swa_tvm.compiler.tiles);
-5. tuning: the batch of MetaSchedule candidates built there (``tune_batch``), measured
-   by :mod:`swa_tvm.tuning.measure` into ``<out>/measured.json`` (import it there with
-   ``swa-tvm import-measurements``).
+   logits, GQA) in float16, bfloat16 and float32 against the float64 dense reference:
+   out, lse and the gradients of every float input; a call on a side stream and under
+   ``torch.compile(fullgraph=True)``.
 
-Everything else goes to ``<out>/gpu_results.json``. Usage (tools/gpu_check.sh sets the
-environment): ``python3 -m tools.gpu_check --libs build/gpu/lib --out $OUT``.
+Not by default (name them in ``--stages``; the bundle holds their libraries only when
+built with ``gpu_bundle --kv-cache`` / ``--tune-trials``): ``kv_cache`` (
+``attention_with_kv_cache`` against the reference), ``decode`` (a decode step and a
+prefill chunk against peers) and ``tuning`` (``--tune``: the MetaSchedule batch,
+measured into ``<out>/measured.json``). ``swa-tvm import-tiles`` turns the variant rows
+into tile records (swa_tvm.compiler.tiles).
+
+Usage (tools/gpu_check.sh sets the environment): ``python3 -m tools.gpu_check --libs
+build/gpu/lib --out $OUT``.
 """
 
 from __future__ import annotations
@@ -64,6 +70,19 @@ def _out_of_time() -> bool:
 
 
 OUT_OF_TIME = "skipped: the run's time budget was spent"
+# Seconds a child process (a wgmma variant's or probe's row) may take, at most; main's
+# --child-timeout-s. Capped by the time the run has left.
+DEFAULT_CHILD_TIMEOUT = 60.0
+_child_timeout = DEFAULT_CHILD_TIMEOUT
+# Writes gpu_results.json as it stands (main sets it): called after every stage and
+# after every variant row, so that a run cut short keeps what it measured.
+_saver = None
+
+
+def _save() -> None:
+    if _saver is not None:
+        _saver()
+
 VARIANT_SHAPE = (1, 32, 8, 32768)  # B, H, H_kv, T of the variants' timing
 
 # The float inputs of a call that have gradients (besides q, k, v).
@@ -367,33 +386,78 @@ def staged_bytes(entry: dict, spec: dict, shape) -> int | None:
     return B * H * chunks * chunk * column
 
 
-def time_variants(results: dict, dev: torch.device, libs: str) -> None:
-    """Time the fused kernels' tile configurations (``lib/variants``, built by
-    gpu_bundle.build_variants: the forward, dq and dk/dv kernels, each on tensor cores
-    under several tiles and on CUDA cores) against each other at the issue's shape,
-    each checked first against the registered library's default (the forward's output;
+# The kinds of lib/variants' entries each variant stage runs.
+FORWARD_KINDS = ("wgmma_probe", "local")
+GRAD_KINDS = ("local_dq", "local_dkv")
+
+
+def variant_order(entries: list[dict], kinds=FORWARD_KINDS) -> list[dict]:
+    """The entries of ``kinds`` in the order they run: the wgmma probes (which reading of
+    the descriptors the hardware has), then the other wgmma kernels, then the rest;
+    otherwise as listed."""
+    mine = [e for e in entries if e.get("kind", "local") in kinds]
+    return sorted(mine, key=lambda e: (e.get("kind") != "wgmma_probe", not e.get("wgmma")))
+
+
+def time_variants(results: dict, dev: torch.device, libs: str, kinds=FORWARD_KINDS, stage: str = "variants",
+                  shape=VARIANT_SHAPE) -> None:
+    """Time the fused kernels' tile configurations of ``kinds`` (``lib/variants``,
+    built by gpu_bundle.build_variants) against each other at the bar shape, each
+    checked first against the registered library's default (the forward's output;
     autograd's dq, dk, dv): which configuration the default should be is a GPU
-    measurement."""
+    measurement. The rows go to ``results["variants"]`` in ``variant_order``, the
+    results file written after each."""
     if not os.path.exists(os.path.join(libs, "variants", "variants.json")):
-        results["variants"] = "none built"
+        results[stage] = "none built"
         return
     if dev.type != "cuda":
-        results["variants"] = "skipped: CUDA functions need a GPU"
+        results[stage] = "skipped: CUDA functions need a GPU"
         return
     meta, module = load_variants(libs)
     # What ``swa-tvm import-tiles`` needs to turn the rows into tile records (swa_tvm.compiler.tiles).
-    commit = os.path.join(libs, os.pardir, "COMMIT")
+    commit = os.path.join(libs, os.pardir, "COMMIT")  # git describe, then the checkout's root
+    built = open(commit).read().split("\n") if os.path.exists(commit) else [None]
     results["variants_meta"] = {
-        "spec": meta["spec"], "arch": meta["arch"], "shape": list(VARIANT_SHAPE),
-        "bundle": open(commit).read().strip() if os.path.exists(commit) else None,
+        "spec": meta["spec"], "arch": meta["arch"], "shape": list(shape), "bundle": built[0],
+        "bundle_root": built[1] if len(built) > 1 and built[1] else None,
     }
-    # Variants never run on a GPU before (wgmma) run last, each in a process of its own:
-    # an illegal instruction or address poisons the process's CUDA context, which would
-    # take every later row (and the other reading of wgmma's layout) with it.
-    risky = sorted((e for e in meta["variants"] if e.get("wgmma")), key=lambda e: e["kind"] != "wgmma_probe")
-    rows = variant_rows(module, dict(meta, variants=[e for e in meta["variants"] if not e.get("wgmma")]), dev)
-    results["variants"] = rows + [isolated_variant_row(entry, libs, dev.type) for entry in risky]
-    results["variant_best"] = best_variants(results["variants"], getattr(torch, meta["spec"]["dtype"]))
+    run_variants(results, meta, module, libs, dev, kinds, stage, shape)
+
+
+def run_variants(results: dict, meta: dict, module, libs: str, dev: torch.device, kinds=FORWARD_KINDS,
+                 stage: str = "variants", shape=VARIANT_SHAPE) -> None:
+    """``time_variants``' rows of the entries of ``meta`` of ``kinds``, appended to
+    ``results["variants"]`` as each completes (the results file written after each).
+    Those never run on a GPU before (wgmma) run first, each in a process of its own
+    (``isolated_variant_row``): an illegal instruction or address poisons the process's
+    CUDA context, which would take every later row (and the other reading of wgmma's
+    layout) with it."""
+    order = variant_order(meta["variants"], kinds)
+    if not order:
+        results[stage] = "none built"
+        return
+    rows = results["variants"] if isinstance(results.get("variants"), list) else []
+    results["variants"] = rows
+
+    def keep(row: dict) -> None:
+        rows.append(row)
+        _save()
+
+    hung = 0  # children in a row that ran out of their time (a hang, likely shared by the wgmma code)
+    for entry in (e for e in order if e.get("wgmma")):
+        if hung >= MAX_CONSECUTIVE_TIMEOUTS and entry.get("kind") != "wgmma_probe":
+            keep(dict(entry, error=f"skipped: {hung} children in a row ran out of their time (a hang?); "
+                                   "run these with --stages variants and a longer --child-timeout-s"))
+            continue
+        row = isolated_variant_row(entry, libs, dev.type, shape)
+        hung = hung + 1 if str(row.get("error", "")).startswith(CHILD_TIMED_OUT) else 0
+        keep(row)
+    rest = [e for e in order if not e.get("wgmma")]
+    if rest:
+        variant_rows(module, dict(meta, variants=rest), dev, shape, on_row=keep)
+    if stage != "variants":
+        results[stage] = f"{len(order)} rows in variants"
+    results["variant_best"] = best_variants(rows, getattr(torch, meta["spec"]["dtype"]))
     against_the_bars(results)
 
 
@@ -418,27 +482,59 @@ def against_the_bars(results: dict) -> None:
 VARIANT_ROW = "VARIANT_ROW "
 
 
+CHILD_TIMED_OUT = "child process: no result within"
+# After this many wgmma children in a row ran out of their time, the wgmma kernels left
+# are skipped (their rows say so): the stages after the variants keep their time.
+MAX_CONSECUTIVE_TIMEOUTS = 3
+
+
+def child_command(entry: dict, libs: str, device: str, shape, budget_s: float) -> list[str]:
+    """The command of ``isolated_variant_row``'s child: this module's ``--variant``."""
+    return [sys.executable, "-m", "tools.gpu_check", "--libs", libs, "--variant", entry["function"],
+            "--device", device, "--variant-shape", ",".join(map(str, shape)), "--budget-s", f"{budget_s:.0f}"]
+
+
 def isolated_variant_row(entry: dict, libs: str, device: str = "cuda", shape=VARIANT_SHAPE) -> dict:
-    """``variant_rows``' row of one variant, from a child process (``main --variant``),
-    the libraries registered there again for the reference; the child's failure
-    (crash, CUDA error, time) is the row's error."""
-    if _out_of_time():
+    """``variant_rows``' row of one variant, from a child process (``main --variant``)
+    under its own timeout (``--child-timeout-s``, at most the time the run has left);
+    the child's failure (crash, CUDA error, time) is the row's error."""
+    left = _deadline - time.monotonic()
+    if left < 1.0:
         return dict(entry, error=OUT_OF_TIME)
-    left = max(30.0, _deadline - time.monotonic()) if _deadline != float("inf") else 600.0
-    cmd = [sys.executable, "-m", "tools.gpu_check", "--libs", libs, "--variant", entry["function"],
-           "--device", device, "--variant-shape", ",".join(map(str, shape)), "--budget-s", str(left)]
+    limit = min(_child_timeout, left)
+    cmd = child_command(entry, libs, device, shape, limit)
+    t0 = time.monotonic()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
-    except subprocess.TimeoutExpired:
-        return dict(entry, error=f"child process: no result within {left:.0f} s")
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired as e:
+        tail = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
+        print(f"  variant {entry['function']}: child killed after {limit:.0f} s\n{tail[-600:]}", flush=True)
+        return dict(entry, error=f"{CHILD_TIMED_OUT} its timeout of {limit:.0f} s", child_s=limit,
+                    child_tail=tail[-600:])
     for line in proc.stdout.splitlines():
         if line.startswith(VARIANT_ROW):
             row = json.loads(line[len(VARIANT_ROW):])
+            row["child_s"] = time.monotonic() - t0
             print(f"  variant {json.dumps(row)}", flush=True)
             return row
     tail = (proc.stdout + proc.stderr)[-600:]
     print(f"  variant {entry['function']}: child rc {proc.returncode}\n{tail}", flush=True)
-    return dict(entry, error=f"child process rc {proc.returncode}: {tail}")
+    return dict(entry, error=f"child process rc {proc.returncode}: {tail}", child_s=time.monotonic() - t0)
+
+
+def libraries_for(libs: list[str], name: str) -> list[str]:
+    """The libraries among ``libs`` whose manifest lists kernel ``name`` (all of them
+    where none does or a manifest cannot be read): what a variant's child registers
+    for its reference, not every library."""
+    found = []
+    for lib in libs:
+        try:
+            with open(lib + ".json") as f:
+                if any(k.get("name") == name for k in json.load(f)["kernels"]):
+                    found.append(lib)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return list(libs)
+    return found or list(libs)
 
 
 def load_variants(libs: str):
@@ -478,12 +574,13 @@ def probe_row(module, entry: dict, dev: torch.device) -> dict:
 
 
 
-def variant_rows(module, meta: dict, dev: torch.device, shape=VARIANT_SHAPE) -> list[dict]:
+def variant_rows(module, meta: dict, dev: torch.device, shape=VARIANT_SHAPE, on_row=None) -> list[dict]:
     """One row per entry of ``meta["variants"]`` (function ``module[entry["function"]]``
     computing the kernel kind ``entry["kind"]`` of ``meta["spec"]``'s window): its
     largest relative error against the registered library (forward output, or
     autograd's dq, or dk and dv summed over the GQA groups), median ms and useful
-    TFLOP/s at ``shape`` = B, H, H_kv, T."""
+    TFLOP/s at ``shape`` = B, H, H_kv, T; ``on_row(row)`` after each (the results file
+    written). The gradients' reference only where a gradient variant is among them."""
     import tvm_ffi
 
     spec = KernelSpec.from_dict(meta["spec"])
@@ -495,8 +592,10 @@ def variant_rows(module, meta: dict, dev: torch.device, shape=VARIANT_SHAPE) -> 
     dil = torch.ones(H, dtype=torch.int32, device=dev)
     sink = torch.full((H,), float("-inf"), device=dev)
     out, lse = swa_tvm.sliding_window_attention(q, k, v, window_size=(spec.left, spec.right), return_lse=True)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
-    ref = {"local": (out.detach(),), "local_dq": (dq,), "local_dkv": (dk, dv)}
+    ref = {"local": (out.detach(),)}
+    if any(e.get("kind", "local") != "local" for e in meta["variants"]):
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+        ref.update(local_dq=(dq,), local_dkv=(dk, dv))
     q, k, v, lse = q.detach(), k.detach(), v.detach(), lse.detach().float()
     delta = (dout.float() * out.detach().float()).sum(-1)  # dout . out (no lse gradient)
     # Useful FLOPs: 2 per multiply-add of each product over the band (causal: row i sees
@@ -512,6 +611,8 @@ def variant_rows(module, meta: dict, dev: torch.device, shape=VARIANT_SHAPE) -> 
         kind = entry.get("kind", "local")
         if _out_of_time():
             rows.append(dict(row, error=OUT_OF_TIME))
+            if on_row is not None:
+                on_row(rows[-1])
             continue
         try:
             fn = module[entry["function"]]
@@ -542,6 +643,8 @@ def variant_rows(module, meta: dict, dev: torch.device, shape=VARIANT_SHAPE) -> 
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(row)
         print(f"  variant {json.dumps(row)}", flush=True)
+        if on_row is not None:
+            on_row(row)
         _empty_cache()
     return rows
 
@@ -591,13 +694,35 @@ def _visible_mask(T, W, dilation, gidx, device):
     return m
 
 
-def bench(results: dict, dev: torch.device, quick: bool) -> None:
+def bar_shape(dev: torch.device, quick: bool = False) -> tuple:
+    """(B, H, H_kv, D, T, W, dtype) of the bars: bf16 B=1 H=32 H_kv=8 D=128 T=32768
+    causal W=4096 on the GPU; smaller with ``quick``; tiny float32 on the CPU (the
+    smoke run: the harness, not the numbers)."""
     B, H, Hkv, D, T, W = 1, 32, 8, 128, 32768, 4096
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if quick:
         T, W = 8192, 1024
-    if dev.type != "cuda":  # the CPU smoke run: the harness, not the numbers
+    if dev.type != "cuda":
         H, Hkv, D, T, W = 4, 2, 64, 1024, 128
+    return B, H, Hkv, D, T, W, dtype
+
+
+def compiled_flex(results: dict):
+    """FlexAttention under torch.compile, or None (the reason in results["flex_error"])."""
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return torch.compile(flex_attention, dynamic=False)
+    except Exception as e:  # noqa: BLE001
+        results["flex_error"] = f"{type(e).__name__}: {e}"
+        return None
+
+
+def bars(results: dict, dev: torch.device, quick: bool) -> None:
+    """The bars: the matmul rate (the ceiling), an L2 read rate, and ours against
+    FlexAttention and SDPA at the bar shape (causal, dilation 2, 64 globals); then each
+    forward variant measured so far against the same (``against_the_bars``)."""
+    B, H, Hkv, D, T, W, dtype = bar_shape(dev, quick)
     peak = matmul_rate(dev, dtype)
     results["matmul_tflops"] = peak
     if dev.type == "cuda":
@@ -605,15 +730,9 @@ def bench(results: dict, dev: torch.device, quick: bool) -> None:
         print(f"  L2-resident read (torch sum of 16 MiB): {results['l2_read_tb_s']:.2f} TB/s", flush=True)
     results["bench_dtype"] = str(dtype).replace("torch.", "")
     print(f"  {results['bench_dtype']} matmul: {peak:.1f} TFLOP/s", flush=True)
-    try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-        flex = torch.compile(flex_attention, dynamic=False)
-    except Exception as e:  # noqa: BLE001
-        flex = None
-        results["flex_error"] = f"{type(e).__name__}: {e}"
+    flex = compiled_flex(results)
     configs = [("causal", 1, 0), ("dilation 2", 2, 0), ("64 globals", 1, 64)]
-    rows = []
+    rows = results["timing"] = []  # saved as it grows
     for name, d, G in configs:
         if _out_of_time():
             rows.append({"config": name, "error": OUT_OF_TIME})
@@ -650,6 +769,8 @@ def bench(results: dict, dev: torch.device, quick: bool) -> None:
                 return m
 
             try:
+                from torch.nn.attention.flex_attention import create_block_mask
+
                 bm = create_block_mask(mask_mod, None, None, T, T, device=dev)
                 peers["flex_attention"] = lambda: flex(q, k, v, block_mask=bm, enable_gqa=True)  # noqa: E731, F821
             except Exception as e:  # noqa: BLE001
@@ -676,33 +797,43 @@ def bench(results: dict, dev: torch.device, quick: bool) -> None:
             row["ours_fraction_of_matmul"] = row["ours_tflops"] / peak
         rows.append(row)
         print(f"  {json.dumps(row)}", flush=True)
+        _save()
         # The lambdas above have run (ruff reads their names as the ones deleted here: F821).
         del q, k, v, kr, vr, mask, peers
         _empty_cache()
-    results["timing"] = rows
+    against_the_bars(results)
 
-    scaling = []
+
+def scaling(results: dict, dev: torch.device, quick: bool) -> None:
+    """Our causal forward at T = 8K ... 128K, as far as memory allows."""
+    B, H, Hkv, D, _, W, dtype = bar_shape(dev, quick)
+    rows = []
     for T2 in (8192, 16384, 32768, 65536, 131072):
         if (quick or dev.type != "cuda") and T2 > 16384:
             break
         if _out_of_time():
-            scaling.append({"T": T2, "error": OUT_OF_TIME})
+            rows.append({"T": T2, "error": OUT_OF_TIME})
             break
         try:
             q = torch.randn(B, H, T2, D, device=dev, dtype=dtype)
             k = torch.randn(B, Hkv, T2, D, device=dev, dtype=dtype)
             ms = _time_ms(lambda: swa_tvm.sliding_window_attention(q, k, k, window_size=(W - 1, 0)), warmup=1, reps=5)
-            scaling.append({"T": T2, "ours_ms": ms})
+            rows.append({"T": T2, "ours_ms": ms})
         except Exception as e:  # noqa: BLE001 - out of memory ends the sweep
-            scaling.append({"T": T2, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            rows.append({"T": T2, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             break
         finally:
             q = k = None
             _empty_cache()
-        print(f"  scaling {scaling[-1]}", flush=True)
-    results["scaling"] = scaling
-    if dev.type == "cuda":
-        time_training(results, dev, flex, T, W)
+        print(f"  scaling {rows[-1]}", flush=True)
+    results["scaling"] = rows
+
+
+def training(results: dict, dev: torch.device, quick: bool) -> None:
+    """``time_training`` at the bar shape (causal), against FlexAttention and SDPA."""
+    B, H, Hkv, D, T, W, dtype = bar_shape(dev, quick)
+    flex = compiled_flex(results) if dev.type == "cuda" else None  # the CPU smoke run: ours and SDPA
+    time_training(results, dev, flex, T, W, shape=(B, H, Hkv, D), dtype=dtype)
 
 
 def time_training(results: dict, dev: torch.device, flex, T: int, W: int, shape=(1, 32, 8, 128),
@@ -752,14 +883,41 @@ def time_training(results: dict, dev: torch.device, flex, T: int, W: int, shape=
     print(f"  training {json.dumps(row)}", flush=True)
 
 
+# Every stage, and those run without --stages: what decides the Hopper forward's design
+# first (the forward variants, the wgmma probes and kernels first; the bars; training and
+# scaling), then the gradients' variants and the correctness of every pattern. The
+# KV-cache check, the decode timing and the tuning batch only when named (or --tune).
+STAGES = ("variants", "bars", "training", "scaling", "grad_variants", "correctness", "kv_cache", "decode", "tuning")
+DEFAULT_STAGES = ("variants", "bars", "training", "scaling", "grad_variants", "correctness")
+BENCH_STAGES = ("bars", "training", "scaling", "decode")  # what --skip-bench drops (not the variants)
+
+
+def parse_stages(text: str | None, tune: bool = False, skip_bench: bool = False) -> list[str]:
+    """The stages to run, in order: ``text``'s comma-separated names (default
+    DEFAULT_STAGES), ``tuning`` added with ``tune``, the bench ones (BENCH_STAGES)
+    dropped with ``skip_bench``."""
+    stages = [x.strip() for x in text.split(",") if x.strip()] if text else list(DEFAULT_STAGES)
+    unknown = [x for x in stages if x not in STAGES]
+    if unknown:
+        raise SystemExit(f"--stages: unknown {', '.join(unknown)}; the stages are {', '.join(STAGES)}")
+    if tune and "tuning" not in stages:
+        stages.append("tuning")
+    if skip_bench:
+        stages = [x for x in stages if x not in BENCH_STAGES]
+    return list(dict.fromkeys(stages))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m tools.gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--libs", default=os.path.join("build", "gpu", "lib"), help="folder of CUDA libraries to load")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_results.json")
+    p.add_argument("--stages", help=f"comma-separated stages, run in that order (default {','.join(DEFAULT_STAGES)}; "
+                                    f"all: {','.join(STAGES)})")
     p.add_argument("--quick", action="store_true", help="small timing shapes (a smoke run)")
-    p.add_argument("--skip-bench", action="store_true")
+    p.add_argument("--skip-bench", action="store_true", help=f"leave out the bench stages ({','.join(BENCH_STAGES)})")
+    p.add_argument("--tune", action="store_true", help="also measure the MetaSchedule batch (stage tuning, last)")
     p.add_argument("--batch", default=os.path.join("build", "gpu", "tune_batch"),
-                   help="tuning batch to measure (skipped when absent)")
+                   help="the tuning batch the tuning stage measures (skipped when absent)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu: a smoke run of this harness with the CPU kernels (float32, tiny shapes)")
     p.add_argument("--variant", help="only this function of lib/variants, its row printed (time_variants' child)")
@@ -767,34 +925,41 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="seconds after which nothing more is timed (the stages left write what they skipped), "
                         "so that the run ends inside the device tool's limit with its results written")
+    p.add_argument("--child-timeout-s", type=float, default=DEFAULT_CHILD_TIMEOUT,
+                   help=f"seconds each child process (a wgmma variant or probe) may take, at most the time left "
+                        f"(default {DEFAULT_CHILD_TIMEOUT:.0f})")
     args = p.parse_args(argv)
-    global _deadline
+    args.stage_list = parse_stages(args.stages, args.tune, args.skip_bench)
+    global _deadline, _child_timeout, _saver
     _deadline = time.monotonic() + args.budget_s
+    _child_timeout = args.child_timeout_s
     try:
         return _run(args)
     finally:
-        _deadline = float("inf")  # the budget is this run's, not the next caller's of these functions
+        # The budget is this run's, not the next caller's of these functions.
+        _deadline, _child_timeout, _saver = float("inf"), DEFAULT_CHILD_TIMEOUT, None
+
+
+def _stage_functions(args, results: dict, dev: torch.device) -> dict:
+    """Each stage's call (looked up when it runs: the module's functions)."""
+    return {
+        "variants": lambda: time_variants(results, dev, args.libs, FORWARD_KINDS, "variants"),
+        "bars": lambda: bars(results, dev, args.quick),
+        "training": lambda: training(results, dev, args.quick),
+        "scaling": lambda: scaling(results, dev, args.quick),
+        "grad_variants": lambda: time_variants(results, dev, args.libs, GRAD_KINDS, "grad_variants"),
+        "correctness": lambda: check_patterns(results, dev),
+        "kv_cache": lambda: check_kv_cache(results, dev),
+        "decode": lambda: bench_decode(results, dev, args.quick),
+        "tuning": lambda: measure_tune_batch(results, dev, args.batch, args.out),
+    }
 
 
 def _run(args) -> int:
+    global _saver
     dev = torch.device(args.device)
-    results: dict = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu (smoke run)",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "gpu_results.json")
-
-    def save():
-        with open(path, "w") as f:
-            json.dump(results, f, indent=2)
-
     libs = sorted(glob.glob(os.path.join(args.libs, "*.so")))
-    results["libraries"] = []
-    ok = True
-    if args.variant:  # time_variants' child: one row (a kernel's: the libraries for the reference)
+    if args.variant:  # time_variants' child: one row (a kernel's: its library for the reference)
         meta, module = load_variants(args.libs)
         entries = [e for e in meta["variants"] if e["function"] == args.variant]
         if not entries:
@@ -803,11 +968,31 @@ def _run(args) -> int:
         if entries[0]["kind"] == "wgmma_probe":
             row = probe_row(module, entries[0], dev)
         else:
-            for lib in libs:
+            for lib in libraries_for(libs, KernelSpec.from_dict(meta["spec"]).name):
                 swa_tvm.load_library(lib)
             (row,) = variant_rows(module, dict(meta, variants=entries), dev, shape)
         print(VARIANT_ROW + json.dumps(row), flush=True)
         return 0 if "error" not in row else 1
+    results: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu (smoke run)",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "stages": args.stage_list,
+        "child_timeout_s": args.child_timeout_s,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "gpu_results.json")
+
+    def save():
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(results, f, indent=2)
+        os.replace(tmp, path)  # a run killed mid-write keeps the last whole file
+
+    _saver = save
+    results["libraries"] = []
+    ok = True
     for lib in libs:
         t0 = time.time()
         try:
@@ -827,20 +1012,18 @@ def _run(args) -> int:
             pass
         results["libraries"].append(entry)
     print(f"loaded {sum('error' not in e for e in results['libraries'])} of {len(libs)} libraries", flush=True)
-    for stage, fn in (("correctness", lambda: check_patterns(results, dev)),
-                      ("kv_cache", lambda: check_kv_cache(results, dev)),
-                      ("bench", lambda: None if args.skip_bench else bench(results, dev, args.quick)),
-                      ("decode", lambda: None if args.skip_bench else bench_decode(results, dev, args.quick)),
-                      ("variants", lambda: None if args.skip_bench else time_variants(results, dev, args.libs)),
-                      ("tuning", lambda: measure_tune_batch(results, dev, args.batch, args.out))):
+    save()
+    functions = _stage_functions(args, results, dev)
+    for stage in args.stage_list:
         print(f"== {stage}", flush=True)
         t0 = time.time()
-        if _out_of_time() and stage not in ("correctness", "kv_cache"):
+        if _out_of_time():
             results[stage] = OUT_OF_TIME
             ok = False
+            save()
             continue
         try:
-            r = fn()
+            r = functions[stage]()
             if r is False:
                 ok = False
         except Exception as e:  # noqa: BLE001 - keep what was measured

@@ -50,7 +50,8 @@ def _amx_mattr(target: dict) -> list[str]:
     return [f"-{name}" for name in AMX_FEATURES.values() if name in have]
 
 
-CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+# sm_90a: Hopper's arch-specific target, whose code (wgmma) runs on sm_90 GPUs alone.
+CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")
 
 
 def local_cuda_arch() -> str | None:

@@ -196,6 +196,32 @@ def cuda_unavailable_reason() -> str | None:
     return reason
 
 
+def cuda_device_arch() -> str | None:
+    """sm_XY of the current CUDA device (via torch), or None where torch sees none."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability(torch.cuda.current_device())
+            return f"sm_{major}{minor}"
+    except Exception:  # noqa: BLE001 - no usable CUDA runtime counts as no device
+        pass
+    return None
+
+
+def check_arch_specific(lib_path: str, built: str | None, device: str | None) -> None:
+    """LibraryError unless code ``built`` for an arch-specific target (sm_XYa, such as
+    sm_90a for Hopper's wgmma) can run on a ``device`` of arch sm_XY: that code runs on
+    its own arch alone. Other targets (sm_XY: that arch and later ones) pass, as does an
+    unknown device."""
+    if not built or not built.endswith("a") or device is None or built[:-1] == device:
+        return
+    raise LibraryError(
+        f"{lib_path}: built for {built}, whose code runs on {built[:-1]} GPUs alone, but this GPU is {device}; "
+        f"export a library for it with --target 'cuda -arch={device}'"
+    )
+
+
 class NoDeviceError(RuntimeError):
     """A kernel was called on a machine that lacks the device it was built for."""
 
@@ -825,8 +851,10 @@ def load_library(path: str | os.PathLike, *, _jit_cache: bool = False) -> list[K
     version and this machine's CPU, and the file must be a sound ELF library holding the
     kernels and device code the manifest lists (``check_manifest``); otherwise
     LibraryError names the file and what is wrong, and nothing is registered. A missing
-    library is a FileNotFoundError. Only the TVM runtime is needed (tvm_ffi and
-    libtvm_runtime), not the compiler. Returns the specs it registered.
+    library is a FileNotFoundError. Where a CUDA GPU is present, a library built for an
+    arch-specific target (sm_90a) on a GPU of another arch is a LibraryError naming the
+    file and both archs (``check_arch_specific``). Only the TVM runtime is needed
+    (tvm_ffi and libtvm_runtime), not the compiler. Returns the specs it registered.
     """
     import tvm_ffi
 
@@ -844,6 +872,8 @@ def load_library(path: str | os.PathLike, *, _jit_cache: bool = False) -> list[K
     no_device = cuda_unavailable_reason() if device == "cuda" else None
     module = None
     if no_device is None:
+        if device == "cuda":  # sm_XYa code on a GPU of another arch: refused here, by the file's name
+            check_arch_specific(path, manifest.get("cuda_arch"), cuda_device_arch())
         _load_tvm_runtime()
         if device == "cpu":
             configure_cpu_threads()
