@@ -565,6 +565,8 @@ def _result(args, argv, libs_tuned, threads, peak, rows, memory, growth=()) -> d
         "matmul_peak_gflops": peak,
         "matmul_dtype": args.dtype,
         "tuned_kernels": libs_tuned,
+        # Which searched records "swa_tvm tuned" applies: those validation kept.
+        "record_rule": "validated",
         "rows": rows,
         "growth": list(growth),
         "memory": memory,

@@ -71,6 +71,10 @@ NOTES = {
         "to float32. % of matmul is against the bfloat16 matmul of the same run (oneDNN on AMX). There are no "
         "tuning records for this key: \"tuned\" and \"default\" are the same schedules."
     ),
+    ("llvm-emeraldrapids", "results.json"): (
+        "There are no tuning records for this key: \"tuned\" and \"default\" are the same schedules, so their "
+        "ratio below is the noise between two libraries timed in one run on this shared machine."
+    ),
     ("llvm-rocketlake", "results_bfloat16.json"): (
         "% of matmul is against the float32 matmul of the same run. swa_tvm's kernels convert bfloat16 to "
         "float32 on load; FlexAttention runs bfloat16 natively."
@@ -98,7 +102,10 @@ How the CPU runs measure:
 - Every peer is first checked against swa_tvm on the same inputs.
 - A ratio "X / swa_tvm" is X's time over swa_tvm's: above 1.00×, swa_tvm is faster.
 - "swa_tvm tuned" is a library exported with the committed tuning records of the key;
-  "swa_tvm default" is the same specs with the default schedules.
+  "swa_tvm default" is the same specs with the default schedules. Export applies only
+  searched records that validation timed faster at every shape
+  ([tuning.md](tuning.md#validation-a-record-must-win-at-every-shape)); runs made before
+  validation existed say so under their table, with the range of tuned / default.
 - "FlexAttention" is `flex_attention` under `torch.compile(fullgraph=True)` with
   `create_block_mask`. "sliding chunks" is Longformer's chunked formulation in plain
   torch. "SDPA + mask" is `scaled_dot_product_attention` with a dense boolean mask.
@@ -261,6 +268,22 @@ def flex_over_ours(cell: dict) -> float | None:
     return peer["ms"] / ours["ms"]
 
 
+def tuned_over_default(cells: dict, d: dict) -> str | None:
+    """The range of "swa_tvm tuned" ms / "swa_tvm default" ms over a run's rows, naming
+    the row of the largest, and whether the run's records were applied unvalidated."""
+    ratios = [(c["swa_tvm tuned"]["ms"] / c["swa_tvm default"]["ms"], config, T)
+              for (config, T), c in cells.items()
+              if "ms" in c.get("swa_tvm tuned", {}) and "ms" in c.get("swa_tvm default", {})]
+    if not ratios:
+        return None
+    lo, (hi, config, T) = min(r[0] for r in ratios), max(ratios)
+    text = f"swa_tvm tuned / swa_tvm default: {lo:.2f}–{hi:.2f} over the rows (largest: {config}, T={T})."
+    if d.get("record_rule") != "validated" and any(d.get("tuned_kernels", {}).values()):
+        text += (" This run predates record validation: its \"tuned\" library applied any searched record "
+                 "measured 5% faster at the tuning shape alone.")
+    return text
+
+
 def forward_section(key: str, name: str, d: dict) -> list[str]:
     cells, methods = forward_rows(d)
     out = [f"### {forward_title(key, d)}", ""]
@@ -282,6 +305,9 @@ def forward_section(key: str, name: str, d: dict) -> list[str]:
             row.append(times(flex_over_ours(cell)))
         rows.append(row)
     out += table(header, rows)
+    spread = tuned_over_default(cells, d)
+    if spread:
+        out += ["", spread]
     skipped = sorted({(r["method"], skip_reason(r["skipped"])) for r in d["rows"] if r.get("skipped")})
     if skipped:
         out += [""] + [f"Skipped: {m}, {why}." for m, why in skipped]

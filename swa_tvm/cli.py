@@ -93,11 +93,17 @@ def _tuned_text(k) -> str:
     t = k.get("tuning", {})
     if t.get("default_point") and k.get("schedule") in FUSED_TEXT:
         return f"{FUSED_TEXT[k['schedule']]}: measured faster than its {t.get('records', '?')} tuning records"
+    n = t.get("records", "?")
+    if t.get("validation") == "kept":
+        return (f"tuned: a searched record, validated at most {t['worst_ratio']:.2f}x the default's time at every "
+                f"shape ({t['validated']}; {n} records)")
+    if t.get("validation") == "default":
+        return f"tuned: the default schedule (validation kept no searched record, {t['validated']}; {n} records)"
+    if t.get("validation") == "none":
+        return f"tuned: the default schedule (its {n} records are not validated, so no searched one applies)"
     if t.get("default_point"):
-        return f"tuned: the default schedule (no searched record validated faster at every shape; {t.get('records', '?')} records)"
-    worst = t.get("worst_ratio")
-    won = f", validated: at most {worst:.2f}x the default's time at every shape" if worst else ""
-    return f"tuned: {t.get('gflops', 0):.1f} GFLOP/s at the tuning shape, best of {t.get('records', '?')} records{won}"
+        return f"tuned: the default schedule (no searched record beat it by the required margin; {n} records)"
+    return f"tuned: {t.get('gflops', 0):.1f} GFLOP/s at the tuning shape, best of {n} records"
 
 
 def _cmd_tune(args) -> int:
@@ -105,7 +111,7 @@ def _cmd_tune(args) -> int:
     from swa_tvm.tuning.tune import check_tune_arguments, tune
     from swa_tvm.compiler.records import log_dir
 
-    check_tune_arguments(args.trials, args.rpc_tracker, args.rpc_key)
+    check_tune_arguments(args.trials, args.rpc_tracker, args.rpc_key, args.validate_candidates)
     target = normalize_target(args.target)
     specs = _kernel_specs(args)
     if args.kernels != "all":
@@ -183,7 +189,7 @@ def _cmd_validate(args) -> int:
 
     target = normalize_target(args.target)
     verdicts = validate(_kernel_specs(args), target, args.logs or _default_logs(), candidates=args.candidates,
-                        rounds=args.rounds, progress=lambda m: print(m, file=sys.stderr))
+                        rounds=args.rounds, passes=args.passes, progress=lambda m: print(m, file=sys.stderr))
     if not verdicts:
         print("no searched records to validate for these kernels")
     for v in verdicts:
@@ -290,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("--logs", help=LOGS_HELP)
     val.add_argument("--candidates", type=int, default=3, help="the fastest searched records tried per kernel")
     val.add_argument("--rounds", type=int, default=7, help="round-robin rounds per shape (their median is compared)")
+    val.add_argument("--passes", type=int, default=2, help="times over all shapes; a record must win in each")
     val.set_defaults(func=_cmd_validate)
 
     m = sub.add_parser("import-measurements",

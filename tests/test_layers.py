@@ -319,7 +319,8 @@ def test_integrations_sit_above_the_api():
 @pytest.mark.slow
 def test_wheel_ships_the_tuning_logs_and_not_the_tools(tmp_path):
     """A wheel built from the checkout holds every CPU class's and GPU's tuning records
-    (export applies them after ``pip install``) and the shipped spec set, and none of
+    and validation verdicts (export applies them after ``pip install``) and the shipped
+    spec set, and none of
     benchmarks/ or tools/. Built from a copy, so the checkout gets no build/ folder."""
     skip = shutil.ignore_patterns(".venv", ".git", "build", "dist", "*.egg-info", "__pycache__", "*.so", "demo_out",
                                   ".hypothesis", ".pytest_cache", ".work")
@@ -336,6 +337,8 @@ def test_wheel_ships_the_tuning_logs_and_not_the_tools(tmp_path):
     assert keys and any(k.startswith("llvm-") for k in keys), keys
     wanted = {f"swa_tvm/tuning_logs/{k}/database_tuning_record.json" for k in keys}
     wanted |= {f"swa_tvm/tuning_logs/{k}/database_workload.json" for k in keys}
+    # The verdicts that let export apply a searched CPU record.
+    wanted |= {f"swa_tvm/tuning_logs/{k}/validation.json" for k in keys if (logs / k / "validation.json").exists()}
     wanted.add("swa_tvm/tuning_logs/shipped_specs.txt")
     assert wanted - names == set(), sorted(wanted - names)
     assert "swa_tvm/runtime/library.py" in names and "swa_tvm/schedules/cuda_flash_tc.py" in names

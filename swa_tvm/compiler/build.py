@@ -251,9 +251,15 @@ def export_library(
                 # No searched record was validated (CUDA: beat the fused kernel by DEFAULT_MARGIN).
                 "default_point": rec.default_point,
             }
-            if rec.validation and not rec.default_point:
-                entry["tuning"]["worst_ratio"] = rec.validation["worst_ratio"][rec.validation["kept"]]
-                entry["tuning"]["validated"] = rec.validation["date"]
+            if target.get("kind") == "llvm":
+                # "kept": a searched record validated faster at every shape; "default":
+                # validated, none was; "none": no verdict, so no searched record applies.
+                v = rec.validation
+                entry["tuning"]["validation"] = "none" if not v else "kept" if v.get("kept") else "default"
+                if v:
+                    entry["tuning"]["validated"] = v["date"]
+                    if v.get("kept"):
+                        entry["tuning"]["worst_ratio"] = v["worst_ratio"][v["kept"]]
         return entry
 
     amx = any(uses_amx(s, target) for s in specs)

@@ -268,7 +268,7 @@ class BestRecord:
     gflops: float
     records: int  # how many records this workload has
     default_point: bool = False  # the default schedule's own record (nothing beat it)
-    validation: dict | None = None  # a searched CPU record's verdict (VALIDATION_FILE's entry)
+    validation: dict | None = None  # the kernel's verdict (VALIDATION_FILE's entry), if any
 
 
 # A fused CUDA kernel is replaced by a searched record only if the record measured at
@@ -293,8 +293,10 @@ BASELINE_FILE = "baselines.json"
 # the default schedule, both exported as the symbolic-T kernel, back to back in one
 # process, at the tuning shape, a long T and B > 1, and it won at every shape. This file
 # beside the records holds those verdicts: workload key -> entry ("kept": the winning
-# record's trace_digest, or None; "shapes": each shape's timings).
+# record's trace_digest, or None; "default": the default trace's digest it was weighed
+# against; "shapes": each shape's timings).
 VALIDATION_FILE = "validation.json"
+VALIDATION_FORMAT = 1
 
 
 def trace_digest(trace) -> str:
@@ -303,12 +305,20 @@ def trace_digest(trace) -> str:
 
 
 def read_validation(folder: str) -> dict:
-    """The verdicts of VALIDATION_FILE in a CPU log folder ({} without one)."""
+    """The verdicts of VALIDATION_FILE in a CPU log folder ({} without one). A damaged
+    file is warned about and read as no verdicts: every kernel keeps its default."""
     path = os.path.join(folder, VALIDATION_FILE)
     if not os.path.exists(path):
         return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)["verdicts"]
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if data.get("format") != VALIDATION_FORMAT or not isinstance(data.get("verdicts"), dict):
+            raise ValueError(f"not a format-{VALIDATION_FORMAT} verdict table")
+        return data["verdicts"]
+    except (OSError, ValueError, AttributeError) as e:
+        warnings.warn(f"{path}: unreadable ({e}); its records are applied as unvalidated (not at all)", stacklevel=2)
+        return {}
 
 
 def read_baselines(folder: str) -> dict:
@@ -319,6 +329,11 @@ def read_baselines(folder: str) -> dict:
         return {}
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def default_trace(spec: KernelSpec, target: dict):
+    """The trace of the default schedule's point of ``spec``'s search space for ``target``."""
+    return default_point(spec, _vector_lanes(tvm.target.Target(target))).trace
 
 
 def _secs(run_secs) -> float:
@@ -335,10 +350,13 @@ def _best_in(db, spec: KernelSpec, target: dict, baselines: dict | None = None, 
         return None
     best, is_default, verdict = mine[0], False, None
     if kind == "llvm":
-        # The default schedule's own record, unless validation kept a searched one.
-        trace = str(default_point(spec, _vector_lanes(tvm.target.Target(target))).trace)
+        # The default schedule's own record, unless validation kept a searched one. A
+        # verdict weighed against another default schedule (the code changed) is void.
+        trace = str(default_trace(spec, target))
         default = next((r for r in mine if str(r.trace) == trace), None)
         verdict = (validation or {}).get(workload_key(mod))
+        if verdict and verdict.get("default") != trace_digest(trace):
+            verdict = None
         kept = verdict.get("kept") if verdict else None
         best = next((r for r in mine if kept and trace_digest(r.trace) == kept), None)
         if best is None:

@@ -63,6 +63,8 @@ from swa_tvm.tuning.candidates import (
 )
 from swa_tvm.tuning.validate import validate
 
+log = logging.getLogger("swa_tvm.tuning")
+
 # --------------------------------------------------------------------------- measuring
 
 
@@ -98,11 +100,14 @@ def parse_rpc_tracker(rpc_tracker: str, rpc_key: str | None) -> tuple[str, int]:
     return host, int(port)
 
 
-def check_tune_arguments(trials: int, rpc_tracker: str | None, rpc_key: str | None) -> None:
+def check_tune_arguments(trials: int, rpc_tracker: str | None, rpc_key: str | None,
+                         validate_candidates: int = 0) -> None:
     """The checks of ``tune``'s own arguments, before anything costs time (importing the
     tensor intrinsics, the logs, the search): a mistyped command fails at once."""
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
+    if validate_candidates < 0:
+        raise ValueError(f"validate_candidates must be >= 0, got {validate_candidates}")
     if rpc_tracker:
         parse_rpc_tracker(rpc_tracker, rpc_key)
 
@@ -230,7 +235,7 @@ def tune(
     searched records of each kernel are then validated against the default schedule
     (``swa_tvm.tuning.validate``; 0: not validated here, so not applied until
     ``swa-tvm validate`` runs)."""
-    check_tune_arguments(trials, rpc_tracker, rpc_key)
+    check_tune_arguments(trials, rpc_tracker, rpc_key, validate_candidates)
     specs = list(dict.fromkeys(specs))
     kind = target.get("kind")
     if kind not in ("llvm", "cuda"):
@@ -310,8 +315,12 @@ def tune(
     finally:
         builder.close()
     if kind == "llvm" and validate_candidates > 0:
-        validate(specs, target, logs_root, candidates=validate_candidates,
-                 progress=(lambda m: print(m, file=sys.stderr)) if progress else None)
+        if rpc_tracker:
+            log.warning("the records were measured on the tracker's devices: validate them there (swa-tvm validate); "
+                        "until then no searched record applies")
+        else:
+            validate(specs, target, logs_root, candidates=validate_candidates,
+                     progress=(lambda m: print(m, file=sys.stderr)) if progress else None)
     results = []
     baselines, validation = read_baselines(folder), read_validation(folder)
     for spec in specs:
