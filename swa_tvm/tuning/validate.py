@@ -13,7 +13,7 @@ median of the rounds) at ``validation_shapes``: the tuning shape, T=16384 and B=
 shapes in turn and all of them twice over (two passes). A candidate whose outputs differ
 from the default's beyond the dtype's tolerance is rejected. A record is kept only if its
 median is at least ``WIN_MARGIN`` below the default's at every shape in every pass (one
-pass let records within the noise through: of two passes over the same logs, five
+pass let records within the noise through: of two one-pass runs over the same logs, six
 verdicts of sixteen flipped); of several such records, the one with the smallest worst
 ratio. The verdicts go to ``records.VALIDATION_FILE`` beside the records, with the
 default schedule they were weighed against, and ``records.best_records`` applies a
