@@ -1,0 +1,71 @@
+"""Where a training step's backward goes: torch's profiler over the backward of
+``sliding_window_attention`` (after warm-up steps), self CPU time per op, summed over
+``--steps`` steps and divided by them. The gradient kernels show as their custom op
+(``swa_tvm::...``); the rest is the eager layer's torch work (row statistics,
+conversions, group sums).
+
+    TVM_NUM_THREADS=2 python -m tools.experiments.backward_breakdown
+    TVM_NUM_THREADS=2 python -m tools.experiments.backward_breakdown --dtype float32 --T 4096
+
+Prints the forward's median ms, the backward's, and the ops that take at least 0.5% of
+the backward, largest first."""
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import swa_tvm
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    ap.add_argument("--B", type=int, default=1)
+    ap.add_argument("--H", type=int, default=8)
+    ap.add_argument("--T", type=int, default=16384)
+    ap.add_argument("--D", type=int, default=64)
+    ap.add_argument("--window", type=int, nargs=2, default=(511, 0), metavar=("LEFT", "RIGHT"))
+    ap.add_argument("--steps", type=int, default=5)
+    a = ap.parse_args(argv)
+    dt = getattr(torch, a.dtype)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(a.B, a.H, a.T, a.D, generator=g).to(dt).requires_grad_() for _ in range(3))
+    grad = torch.randn(a.B, a.H, a.T, a.D, generator=g).to(dt)
+    window = tuple(a.window)
+
+    def forward():
+        return swa_tvm.sliding_window_attention(q, k, v, window_size=window)
+
+    for _ in range(2):  # compiles or loads the kernels, warms the caches
+        torch.autograd.backward(forward(), grad)
+    fwd, bwd = [], []
+    for _ in range(a.steps):
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            forward()
+            fwd.append(time.perf_counter() - t0)
+        out = forward()
+        t0 = time.perf_counter()
+        torch.autograd.backward(out, grad)
+        bwd.append(time.perf_counter() - t0)
+    print(f"{a.dtype} B={a.B} H={a.H} T={a.T} D={a.D} window={window}: forward {statistics.median(fwd) * 1e3:.1f} ms, "
+          f"backward {statistics.median(bwd) * 1e3:.1f} ms (medians of {a.steps})")
+
+    outs = [forward() for _ in range(a.steps)]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for out in outs:
+            torch.autograd.backward(out, grad)
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in rows)
+    print(f"profiled backward: {total / 1e3 / a.steps:.1f} ms per step of self CPU time")
+    for e in rows:
+        share = e.self_cpu_time_total / total
+        if share >= 0.005:
+            print(f"  {e.self_cpu_time_total / 1e3 / a.steps:8.1f} ms  {share:6.1%}  {e.key}")
+
+
+if __name__ == "__main__":
+    main()
