@@ -220,3 +220,21 @@ def test_library_without_backward_kernels_says_so(fresh_registry):
     out = swa_tvm.sliding_window_attention(*qkv, **kw)  # the forward is served
     with pytest.raises(ValueError, match="export with 'backward' in the spec"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_row_statistic_in_pieces_matches_float64(dtype, monkeypatch):
+    """delta = dout . out - dlse, taken piece by piece for 16-bit rows on the CPU: equal
+    to the float64 sum over pieces that end mid-tensor, for a non-contiguous dout, with
+    and without dlse."""
+    from swa_tvm import eager
+
+    monkeypatch.setattr(eager, "DELTA_PIECE", 7 * 64)  # 7 rows of D=64 a piece: 3 * 2 * 333 is no multiple
+    dout = torch.randn(3, 2, 64, 333).to(dtype).transpose(-1, -2)  # [B, H, T, D], not contiguous
+    out = torch.randn(3, 2, 333, 64).to(dtype)
+    dlse = torch.randn(3, 2, 333)
+    want = (dout.double() * out.double()).sum(-1)
+    for lse_grad, expected in ((None, want), (dlse, want - dlse.double())):
+        got = eager._row_delta(dout, out, lse_grad, torch.float32)
+        assert got.dtype == torch.float32 and got.shape == (3, 2, 333)
+        assert (got.double() - expected).abs().max() < 1e-4
