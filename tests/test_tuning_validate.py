@@ -240,3 +240,23 @@ def test_validation_refuses_a_class_this_cpu_cannot_run(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="lacks .*avx2"):
         V.validate([KSPEC], {"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 2}, str(tmp_path))
     V.check_runs_here({"kind": "llvm", "mcpu": "x86-64", "num-cores": 2})  # its own class passes
+
+
+@pytest.mark.slow  # builds kernels: `make test`
+def test_a_record_that_no_longer_replays_is_rejected(tmp_path, monkeypatch):
+    """A record whose trace fails to replay on today's schedule code is rejected, named,
+    and the others are still weighed."""
+    _, searched = _log_with_searched_records(tmp_path)
+    stale = records.trace_digest(searched[0])
+    real_init = V._Candidate.__init__
+
+    def init(self, spec, target, trace, name):
+        if name == stale:
+            raise ValueError("instruction 3: no such block")
+        real_init(self, spec, target, trace, name)
+
+    monkeypatch.setattr(V._Candidate, "__init__", init)
+    _fixed_times(monkeypatch, [(10, 9), (40, 36), (20, 18)])  # the default, then the one record built
+    (v,) = V.validate([KSPEC], host_target(), str(tmp_path), shapes=SMALL, rounds=1, passes=1)
+    assert "no longer replays" in v.entry["rejected"][stale] and stale not in v.entry["worst_ratio"]
+    assert v.kept == records.trace_digest(searched[1])
