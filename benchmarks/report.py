@@ -55,8 +55,8 @@ CLASSES = {
 NOTES = {
     ("llvm-znver3", "results.json"): (
         "SDPA gets a dense boolean mask and is skipped at T=65536, where that mask alone is 4 GiB. "
-        "With the 5% record margin the four local kernels run their default schedule in \"tuned\" too, "
-        "so for them the two columns differ by noise."
+        "In this run, under the 5% record margin then in force, the four local kernels ran their default "
+        "schedule in \"tuned\" too, so for them the two columns differ by noise."
     ),
     ("llvm-znver3", "results_bfloat16.json"): (
         "This run (and the two training runs) ran on a Zen 4 class machine of the same pool "

@@ -260,3 +260,28 @@ def test_a_record_that_no_longer_replays_is_rejected(tmp_path, monkeypatch):
     (v,) = V.validate([KSPEC], host_target(), str(tmp_path), shapes=SMALL, rounds=1, passes=1)
     assert "no longer replays" in v.entry["rejected"][stale] and stale not in v.entry["worst_ratio"]
     assert v.kept == records.trace_digest(searched[1])
+
+
+@pytest.mark.slow  # builds kernels: `make test`
+def test_verdicts_export_cannot_use_are_ignored(tmp_path, monkeypatch):
+    """A verdict keeping a record the log lacks applies the default and says so (no
+    "kept" in what export reads); malformed verdict entries are warned about and
+    ignored, never a crash."""
+    default, searched = _log_with_searched_records(tmp_path)
+    _fixed_times(monkeypatch, [(10, 8, 7), (40, 36, 30), (20, 19, 21)])
+    V.validate([KSPEC], host_target(), str(tmp_path), shapes=SMALL, rounds=1, passes=1)
+    path = tmp_path / records.target_key(host_target()) / records.VALIDATION_FILE
+    data = json.loads(path.read_text())
+    (key,) = data["verdicts"]
+    entry = data["verdicts"][key]
+    entry["worst_ratio"]["f" * 16] = 0.5
+    entry["kept"] = "f" * 16  # no such record
+    path.write_text(json.dumps(data))
+    best = records.best_record(KSPEC, host_target(), str(tmp_path))
+    assert best.default_point and str(best.trace) == str(default) and best.validation["kept"] is None
+    for damaged in ("not a dict", {"kept": None}, dict(entry, kept="e" * 16)):
+        data["verdicts"][key] = damaged
+        path.write_text(json.dumps(data))
+        with pytest.warns(UserWarning, match="damaged verdict"):
+            best = records.best_record(KSPEC, host_target(), str(tmp_path))
+        assert best.default_point and best.validation is None

@@ -187,7 +187,8 @@ def export_library(
     """Compile ``specs`` and write ``path`` (a shared library) and ``path + '.json'``
     (and, for CUDA, the generated source as ``path + '.cu'``).
 
-    Each kernel uses the best record for this target class under ``logs`` (default: the
+    Each kernel uses the applied record (``records.best_records``: on a CPU the one
+    validation kept, else the default's own) for this target class under ``logs`` (default: the
     committed ``tuning_logs/``; None: no records), else the default schedule, with a
     warning naming the kernel when ``warn_untuned``. The manifest records the format,
     TVM version, target (and its class key), the CPU features the code needs, the

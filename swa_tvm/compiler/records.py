@@ -315,10 +315,24 @@ def read_validation(folder: str) -> dict:
             data = json.load(f)
         if data.get("format") != VALIDATION_FORMAT or not isinstance(data.get("verdicts"), dict):
             raise ValueError(f"not a format-{VALIDATION_FORMAT} verdict table")
-        return data["verdicts"]
     except (OSError, ValueError, AttributeError) as e:
         warnings.warn(f"{path}: unreadable ({e}); its records are applied as unvalidated (not at all)", stacklevel=2)
         return {}
+    good = {key: v for key, v in data["verdicts"].items() if _sound_verdict(v)}
+    if len(good) < len(data["verdicts"]):
+        warnings.warn(f"{path}: {len(data['verdicts']) - len(good)} damaged verdict(s) ignored; those kernels "
+                      "keep their default schedule", stacklevel=2)
+    return good
+
+
+def _sound_verdict(v) -> bool:
+    """A verdict with what export reads of it: the default it was weighed against, its
+    date, and for a kept record that record's worst ratio."""
+    if not isinstance(v, dict) or not isinstance(v.get("default"), str) or not isinstance(v.get("date"), str):
+        return False
+    kept = v.get("kept")
+    return kept is None or (isinstance(kept, str) and isinstance(v.get("worst_ratio"), dict)
+                            and isinstance(v["worst_ratio"].get(kept), (int, float)))
 
 
 def read_baselines(folder: str) -> dict:
@@ -363,6 +377,8 @@ def _best_in(db, spec: KernelSpec, target: dict, baselines: dict | None = None, 
             if default is None:
                 return None
             best, is_default = default, True
+            if kept:  # the kept record is not in this log: what runs is the default
+                verdict = dict(verdict, kept=None)
     elif kind == "cuda":
         # The default is the fused kernel: a record replaces it only when measured faster
         # on the GPU; without a measurement of the fused kernel, the fused kernel stays.
