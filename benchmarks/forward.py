@@ -606,19 +606,8 @@ def growth_table(result: dict) -> str:
 def machine_info(threads: int) -> dict:
     """What a results file says of the machine; ``target_key`` is the class whose
     tuning logs a library exported here applies (``tuning_logs/<target_key>/``)."""
-    return {"cpu": _cpu_name(), "machine": platform.machine(), "target_key": target_key(host_target()),
+    return {"cpu": library.host_cpu_name(), "machine": platform.machine(), "target_key": target_key(host_target()),
             "threads": threads, "tvm_threads": library.tvm_pool_threads()}
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def plot(result: dict, path: str) -> None:

@@ -23,7 +23,7 @@ from swa_tvm.compiler.targets import host_target, target_key
 from swa_tvm.reference import sliding_window_attention_ref
 from swa_tvm.spec import AttentionSpec, KernelSpec
 
-from conftest import rel_err, run_cli
+from conftest import check_against_reference, rel_err, run_cli
 
 SPEC_STR = "head_dim=16,window=7:0"
 SPEC = AttentionSpec.parse(SPEC_STR)
@@ -220,10 +220,7 @@ def test_export_applies_records_and_result_is_correct(tuned_logs, tmp_path, fres
     rc, out, _ = run_cli(capsys, "info", lib)
     assert rc == 0 and "tuned:" in out
     swa_tvm.load_library(lib)
-    q, kk, v = (torch.randn(2, 2, 333, 16) for _ in range(3))
-    out = swa_tvm.sliding_window_attention(q, kk, v, window_size=(7, 0))
-    ref, _ = sliding_window_attention_ref(q, kk, v, window_size=(7, 0))
-    assert rel_err(out, ref) < 1e-5
+    check_against_reference(*(torch.randn(2, 2, 333, 16) for _ in range(3)), window_size=(7, 0))
 
 
 def test_records_never_cross_cpu_classes(tuned_logs, tmp_path):

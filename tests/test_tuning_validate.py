@@ -13,11 +13,10 @@ import torch
 import swa_tvm
 from swa_tvm.compiler import records
 from swa_tvm.compiler.targets import host_target
-from swa_tvm.reference import sliding_window_attention_ref
 from swa_tvm.spec import AttentionSpec
 from swa_tvm.tuning import validate as V
 
-from conftest import rel_err, run_cli
+from conftest import check_against_reference, run_cli
 
 SPEC_STR = "head_dim=16,window=7:0"
 KSPEC = AttentionSpec.parse(SPEC_STR).kernels()[0]
@@ -153,10 +152,7 @@ def test_validation_times_the_exported_kernels_and_export_applies_the_verdict(tm
     assert k["tuned"] and k["tuning"]["default_point"] is (entry["kept"] is None)
     assert k["tuning"]["validation"] == ("default" if entry["kept"] is None else "kept")
     swa_tvm.load_library(lib)
-    q, kk, v = (torch.randn(2, 2, 333, 16) for _ in range(3))
-    got = swa_tvm.sliding_window_attention(q, kk, v, window_size=(7, 0))
-    ref, _ = sliding_window_attention_ref(q, kk, v, window_size=(7, 0))
-    assert rel_err(got, ref) < 1e-5
+    check_against_reference(*(torch.randn(2, 2, 333, 16) for _ in range(3)), window_size=(7, 0))
 
 
 def test_validate_refuses_bad_arguments(tmp_path, capsys):

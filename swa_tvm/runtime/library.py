@@ -257,15 +257,26 @@ def request_amx(lib_path: str) -> None:
     _amx_granted = True
 
 
-def host_cpu_flags() -> set[str]:
+def _cpuinfo_field(name: str) -> str | None:
+    """The first ``name`` line's value in /proc/cpuinfo (None where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if line.startswith(name):
+                    return line.split(":", 1)[1]
     except OSError:
         pass
-    return set()
+    return None
+
+
+def host_cpu_flags() -> set[str]:
+    return set((_cpuinfo_field("flags") or "").split())
+
+
+def host_cpu_name() -> str:
+    """The CPU's model name, for results and records (platform's guess elsewhere)."""
+    name = _cpuinfo_field("model name")
+    return name.strip() if name is not None else platform.processor()
 
 
 @dataclass

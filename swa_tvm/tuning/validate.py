@@ -57,7 +57,7 @@ from swa_tvm.compiler.records import (
 )
 from swa_tvm.compiler.targets import host_target, normalize_target, target_key, uses_amx
 from swa_tvm.compute import COMPUTES
-from swa_tvm.runtime.library import default_tvm_threads, tvm_pool_threads
+from swa_tvm.runtime.library import default_tvm_threads, host_cpu_name, tvm_pool_threads
 from swa_tvm.spec import KernelSpec
 from swa_tvm.tuning.candidates import tuning_inputs
 
@@ -187,9 +187,9 @@ def validate_spec(spec: KernelSpec, target: dict, traces: list, rounds: int = 7,
         except Exception as e:  # noqa: BLE001 - the schedule code changed since the record was made
             rejected[trace_digest(t)] = f"no longer replays ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
     timings = []  # one entry per (pass, shape)
+    calls = [_arguments(spec, shape) for shape in shapes]  # the same inputs in every pass
     for p in range(passes):
-        for shape in shapes:
-            args, outputs = _arguments(spec, shape)
+        for shape, (args, outputs) in zip(shapes, calls):
             ms = _time_round_robin(cands, args, rounds)
             if p == 0:
                 want = _outputs_of(cands[0], args, outputs)
@@ -222,7 +222,7 @@ def validate_spec(spec: KernelSpec, target: dict, traces: list, rounds: int = 7,
         "threads": tvm_pool_threads(),
         "target_key": target_key(target),
         "measured_on": target_key(host_target()),
-        "processor": _processor(),
+        "processor": host_cpu_name() or platform.machine(),
         "date": datetime.date.today().isoformat(),
     }
     return Verdict(spec, kept, entry)
@@ -230,17 +230,6 @@ def validate_spec(spec: KernelSpec, target: dict, traces: list, rounds: int = 7,
 
 def _shape_text(shape: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in shape.items() if k in ("B", "T", "Tk"))
-
-
-def _processor() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def write_verdicts(folder: str, verdicts: Iterable[Verdict], tuning_workloads: dict) -> str:
