@@ -90,7 +90,7 @@ class _Candidate:
     record's trace replayed on the symbolic-T kernel."""
 
     def __init__(self, spec, target, trace, name):
-        self.name, self.trace = name, trace
+        self.name = name
         record = None if trace is None else _Trace(trace)
         module, _ = compile_specs([spec], target, records={spec.name: record})
         self.func = module[spec.name]
@@ -158,10 +158,9 @@ def _time_round_robin(candidates: list[_Candidate], args: list, rounds: int) -> 
     return [statistics.median(t) for t in times]
 
 
-def _searched_traces(db, spec: KernelSpec, target: dict, count: int) -> list:
-    """The ``count`` fastest searched traces of ``spec`` in ``db`` (distinct, the default
-    point's left out)."""
-    mod = tuning_workload(spec)
+def _searched_traces(db, mod, spec: KernelSpec, target: dict, count: int) -> list:
+    """The ``count`` fastest searched traces of ``spec`` (tuning workload ``mod``) in
+    ``db`` (distinct, the default point's left out)."""
     mine = [r for r in db.records_for(mod) if _same_target_class(r.target, target)]
     seen, searched = {str(default_trace(spec, target))}, []
     for r in mine:
@@ -289,7 +288,7 @@ def validate(specs: Iterable[KernelSpec], target: dict | str | None, logs_root: 
     default_tvm_threads(int(target.get("num-cores", len(os.sched_getaffinity(0)) or 1)))
     verdicts = []
     for spec in specs:
-        traces = _searched_traces(db, spec, target, candidates)
+        traces = _searched_traces(db, mods[spec.name], spec, target, candidates)
         if not traces:
             continue
         log.info("validating %d record(s) of %s against its default schedule", len(traces), spec.name)
