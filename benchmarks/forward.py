@@ -9,6 +9,14 @@ of one shape timed round-robin (``interleaved_medians``), after a warm-up; GFLOP
 work only (4*D per visible (query, key) pair); % of peak is against a large
 torch.matmul timed in the same run. Peak memory is measured in a fresh subprocess per
 (method, config) at the largest T. Writes ``results.json`` and ``scaling.png``.
+
+``--mcpu NAME`` builds for another CPU class than this machine's (LLVM's name, e.g.
+``rocketlake`` on an Intel machine with AMX runs the code of an Intel class without it),
+with that class's tuning records; results then go to
+``benchmarks/results/llvm-<NAME>-on-<this machine's mcpu>``. In a bfloat16 or float16
+run, the method "swa_tvm float32" times the float32 tuned library on float32 copies of
+the same inputs (copied before the timing), so the two dtypes of our kernels are timed
+round-robin in one run.
 """
 
 from __future__ import annotations
@@ -48,11 +56,27 @@ def write_results(result: dict, name: str, out: str | None) -> str:
     return path
 
 
-def results_dir(out: str | None) -> str:
-    """``out``, or benchmarks/results/<target-key> of this machine's CPU class."""
+def results_dir(out: str | None, target: dict | None = None) -> str:
+    """``out``, or benchmarks/results/<target-key>: this machine's CPU class, or, for a
+    ``target`` of another class, ``<its key>-on-<this machine's mcpu>``."""
     if out:
         return out
-    return os.path.join(_REPO, "benchmarks", "results", target_key(host_target()))
+    host = host_target()
+    key = target_key(host)
+    if target is not None and target_key(target) != key:
+        key = f"{target_key(target)}-on-{host['mcpu']}"
+    return os.path.join(_REPO, "benchmarks", "results", key)
+
+
+def bench_target(mcpu: str | None) -> dict:
+    """This machine's target, or the llvm target of CPU class ``mcpu`` on this machine's
+    cores (without the AMX features the host target would add)."""
+    host = host_target()
+    if mcpu is None:
+        return host
+    from swa_tvm.compiler.targets import normalize_target
+
+    return normalize_target({"kind": "llvm", "mcpu": mcpu, "num-cores": host["num-cores"]})
 
 B, H, D = 1, 8, 64
 CONFIGS = {
@@ -62,6 +86,8 @@ CONFIGS = {
     "W=512 + 16 globals": dict(window=(511, 0), dilation=1, G=16),
 }
 METHODS = ["swa_tvm tuned", "swa_tvm default", "FlexAttention", "sliding chunks", "SDPA + mask"]
+# Our float32 library on float32 copies of a 16-bit run's inputs: not in the default set.
+FLOAT32 = "swa_tvm float32"
 DTYPES = ("float32", "bfloat16", "float16")
 # A peer's output agrees with ours within this relative error (both rounded to the dtype
 # once; peers that compute in the input dtype add their own rounding).
@@ -219,8 +245,8 @@ def make_method(name: str, T: int, cfg: dict, gi, libs: dict):
     """A no-argument callable computing attention on (q, k, v) for one method, or None
     where it does not apply (dense peers past DENSE_MAX_T)."""
     if name.startswith("swa_tvm"):
-        # Both libraries hold the same kernel names; loading one (re)registers its kernels.
-        swa_tvm.load_library(libs["tuned" if name.endswith("tuned") else "default"])
+        # Both libraries of a dtype hold the same kernel names; loading one (re)registers its kernels.
+        swa_tvm.load_library(libs[{"swa_tvm tuned": "tuned", "swa_tvm default": "default", FLOAT32: "float32"}[name]])
 
         def run(q, k, v):
             return swa_tvm.sliding_window_attention(
@@ -380,7 +406,11 @@ def _load_libs(libs: dict) -> None:
         swa_tvm.load_library(path)
 
 
-def build_libraries(out_dir: str, logs: str | None, reuse: bool = False, dtype: str = "float32") -> dict:
+def build_libraries(out_dir: str, logs: str | None, reuse: bool = False, dtype: str = "float32",
+                    target: dict | None = None, float32: bool = False) -> dict:
+    """The "tuned" and "default" libraries of ``dtype`` for ``target`` (default: this
+    machine), and with ``float32`` the float32 tuned library beside them; their paths and
+    which kernels of the tuned one apply a record."""
     # Lazy: the memory children import this module and run the libraries on the runtime
     # alone; the compiler loads only where libraries are built.
     from swa_tvm.compiler.build import DEFAULT_LOGS, UntunedKernelWarning
@@ -388,6 +418,8 @@ def build_libraries(out_dir: str, logs: str | None, reuse: bool = False, dtype: 
     specs = [AttentionSpec.parse(s) for s in spec_strings(dtype)]
     tag = "" if dtype == "float32" else f"_{dtype}"
     libs = {kind: os.path.join(out_dir, f"swa_bench_{kind}{tag}.so") for kind in ("tuned", "default")}
+    if float32:
+        libs["float32"] = os.path.join(out_dir, "swa_bench_tuned.so")
     if reuse and all(os.path.exists(p) for p in libs.values()):
         try:
             _load_libs(libs)  # checks hashes, TVM version and CPU
@@ -397,10 +429,13 @@ def build_libraries(out_dir: str, logs: str | None, reuse: bool = False, dtype: 
             print(f"not reusing the libraries in {out_dir}: {e}", file=sys.stderr)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UntunedKernelWarning)
-        m = swa_tvm.export_library(specs, libs["tuned"], logs=logs or DEFAULT_LOGS)
+        m = swa_tvm.export_library(specs, libs["tuned"], target=target, logs=logs or DEFAULT_LOGS)
+        if float32:
+            swa_tvm.export_library([AttentionSpec.parse(s) for s in spec_strings()], libs["float32"], target=target,
+                                   logs=logs or DEFAULT_LOGS)
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
-    swa_tvm.export_library(specs, libs["default"], logs=None, warn_untuned=False)
+    swa_tvm.export_library(specs, libs["default"], target=target, logs=None, warn_untuned=False)
     return libs, {k["name"]: k["tuned"] for k in m["kernels"]}
 
 
@@ -414,14 +449,17 @@ def main(argv=None) -> int:
     p.add_argument("--T", type=int, nargs="+", default=[1024, 4096, 16384, 65536], help="sequence lengths")
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), metavar="CONFIG",
                    help=f"subset of: {'; '.join(CONFIGS)}")
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS, metavar="METHOD",
-                   help=f"subset of: {'; '.join(METHODS)}")
+    p.add_argument("--methods", nargs="+", choices=METHODS + [FLOAT32], default=METHODS, metavar="METHOD",
+                   help=f"subset of: {'; '.join(METHODS)}; and, in a 16-bit run, {FLOAT32} (our float32 library "
+                        "on float32 copies of the inputs)")
     p.add_argument("--runs", type=int, default=5, help="timed runs per measurement (median reported)")
     p.add_argument("--out", default=None, help="folder for results.json, scaling.png and the libraries "
                    "(default: benchmarks/results/<target-key>)")
     p.add_argument("--logs", help="tuning log root (default: the committed tuning_logs/)")
     p.add_argument("--memory-T", type=int, default=None, help="T of the peak-memory runs (default: largest T)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    p.add_argument("--mcpu", default=None, help="build for this LLVM CPU class instead of this machine's "
+                   "(its tuning records; results in benchmarks/results/llvm-<MCPU>-on-<this mcpu>)")
     p.add_argument("--reuse-libs", action="store_true", help="reuse OUT's libraries from an earlier run if they load")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="input dtype (float16/bfloat16: our kernels accumulate in float32; on a CPU with AMX the "
@@ -432,10 +470,16 @@ def main(argv=None) -> int:
         print("benchmarks.forward: --runs below 5 gives medians too noisy to quote", file=sys.stderr)
 
 
-    args.out = results_dir(args.out)
+    if FLOAT32 in args.methods and args.dtype == "float32":
+        p.error(f"--methods {FLOAT32!r} compares a 16-bit run with float32: give --dtype bfloat16 or float16")
+    try:
+        target = bench_target(args.mcpu)
+    except ValueError as e:
+        p.error(f"--mcpu: {e}")
+    args.out = results_dir(args.out, target)
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
-    libs, tuned = build_libraries(args.out, args.logs, args.reuse_libs, args.dtype)
+    libs, tuned = build_libraries(args.out, args.logs, args.reuse_libs, args.dtype, target, FLOAT32 in args.methods)
     print(f"libraries built in {time.time() - t0:.0f}s; tuned kernels: {sum(tuned.values())}/{len(tuned)}")
     _load_libs(libs)
     threads = torch.get_num_threads()
@@ -448,7 +492,7 @@ def main(argv=None) -> int:
 
     def save(rows, memory, growth=()) -> dict:
         """Write results.json after every step, so an interrupted run keeps what it measured."""
-        result = _result(args, argv, tuned, threads, peak, rows, memory, growth)
+        result = _result(args, argv, tuned, threads, peak, rows, memory, growth, target)
         tmp = os.path.join(args.out, f"{stem}.json.tmp")
         with open(tmp, "w") as f:
             json.dump(result, f, indent=2)
@@ -472,7 +516,8 @@ def main(argv=None) -> int:
                     if fn is None:
                         rows.append(dict(config=config, T=T, method=method, skipped="dense T x T mask does not fit"))
                         continue
-                    out = fn(q, k, v)
+                    inputs = tuple(x.float() for x in (q, k, v)) if method == FLOAT32 else (q, k, v)
+                    out = fn(*inputs)
                 except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
                     msg = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                     print(f"  {config} T={T} {method}: failed ({msg})")
@@ -489,7 +534,7 @@ def main(argv=None) -> int:
                         rows.append(dict(config=config, T=T, method=method, rel_err=err, skipped="wrong result"))
                         continue
                 del out
-                timed[method] = (lambda fn=fn, q=q, k=k, v=v: fn(q, k, v), err)
+                timed[method] = (lambda fn=fn, inputs=inputs: fn(*inputs), err)
             ref = None
             medians = interleaved_medians({m: fn for m, (fn, _) in timed.items()}, args.runs)
             for method, (_, err) in timed.items():
@@ -515,7 +560,7 @@ def main(argv=None) -> int:
         mT = args.memory_T or max(args.T)
         for config in args.configs:
             for method in args.methods:
-                if method == "SDPA + mask" and mT > DENSE_MAX_T:
+                if method == FLOAT32 or (method == "SDPA + mask" and mT > DENSE_MAX_T):
                     continue
                 r = memory_in_subprocess(method, config, mT, libs, dtype=args.dtype)
                 memory.append(dict(config=config, T=mT, method=method, **(r or {})))
@@ -555,11 +600,11 @@ def time_growth(config: str, small: int, large: int, libs: dict, runs: int, dtyp
                 ratio=ms[large] / ms[small], rounds=rounds)
 
 
-def _result(args, argv, libs_tuned, threads, peak, rows, memory, growth=()) -> dict:
+def _result(args, argv, libs_tuned, threads, peak, rows, memory, growth=(), target=None) -> dict:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python -m benchmarks.forward", *argv]),
-        "machine": machine_info(threads),
+        "machine": machine_info(threads, target),
         "versions": {"torch": torch.__version__, "tvm": swa_tvm.runtime.library.tvm_version(), "swa_tvm": swa_tvm.__version__},
         "shape": {"B": B, "H": H, "D": D, "dtype": args.dtype},
         "matmul_peak_gflops": peak,
@@ -578,7 +623,7 @@ def markdown_table(result: dict) -> str:
     rows = result["rows"]
     configs = list(dict.fromkeys(r["config"] for r in rows))
     Ts = sorted({r["T"] for r in rows})
-    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    methods = [m for m in METHODS + [FLOAT32] if any(r["method"] == m for r in rows)]
     out = ["| pattern | T | " + " | ".join(methods) + " | tuned GFLOP/s (% of matmul) | FlexAttention / tuned |",
            "| --- | --- |" + " --- |" * len(methods) + " --- | --- |"]
     for config in configs:
@@ -603,11 +648,17 @@ def growth_table(result: dict) -> str:
     return "\n".join(out)
 
 
-def machine_info(threads: int) -> dict:
-    """What a results file says of the machine; ``target_key`` is the class whose
-    tuning logs a library exported here applies (``tuning_logs/<target_key>/``)."""
-    return {"cpu": library.host_cpu_name(), "machine": platform.machine(), "target_key": target_key(host_target()),
+def machine_info(threads: int, target: dict | None = None) -> dict:
+    """What a results file says of the machine; ``target_key`` is the class whose code
+    and tuning logs (``tuning_logs/<target_key>/``) the libraries were built with, and
+    ``host_key`` this machine's class where that differs."""
+    host = target_key(host_target())
+    key = target_key(target) if target is not None else host
+    info = {"cpu": library.host_cpu_name(), "machine": platform.machine(), "target_key": key,
             "threads": threads, "tvm_threads": library.tvm_pool_threads()}
+    if key != host:
+        info["host_key"] = host
+    return info
 
 
 def plot(result: dict, path: str) -> None:
@@ -619,7 +670,7 @@ def plot(result: dict, path: str) -> None:
     configs = list(dict.fromkeys(r["config"] for r in result["rows"]))
     fig, axes = plt.subplots(1, len(configs), figsize=(4.2 * len(configs), 4), squeeze=False)
     for ax, config in zip(axes[0], configs):
-        for method in METHODS:
+        for method in METHODS + [FLOAT32]:
             pts = [(r["T"], r["ms"]) for r in result["rows"] if r["config"] == config and r["method"] == method and "ms" in r]
             if pts:
                 xs, ys = zip(*pts)
