@@ -32,7 +32,10 @@ DECODE_FILE = "decode.json"
 HF_FILE = "hf_models.json"
 
 # Methods in the order their columns appear; names a JSON row may carry.
-METHODS = ("swa_tvm tuned", "swa_tvm default", "swa_tvm", "FlexAttention", "sliding chunks", "SDPA + mask")
+METHODS = ("swa_tvm tuned", "swa_tvm default", "swa_tvm", "swa_tvm float32", "FlexAttention", "sliding chunks",
+           "SDPA + mask")
+# In a 16-bit run: our float32 library on float32 copies of the same inputs.
+FLOAT32 = "swa_tvm float32"
 PEER = "FlexAttention"
 OURS = ("swa_tvm tuned", "swa_tvm")
 
@@ -47,6 +50,11 @@ CLASSES = {
     "llvm-emeraldrapids": (
         "2 cores of an Intel Xeon, family 6 model 207 (LLVM names it emeraldrapids): AVX-512 with BF16 and FP16, and AMX, "
         "on which the bfloat16 local forward and window gradients run."
+    ),
+    "llvm-rocketlake-on-emeraldrapids": (
+        "The code of the llvm-rocketlake class (AVX-512 with BF16, no AMX) with that class's tuning records, run on "
+        "2 cores of the emeraldrapids machine (Intel Xeon, family 6 model 207; `--mcpu rocketlake`): what a CPU "
+        "without the matrix engine runs, timed on hardware that has one."
     ),
     "cuda-sm_90": "One NVIDIA H200 (sm_90), driver 580.159.04, on a machine with torch and no TVM (the runtime only).",
 }
@@ -235,6 +243,8 @@ def command_of(d: dict, key: str) -> str:
 def run_lines(d: dict, key: str, command: str) -> list[str]:
     m, v, s = d.get("machine", {}), d.get("versions", {}), d.get("shape", {})
     machine = f"{m.get('cpu', '?')}, {m.get('machine', 'x86_64')}, {m.get('threads', '?')} torch threads"
+    if m.get("host_key"):
+        machine = f"{machine} (code built for {m.get('target_key')} on a {m['host_key']} machine)"
     machine += f" and {m.get('tvm_threads', '?')} TVM threads"
     versions = ", ".join(f"{name} {v[name]}" for name in ("torch", "tvm", "swa_tvm") if name in v)
     shape = " ".join(f"{k}={s[k]}" for k in ("B", "H", "D") if k in s)
@@ -284,6 +294,20 @@ def tuned_over_default(cells: dict, d: dict) -> str | None:
     return text
 
 
+def half_over_float32(cells: dict, d: dict) -> str | None:
+    """The range of "swa_tvm tuned" ms / "swa_tvm float32" ms over a 16-bit run's rows."""
+    ratios = [(c["swa_tvm tuned"]["ms"] / c[FLOAT32]["ms"], config, T)
+              for (config, T), c in cells.items()
+              if "ms" in c.get("swa_tvm tuned", {}) and "ms" in c.get(FLOAT32, {})]
+    if not ratios:
+        return None
+    lo, (hi, config, T) = min(r[0] for r in ratios), max(ratios)
+    dtype = d.get("shape", {}).get("dtype", "?")
+    return (f"swa_tvm tuned ({dtype}) / {FLOAT32} (the float32 library on float32 copies of the inputs, timed "
+            f"round-robin with it): {lo:.2f}–{hi:.2f} over the rows (largest: {config}, T={T}); above 1.00 the "
+            f"{dtype} kernels are the slower.")
+
+
 def forward_section(key: str, name: str, d: dict) -> list[str]:
     cells, methods = forward_rows(d)
     out = [f"### {forward_title(key, d)}", ""]
@@ -305,9 +329,9 @@ def forward_section(key: str, name: str, d: dict) -> list[str]:
             row.append(times(flex_over_ours(cell)))
         rows.append(row)
     out += table(header, rows)
-    spread = tuned_over_default(cells, d)
-    if spread:
-        out += ["", spread]
+    for line in (tuned_over_default(cells, d), half_over_float32(cells, d)):
+        if line:
+            out += ["", line]
     skipped = sorted({(r["method"], skip_reason(r["skipped"])) for r in d["rows"] if r.get("skipped")})
     if skipped:
         out += [""] + [f"Skipped: {m}, {why}." for m, why in skipped]

@@ -216,3 +216,46 @@ def test_hf_models_clock_and_generation():
         assert all(t == tokens[0] for t in tokens) and len(tokens[0]) == 6, tokens
     assert transformers.AttentionInterface._global_mapping["sdpa"] is sdpa
     assert transformers.AttentionInterface._global_mapping["swa_tvm"] is swa_hf.attention
+
+
+def test_foreign_cpu_class_gets_its_own_results_folder_and_no_amx():
+    """--mcpu builds another class's code on this machine: its results never land in
+    the folder of the class's own machines, and the target keeps that class's features
+    (no AMX added for an -mcpu without it)."""
+    from swa_tvm.compiler.targets import host_target, target_key, uses_amx
+    from swa_tvm.spec import KernelSpec
+
+    host = host_target()
+    assert bench.results_dir(None, bench.bench_target(None)).endswith(f"/{target_key(host)}")
+    other = "znver3" if host["mcpu"] != "znver3" else "rocketlake"
+    target = bench.bench_target(other)
+    assert target == {"kind": "llvm", "mcpu": other, "num-cores": host["num-cores"]}
+    assert bench.results_dir(None, target).endswith(f"/llvm-{other}-on-{host['mcpu']}")
+    assert bench.results_dir("/x", target) == "/x"
+    info = bench.machine_info(2, target)
+    assert info["target_key"] == f"llvm-{other}" and info["host_key"] == target_key(host)
+    assert "host_key" not in bench.machine_info(2)
+    assert not uses_amx(KernelSpec("local", 64, "bfloat16", 511, 0), bench.bench_target("rocketlake"))
+    with pytest.raises(ValueError, match="mcpu"):
+        bench.bench_target("no-such-cpu")
+
+
+def test_float32_method_needs_a_16_bit_run(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--methods", bench.FLOAT32, "--T", "64"])
+    assert "--dtype bfloat16" in capsys.readouterr().err
+
+
+def test_report_names_16_bit_over_float32():
+    from benchmarks import report
+
+    rows = [dict(config="causal W=512", T=T, method=m, ms=ms, gflops=1.0, pct_peak=1.0)
+            for T, m, ms in ((4096, "swa_tvm tuned", 12.0), (4096, bench.FLOAT32, 10.0),
+                             (16384, "swa_tvm tuned", 45.0), (16384, bench.FLOAT32, 50.0))]
+    d = {"rows": rows, "shape": {"B": 1, "H": 8, "D": 64, "dtype": "bfloat16"},
+         "machine": {"cpu": "x", "target_key": "llvm-rocketlake", "host_key": "llvm-emeraldrapids"}}
+    text = "\n".join(report.forward_section("llvm-rocketlake-on-emeraldrapids", "results_bfloat16.json", d))
+    assert "swa_tvm tuned (bfloat16) / swa_tvm float32" in text and "0.90–1.20" in text
+    assert "largest: causal W=512, T=4096" in text
+    assert "code built for llvm-rocketlake on a llvm-emeraldrapids machine" in text
+    assert "| swa_tvm float32 ms |" in text.replace("swa_tvm tuned ms | ", "")

@@ -208,6 +208,27 @@ def schedule_cache_dx(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) 
     _gather_back(sch, ["dkx"], spec, vector_lanes)
 
 
+def _band_rows(sch, spec: KernelSpec, names) -> list[str]:
+    """The band gathers ``names`` (rows of the inputs that a product reads many times)
+    that are computed per item: none for float32, whose products read the rows straight
+    from the inputs (they are inlined here); all for 16-bit inputs, converted to
+    float32 once per item into a buffer of the item. Read in place, every use of a
+    16-bit value took its own conversion: three extra instructions per broadcast key,
+    which made bfloat16 slower than float32 on CPUs without a matrix engine."""
+    if spec.dtype in ("bfloat16", "float16"):
+        return list(names)
+    for name in names:
+        sch.compute_inline(sch.get_sblock(name))
+    return []
+
+
+def _vectorize_band_rows(sch, spec: KernelSpec, names, vector_lanes: int) -> None:
+    if spec.dtype in ("bfloat16", "float16"):
+        for name in names:
+            _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1],
+                             _largest_divisor_upto(spec.head_dim, vector_lanes))
+
+
 def _largest_divisor_upto(n: int, cap: int) -> int:
     return max(x for x in range(1, min(n, cap) + 1) if n % x == 0)
 
@@ -246,14 +267,15 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8,
     # stages second (landing before the gathers).
     item = _local_forward_loops(sch, spec, vector_lanes)
 
-    # The products read key and value rows straight from k and v (contiguous rows).
-    for name in ("kband", "vband"):
-        sch.compute_inline(sch.get_sblock(name))
+    # Key and value rows: read straight from k and v, or converted once per item from
+    # 16-bit inputs (``_band_rows``).
     bounded = spec.left >= 0 and spec.right >= 0
     # Producers of blk_out, innermost first so each compute_at finds its consumer placed.
     order = ["denom", "wacc", "xacc", "wsum", "xsum", "wprob", "xprob", "rowmax", "wmax", "xmax"]
     order += ["masked", "xmasked", "krange", "score", "xscore", "qblk_t"]
+    order += _band_rows(sch, spec, ("kband", "vband"))
     _stages_at(sch, item, order, knobs)
+    _vectorize_band_rows(sch, spec, ("kband", "vband"), vector_lanes)
 
     rows_vec = spec.block_q % vector_lanes == 0
     # Query block, transposed: walk rows outside and features inside (contiguous loads).
@@ -580,10 +602,11 @@ def schedule_local_dq(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) 
     _gather_back(sch, ["dq"], spec, vector_lanes)
     per_item = ["dqx", "dqw", "xds", "ds", "xarg", "arg", "krange", "xdp", "xscore", "dp", "score"]
     per_item += ["rstat", "dblk_t", "qblk_t"]
-    # Key and value rows are read straight from k and v (contiguous rows), not copied.
-    for name in ("kband", "vband"):
-        sch.compute_inline(sch.get_sblock(name))
+    # Key and value rows: read straight from k and v, or converted once per item from
+    # 16-bit inputs (``_band_rows``).
+    per_item += _band_rows(sch, spec, ("kband", "vband"))
     _items(sch, ["dq_blk"], per_item, knobs)
+    _vectorize_band_rows(sch, spec, ("kband", "vband"), vector_lanes)
     if spec.head_dim % vector_lanes == 0:
         _vectorize_inner(sch, sch.get_loops(sch.get_sblock("dq_blk"))[-1], vector_lanes)
     for name in ("score", "dp"):
@@ -603,10 +626,11 @@ def schedule_local_dkv(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None)
     bounded = spec.left >= 0 and spec.right >= 0
     _gather_back(sch, ["dk", "dv"], spec, vector_lanes)
     per_item = ["ds", "prob", "arg", "krange", "dp", "score", "bstat", "vblk_t", "kblk_t"]
-    # Query and output-gradient rows are read straight from q and dout, not copied.
-    for name in ("qband", "dband"):
-        sch.compute_inline(sch.get_sblock(name))
+    # Query and output-gradient rows: read straight from q and dout, or converted once
+    # per item from 16-bit inputs (``_band_rows``).
+    per_item += _band_rows(sch, spec, ("qband", "dband"))
     _items(sch, ["dv_blk", "dk_blk"], per_item, knobs)
+    _vectorize_band_rows(sch, spec, ("qband", "dband"), vector_lanes)
     for name in ("score", "dp"):
         _band_block_product(sch, name, spec, vector_lanes, knobs, bounded)
     _vectorize_block_axis(sch, ["arg", "prob", "ds"], spec.block_q, vector_lanes)
