@@ -5,7 +5,8 @@ For each pattern and T it times, in one process on the same inputs, the forward 
 output gradient) of: swa_tvm (a library exported with the backward kernels, tuned where
 the logs have records), FlexAttention (compiled), Longformer-style sliding chunks and
 SDPA with a dense mask (pure torch autograd). Every peer's gradients are checked against
-ours before it is timed. Writes ``training.json``.
+ours before it is timed. Writes ``training.json``. ``--mcpu`` builds for another CPU
+class on this machine, as ``benchmarks.forward --mcpu`` does.
 """
 
 from __future__ import annotations
@@ -38,12 +39,12 @@ def spec_strings(configs=CONFIGS, dtype: str = "float32") -> list[str]:
     return [strings[c] + ",backward" for c in configs]
 
 
-def build_library(out_dir: str, configs, logs: str | None, dtype: str = "float32") -> str:
+def build_library(out_dir: str, configs, logs: str | None, dtype: str = "float32", target: dict | None = None) -> str:
     specs = [AttentionSpec.parse(s) for s in spec_strings(configs, dtype)]
     path = os.path.join(out_dir, "swa_bench_training.so" if dtype == "float32" else f"swa_bench_training_{dtype}.so")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UntunedKernelWarning)
-        swa_tvm.export_library(specs, path, logs=logs or DEFAULT_LOGS)
+        swa_tvm.export_library(specs, path, target=target, logs=logs or DEFAULT_LOGS)
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
     return path
@@ -80,12 +81,18 @@ def main(argv=None) -> int:
     p.add_argument("--logs", help="tuning log root (default: the committed tuning_logs/)")
     p.add_argument("--dtype", choices=bench.DTYPES, default="float32",
                    help="input dtype (as swa-tvm bench --dtype); results go to training_<dtype>.json")
+    p.add_argument("--mcpu", default=None, help="build for this LLVM CPU class instead of this machine's "
+                   "(its tuning records; results in benchmarks/results/llvm-<MCPU>-on-<this mcpu>)")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    args.out = bench.results_dir(args.out)
+    try:
+        target = bench.bench_target(args.mcpu)
+    except ValueError as e:
+        p.error(f"--mcpu: {e}")
+    args.out = bench.results_dir(args.out, target)
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
-    swa_tvm.load_library(build_library(args.out, args.configs, args.logs, args.dtype))
+    swa_tvm.load_library(build_library(args.out, args.configs, args.logs, args.dtype, target))
     print(f"library built in {time.time() - t0:.0f}s")
     rows = []
     path = os.path.join(args.out, "training.json" if args.dtype == "float32" else f"training_{args.dtype}.json")
@@ -141,13 +148,13 @@ def main(argv=None) -> int:
                                  ratio=train / fwd, rel_err=err))
                 print(f"  {config:20s} T={T:6d} {method:15s} fwd {fwd:9.1f} ms  fwd+bwd {train:9.1f} ms  "
                       f"({train / fwd:.2f}x)")
-            result = _result(argv, rows, args.dtype)
+            result = _result(argv, rows, args.dtype, target)
             with open(path + ".tmp", "w") as f:
                 json.dump(result, f, indent=2)
             os.replace(path + ".tmp", path)
             del q, k, v, dout, timed, fns
             gc.collect()
-    result = _result(argv, rows, args.dtype)
+    result = _result(argv, rows, args.dtype, target)
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
     print(markdown_table(result))
@@ -155,11 +162,11 @@ def main(argv=None) -> int:
     return 0
 
 
-def _result(argv, rows, dtype: str = "float32") -> dict:
+def _result(argv, rows, dtype: str = "float32", target: dict | None = None) -> dict:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python -m benchmarks.training", *(argv or [])]),
-        "machine": bench.machine_info(torch.get_num_threads()),
+        "machine": bench.machine_info(torch.get_num_threads(), target),
         "versions": {"torch": torch.__version__, "tvm": swa_tvm.runtime.library.tvm_version(), "swa_tvm": swa_tvm.__version__},
         "shape": {"B": bench.B, "H": bench.H, "D": bench.D, "dtype": dtype},
         "rows": rows,

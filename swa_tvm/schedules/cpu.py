@@ -208,14 +208,20 @@ def schedule_cache_dx(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) 
     _gather_back(sch, ["dkx"], spec, vector_lanes)
 
 
+def _converts_band(spec: KernelSpec) -> bool:
+    """16-bit inputs of a bounded window: see ``_band_rows``."""
+    return spec.dtype in ("bfloat16", "float16") and spec.left >= 0 and spec.right >= 0
+
+
 def _band_rows(sch, spec: KernelSpec, names) -> list[str]:
     """The band gathers ``names`` (rows of the inputs that a product reads many times)
     that are computed per item: none for float32, whose products read the rows straight
-    from the inputs (they are inlined here); all for 16-bit inputs, converted to
-    float32 once per item into a buffer of the item. Read in place, every use of a
-    16-bit value took its own conversion: three extra instructions per broadcast key,
-    which made bfloat16 slower than float32 on CPUs without a matrix engine."""
-    if spec.dtype in ("bfloat16", "float16"):
+    from the inputs (they are inlined here); all for 16-bit inputs of a bounded window,
+    converted to float32 once per item into a buffer of the item. Read in place, every
+    use of a 16-bit value took its own conversion: three extra instructions per
+    broadcast key, which made bfloat16 slower than float32 on CPUs without a matrix
+    engine. An unbounded window's band is the whole sequence, so it stays in place."""
+    if _converts_band(spec):
         return list(names)
     for name in names:
         sch.compute_inline(sch.get_sblock(name))
@@ -223,7 +229,7 @@ def _band_rows(sch, spec: KernelSpec, names) -> list[str]:
 
 
 def _vectorize_band_rows(sch, spec: KernelSpec, names, vector_lanes: int) -> None:
-    if spec.dtype in ("bfloat16", "float16"):
+    if _converts_band(spec):
         for name in names:
             _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1],
                              _largest_divisor_upto(spec.head_dim, vector_lanes))
