@@ -83,6 +83,15 @@ NOTES = {
         "There are no tuning records for this key: \"tuned\" and \"default\" are the same schedules, so their "
         "ratio below is the noise between two libraries timed in one run on this shared machine."
     ),
+    ("llvm-rocketlake-on-emeraldrapids", "results.json"): (
+        "Of the forward kernels, validation kept a searched record for the global rows alone, so in every row "
+        "but the globals' \"tuned\" and \"default\" run the same window kernels: their ratio is this run's noise."
+    ),
+    ("llvm-rocketlake-on-emeraldrapids", "results_bfloat16.json"): (
+        "No AMX: the bfloat16 kernels convert each item's band to float32 and multiply in float32. They run their "
+        "default schedules (validation kept no bfloat16 record of this class). % of matmul is against the bfloat16 "
+        "matmul of the same run, which oneDNN runs on this hardware's AMX."
+    ),
     ("llvm-rocketlake", "results_bfloat16.json"): (
         "% of matmul is against the float32 matmul of the same run. swa_tvm's kernels convert bfloat16 to "
         "float32 on load; FlexAttention runs bfloat16 natively."
