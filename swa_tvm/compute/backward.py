@@ -104,7 +104,8 @@ def local_dq(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
     D, dt, acc = spec.head_dim, spec.dtype, accum_dtype(spec.dtype)
     Bq = amx_block(spec) if amx else spec.block_q
     ins, (q, k, v, dil, xidx, dout, lse, delta, scale) = _grad_inputs(spec, B, H, Hkv, T, E)
-    band = Band(spec.left, spec.right, Bq, spec.max_dilation, T, H, dil, lanes=MATRIX_K if amx else LANES)
+    band = Band(spec.left, spec.right, Bq, spec.max_dilation, T, H, dil, lanes=MATRIX_K if amx else LANES,
+                unit=amx and spec.max_dilation == 1)
     n, kw, clamp = band.nitems, band.width, band.clamp
     group = div_nonneg(H, Hkv)
     ninf = _neg_inf(acc)
@@ -130,7 +131,7 @@ def local_dq(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
         name="rstat",
     )
     if amx:
-        res = ResidueCopies(dil, T, spec.left, n * Bq + kw, spec.max_dilation, band.info)
+        res = ResidueCopies(dil, T, spec.left, n * Bq + kw, spec.max_dilation, band)
         kv = lambda h: div_nonneg(h, group)  # noqa: E731
         kband = res.band_rows(res.rows(k, "kres", kv), kw, "kband")
         kband_t = res.band_cols(res.cols(k, "kres", kv), kw, "kband_t")
@@ -261,7 +262,8 @@ def local_dkv(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = F
     Bk = amx_block(spec) if amx else spec.block_q
     ins, (q, k, v, dil, _, dout, lse, delta, scale) = _grad_inputs(spec, B, H, Hkv, T, E)
     # Key j is seen by query i = j + u*d for -right <= u <= left: the transposed window.
-    band = Band(spec.right, spec.left, Bk, spec.max_dilation, T, H, dil, lanes=MATRIX_K if amx else LANES)
+    band = Band(spec.right, spec.left, Bk, spec.max_dilation, T, H, dil, lanes=MATRIX_K if amx else LANES,
+                unit=amx and spec.max_dilation == 1)
     n, qw, clamp = band.nitems, band.width, band.clamp
     group = div_nonneg(H, Hkv)
     ninf = _neg_inf(acc)
@@ -280,7 +282,7 @@ def local_dkv(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = F
         name="bstat",
     )
     if amx:
-        res = ResidueCopies(dil, T, spec.right, n * Bk + qw, spec.max_dilation, band.info)
+        res = ResidueCopies(dil, T, spec.right, n * Bk + qw, spec.max_dilation, band)
         kv = lambda h: div_nonneg(h, group)  # noqa: E731
         qband = res.band_rows(res.rows(q, "qres"), qw, "qband")
         qband_t = res.band_cols(res.cols(q, "qres"), qw, "qband_t")

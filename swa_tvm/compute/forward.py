@@ -189,17 +189,25 @@ class Band:
     (partner(kj) = r + d*kj when lo is unbounded). ``info`` [H, nitems, 4] holds, per
     item, pos(0), partner(0), ib*block and r, so inner loops never divide by the
     runtime dilation.
+
+    ``unit``: the kernel serves dilation 1 alone (max_dilation 1), so d is the constant
+    1 and not the runtime value: items are plain blocks, ``item_of`` divides by the
+    constant block, and an item's first band slot is ``beta * block`` (``start``),
+    affine in the item loop. The matrix-engine form takes it; the float32-product
+    form keeps the runtime d, so its PrimFuncs, and their tuning records, stay as they
+    were.
     """
 
     def __init__(self, lo: int, hi: int, block: int, max_dilation: int, T, H, dil, name: str = "item_info",
-                 lanes: int = LANES):
-        self.lo, self.hi, self.block, self.T, self.H, self.dil = lo, hi, block, T, H, dil
+                 lanes: int = LANES, unit: bool = False):
+        assert not unit or max_dilation == 1
+        self.lo, self.hi, self.block, self.T, self.H, self.dil, self.unit = lo, hi, block, T, H, dil, unit
         self.nitems = tirx.floordiv(T + (block - 1), block) + (max_dilation - 1)
         # Unbounded side: the band is the whole (residue) sequence, O(T^2) as the math says.
         self.width = band_width(block, lo, hi, lanes) if lo >= 0 and hi >= 0 else T + max(lo, 0)
 
         def field(h, beta, f):
-            d = i64(dil[h])
+            d = self.d(h)
             ib, r = div_nonneg(beta, d), mod_nonneg(beta, d)
             row0 = ib * (block * d) + r
             key0 = row0 - lo * d if lo >= 0 else r
@@ -207,11 +215,23 @@ class Band:
 
         self.info = te.compute((H, self.nitems, 4), field, name=name)
 
+    def d(self, h):
+        """Head h's dilation: the constant 1 for a ``unit`` band."""
+        return tirx.const(1, "int64") if self.unit else i64(self.dil[h])
+
+    def start(self, h, beta):
+        """The item's first band slot in residue space, ib*block: affine in beta for a
+        ``unit`` band, read from ``info`` otherwise."""
+        return i64(beta) * self.block if self.unit else self.info[h, beta, 2]
+
+    def residue(self, h, beta):
+        return tirx.const(0, "int64") if self.unit else self.info[h, beta, 3]
+
     def pos(self, h, beta, qi):
-        return self.info[h, beta, 0] + i64(self.dil[h]) * qi
+        return self.info[h, beta, 0] + self.d(h) * qi
 
     def partner(self, h, beta, kj):
-        return self.info[h, beta, 1] + i64(self.dil[h]) * kj
+        return self.info[h, beta, 1] + self.d(h) * kj
 
     def clamp(self, x):
         return tirx.max(tirx.min(x, self.T - 1), 0)
@@ -223,7 +243,7 @@ class Band:
         T, lo, hi = self.T, self.lo, self.hi
         j = self.partner(h, beta, kj)
         ok = tirx.all(j >= 0, j < T, self.pos(h, beta, qi) < T)
-        off = kj - lo - qi if lo >= 0 else kj - self.info[h, beta, 2] - qi
+        off = kj - lo - qi if lo >= 0 else kj - self.start(h, beta) - qi
         if lo >= 0:
             ok = tirx.all(ok, off >= -lo)
         if hi >= 0:
@@ -234,9 +254,7 @@ class Band:
         """(first, last) partner index kj that block position qi sees: the same set as
         ``ok``, as one interval (empty, first > last, for rows past the end). A mask
         from two compares per entry, instead of ``ok``'s int64 arithmetic."""
-        return row_key_range(
-            self.lo, self.hi, self.T, i64(self.dil[h]), self.info[h, beta, 2], self.info[h, beta, 3], qi
-        )
+        return row_key_range(self.lo, self.hi, self.T, self.d(h), self.start(h, beta), self.residue(h, beta), qi)
 
     def interval_mask(self, name: str = "krange"):
         """``ok`` as a stage plus a predicate: the per-item table [H, nitems, 2, block]
@@ -256,7 +274,7 @@ class Band:
 
     def item_of(self, h, i):
         """(item, block position) of sequence position i: for gathering results back."""
-        d = i64(self.dil[h])
+        d = self.d(h)
         # i = (ib*block + qi)*d + r: one division by d, the rest by the constant block.
         t = div_nonneg(i, d)
         return div_nonneg(t, self.block) * d + mod_nonneg(i, d), mod_nonneg(t, self.block)
@@ -381,8 +399,8 @@ class ResidueCopies:
     (``bf16_value``). ``band_rows``/``band_cols`` copy an item's band out of them. Each
     copy holds about max_dilation x T x D values per head (AMX_MAX_DILATION bounds it)."""
 
-    def __init__(self, dil, T, lo: int, slots, max_dilation: int, item_info):
-        self.dil, self.T, self.lo, self.slots, self.md, self.info = dil, T, lo, slots, max_dilation, item_info
+    def __init__(self, dil, T, lo: int, slots, max_dilation: int, band: Band):
+        self.dil, self.T, self.lo, self.slots, self.md, self.band = dil, T, lo, slots, max_dilation, band
         self._rows = {}
         self._head = {}  # copy name -> query head -> the copy's head
 
@@ -421,19 +439,21 @@ class ResidueCopies:
         return te.compute((B, H, md, D, slots), lambda b, h, r, c, p: rows[b, h, r, p, c], name=name + "_t")
 
     def band_rows(self, res, width, name: str):
-        """Item beta's band of residue rows ``res``: [B, H, items, width, D]."""
-        B, D, info, head = res.shape[0], res.shape[4], self.info, self._head[res.op.name]
+        """Item beta's band of residue rows ``res``: [B, H, items, width, D]. Of a
+        ``unit`` band its slots are affine in beta, so a schedule may inline it and let
+        the products read the copy in place."""
+        B, D, band, head = res.shape[0], res.shape[4], self.band, self._head[res.op.name]
         return te.compute(
-            (B, self.dil.shape[0], info.shape[1], width, D),
-            lambda b, h, beta, j, c: res[b, head(h), info[h, beta, 3], info[h, beta, 2] + j, c], name=name,
+            (B, self.dil.shape[0], band.nitems, width, D),
+            lambda b, h, beta, j, c: res[b, head(h), band.residue(h, beta), band.start(h, beta) + j, c], name=name,
         )
 
     def band_cols(self, res_t, width, name: str):
         """Item beta's band of transposed residue rows ``res_t``: [B, H, items, D, width]."""
-        B, D, info, head = res_t.shape[0], res_t.shape[3], self.info, self._head[res_t.op.name]
+        B, D, band, head = res_t.shape[0], res_t.shape[3], self.band, self._head[res_t.op.name]
         return te.compute(
-            (B, self.dil.shape[0], info.shape[1], D, width),
-            lambda b, h, beta, c, j: res_t[b, head(h), info[h, beta, 3], c, info[h, beta, 2] + j], name=name,
+            (B, self.dil.shape[0], band.nitems, D, width),
+            lambda b, h, beta, c, j: res_t[b, head(h), band.residue(h, beta), c, band.start(h, beta) + j], name=name,
         )
 
 
@@ -549,7 +569,8 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
 
     exact = spec.nonfinite or native_exp
     mul = product(exact)
-    band = Band(left, right, Bq, spec.max_dilation, T, H, dil, lanes=MATRIX_K if amx else LANES)
+    band = Band(left, right, Bq, spec.max_dilation, T, H, dil, lanes=MATRIX_K if amx else LANES,
+                unit=amx and spec.max_dilation == 1)
     nitems, kw, item_info = band.nitems, band.width, band.info
     row_of, key_of, clamp = band.pos, band.partner, band.clamp
     group = div_nonneg(H, Hkv)
@@ -567,7 +588,7 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
         (B, H, nitems, D, Bq), lambda b, h, beta, cc, qi: q[b, h, clamp(row_of(h, beta, qi)), cc], name="qblk_t"
     )
     if amx:
-        res = ResidueCopies(dil, T, left, nitems * Bq + kw, spec.max_dilation, item_info)
+        res = ResidueCopies(dil, T, left, nitems * Bq + kw, spec.max_dilation, band)
         kv_head = lambda h: div_nonneg(h, group)  # noqa: E731
         kband = res.band_rows(res.rows(k, "kres", kv_head), kw, "kband")
         vband_t = res.band_cols(res.cols(v, "vres", kv_head), kw, "vband_t")

@@ -334,19 +334,36 @@ def _amx_residue_copies(sch, spec: KernelSpec, rows, cols) -> None:
         sch.unroll(pi)
 
 
+def _amx_bands(sch, spec: KernelSpec, names) -> list[str]:
+    """The item band copies ``names`` of the matrix-engine form that are computed per
+    item. Under dilation 1 alone (max_dilation 1) an item's band is a slice of the
+    residue copy at an offset affine in the item (``compute.forward.Band``, ``unit``),
+    so the copies are inlined and the tile loads read the residue copy in place; under
+    a runtime dilation the offset is read from the item table, which a tensorized block
+    cannot take, so each item copies its band."""
+    if spec.max_dilation == 1:
+        for name in names:
+            sch.compute_inline(sch.get_sblock(name))
+        return []
+    return list(names)
+
+
 def _amx_item_stages(sch, spec: KernelSpec, products, band_rows, band_cols, words, elementwise, vector_lanes) -> None:
     """An item's matrix-engine stages, once they are at the item loop: each product of
     ``products`` tensorized whole into one intrinsic call (schedules.amx; the shapes are
-    the stages' own); the band copies vectorized along their rows; the block pair words
-    walked rows outside; the elementwise stages two vectors at a time along the block."""
+    the stages' own); the band copies that are made (``_amx_bands``) vectorized along
+    their rows; the block pair words walked rows outside; the elementwise stages two
+    vectors at a time along the block."""
     for name in products:
         blk = sch.get_sblock(name)
         m, n, k2 = (int(iv.dom.extent) for iv in sch.get(blk).iter_vars[-4:-1])  # [.., M, N, K/2, 2]
         sch.tensorize(sch.get_loops(blk)[-4], amx.register(m, n, 2 * k2))
     for name in band_rows:
-        _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1], min(spec.head_dim, 32))
+        if _has(sch, name):
+            _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1], min(spec.head_dim, 32))
     for name in band_cols:
-        _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1], 32)
+        if _has(sch, name):
+            _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1], 32)
     for name in words:
         c2_l, i_l = sch.get_loops(sch.get_sblock(name))[-2:]
         sch.reorder(i_l, c2_l)
@@ -368,7 +385,8 @@ def schedule_local_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int 
 
     item = _local_forward_loops(sch, spec, vector_lanes)
     order = ["denom", "wacc_t", "xacc", "wsum", "xsum", "pword", "wprob", "xprob", "rowmax", "wmax", "xmax"]
-    order += ["masked", "xmasked", "krange", "score", "xscore", "qword", "qblk_t", "kband", "vband_t"]
+    order += ["masked", "xmasked", "krange", "score", "xscore", "qword", "qblk_t"]
+    order += _amx_bands(sch, spec, ["kband", "vband_t"])
     _stages_at(sch, item, order, knobs)
 
     # The band's max and sum follow each row of masked scores and probabilities as it is
@@ -396,7 +414,7 @@ def schedule_local_dq_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: i
     _amx_residue_copies(sch, spec, ["kres", "vres"], ["kres"])
     _gather_back(sch, ["dq"], spec, vector_lanes)
     per_item = ["dqx", "dq_t", "xds", "dsword", "ds", "xarg", "arg", "krange", "xdp", "xscore", "dp", "score"]
-    per_item += ["rstat", "dblk_t", "qblk_t", "dword", "qword", "kband", "kband_t", "vband"]
+    per_item += ["rstat", "dblk_t", "qblk_t", "dword", "qword"] + _amx_bands(sch, spec, ["kband", "kband_t", "vband"])
     _items(sch, ["dq_blk"], per_item, knobs)
     _vectorize_inner(sch, sch.get_loops(sch.get_sblock("dq_blk"))[-1], vector_lanes)
     _amx_item_stages(sch, spec, AMX_PRODUCTS["local_dq"], ["kband", "vband"], ["kband_t"], ["qword", "dword"],
@@ -417,7 +435,7 @@ def schedule_local_dkv_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: 
     _amx_residue_copies(sch, spec, ["qres", "dres"], ["qres", "dres"])
     _gather_back(sch, ["dk", "dv"], spec, vector_lanes)
     per_item = ["dsword", "pword", "ds", "prob", "arg", "krange", "dp", "score", "bstat", "vword", "kword"]
-    per_item += ["qband", "qband_t", "dband", "dband_t"]
+    per_item += _amx_bands(sch, spec, ["qband", "qband_t", "dband", "dband_t"])
     _items(sch, ["dk_t", "dv_t"], per_item, knobs)  # program order: the TE makes dk_t first
     _amx_item_stages(sch, spec, AMX_PRODUCTS["local_dkv"], ["qband", "dband"], ["qband_t", "dband_t"],
                      ["kword", "vword"], ["arg", "prob", "ds", "pword", "dsword"], vector_lanes)
