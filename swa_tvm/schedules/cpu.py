@@ -239,18 +239,33 @@ def _largest_divisor_upto(n: int, cap: int) -> int:
     return max(x for x in range(1, min(n, cap) + 1) if n % x == 0)
 
 
-def _local_forward_loops(sch, spec: KernelSpec, vector_lanes: int):
+def _row_runs(sch, loops, runs: int | None):
+    """Fuse (batch, head, row) loops into one parallel-ready loop; with ``runs``, of runs
+    of that many rows (the rows of a run an inner loop), so the fused index is divided
+    back into batch, head and row (by runtime extents) once per run, not once per row."""
+    if runs is None:
+        return sch.fuse(*loops), None
+    b, h, i = loops
+    io, ii = sch.split(i, factors=[None, runs])
+    return sch.fuse(b, h, io), ii
+
+
+# Rows per run of the matrix-engine form's result gathers (``_row_runs``).
+AMX_GATHER_RUN = 16
+
+
+def _local_forward_loops(sch, spec: KernelSpec, vector_lanes: int, runs: int | None = None):
     """The local forward's two parallel loops: the gathers back to [B,H,T,(D)], merged
-    into one loop over rows, and the item loop of blk_out and blk_lse (they share every
-    producer, so their item loops are merged before the producers are computed at it).
-    Returns the item loop."""
+    into one loop over rows (over runs of ``runs`` rows, ``_row_runs``), and the item
+    loop of blk_out and blk_lse (they share every producer, so their item loops are
+    merged before the producers are computed at it). Returns the item loop."""
     out = sch.get_sblock("out")
     b, h, i, cc = sch.get_loops(out)
-    row = sch.fuse(b, h, i)
+    row, _ = _row_runs(sch, [b, h, i], runs)
     if spec.head_dim % vector_lanes == 0:
         _vectorize_inner(sch, cc, vector_lanes)
-    b, h, i = sch.get_loops(sch.get_sblock("lse"))
-    sch.parallel(sch.merge(row, sch.fuse(b, h, i)))
+    row_lse, _ = _row_runs(sch, sch.get_loops(sch.get_sblock("lse")), runs)
+    sch.parallel(sch.merge(row, row_lse))
 
     root = sch.get_sblock("blk_out")
     b, h, beta, qi, cc = sch.get_loops(root)
@@ -316,15 +331,22 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8,
             _prob_value_product(sch, name, spec.block_q, spec.head_dim, vector_lanes, k, kw)
 
 
+# Slots per run of the residue copies' parallel loop.
+AMX_COPY_RUN = 64
+
+
 def _amx_residue_copies(sch, spec: KernelSpec, rows, cols) -> None:
     """The residue-major copies of the matrix-engine form (``compute.forward.ResidueCopies``),
     each its own parallel loop: ``rows`` vectorized along the head dim; the transposes
     of ``cols`` in 32 x 32 blocks, so their reads and writes both stay within a few pages,
     the inner loop unrolled (vectorized, it became 16-bit gathers)."""
     for name in rows:
-        loops = sch.get_loops(sch.get_sblock(name))
-        sch.parallel(sch.fuse(*loops[:-1]))
-        _vectorize_inner(sch, loops[-1], min(spec.head_dim, 32))
+        b, h, r, p, c = sch.get_loops(sch.get_sblock(name))
+        # Parallel over runs of slots: the fused index is divided back (by runtime
+        # extents) once per run, not once per slot.
+        po, _ = sch.split(p, factors=[None, AMX_COPY_RUN])
+        sch.parallel(sch.fuse(b, h, r, po))
+        _vectorize_inner(sch, c, min(spec.head_dim, 32))
     for name in cols:
         b, h, r, c, p = sch.get_loops(sch.get_sblock(name + "_t"))
         po, pi = sch.split(p, factors=[None, 32])
@@ -383,7 +405,7 @@ def schedule_local_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int 
     block = amx_block(spec)
     _amx_residue_copies(sch, spec, ["kres", "vres"], ["vres"])
 
-    item = _local_forward_loops(sch, spec, vector_lanes)
+    item = _local_forward_loops(sch, spec, vector_lanes, AMX_GATHER_RUN)
     order = ["denom", "wacc_t", "xacc", "wsum", "xsum", "pword", "wprob", "xprob", "rowmax", "wmax", "xmax"]
     order += ["masked", "xmasked", "krange", "score", "xscore", "qword", "qblk_t"]
     order += _amx_bands(sch, spec, ["kband", "vband_t"])
@@ -412,7 +434,7 @@ def schedule_local_dq_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: i
     [band, block] over the head dim, dQ^T [D, block] over the band)."""
     knobs = knobs or Defaults()
     _amx_residue_copies(sch, spec, ["kres", "vres"], ["kres"])
-    _gather_back(sch, ["dq"], spec, vector_lanes)
+    _gather_back(sch, ["dq"], spec, vector_lanes, AMX_GATHER_RUN)
     per_item = ["dqx", "dq_t", "xds", "dsword", "ds", "xarg", "arg", "krange", "xdp", "xscore", "dp", "score"]
     per_item += ["rstat", "dblk_t", "qblk_t", "dword", "qword"] + _amx_bands(sch, spec, ["kband", "kband_t", "vband"])
     _items(sch, ["dq_blk"], per_item, knobs)
@@ -433,7 +455,7 @@ def schedule_local_dkv_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: 
     [band, block] over the head dim, dV^T and dK^T [D, block] over the band)."""
     knobs = knobs or Defaults()
     _amx_residue_copies(sch, spec, ["qres", "dres"], ["qres", "dres"])
-    _gather_back(sch, ["dk", "dv"], spec, vector_lanes)
+    _gather_back(sch, ["dk", "dv"], spec, vector_lanes, AMX_GATHER_RUN)
     per_item = ["dsword", "pword", "ds", "prob", "arg", "krange", "dp", "score", "bstat", "vword", "kword"]
     per_item += _amx_bands(sch, spec, ["qband", "qband_t", "dband", "dband_t"])
     _items(sch, ["dk_t", "dv_t"], per_item, knobs)  # program order: the TE makes dk_t first
@@ -600,14 +622,15 @@ def _stages_at(sch, item, names, knobs) -> None:
     sch.annotate(item, "pragma_unroll_explicit", 1)
 
 
-def _gather_back(sch, names, spec, vector_lanes):
-    """The final [B,H,T,D] gathers, merged into one parallel loop over rows."""
+def _gather_back(sch, names, spec, vector_lanes, runs: int | None = None):
+    """The final [B,H,T,D] gathers, merged into one parallel loop over rows (over runs
+    of ``runs`` rows, ``_row_runs``)."""
     row = None
     for name in names:
         loops = sch.get_loops(sch.get_sblock(name))
         if spec.head_dim % vector_lanes == 0:
             _vectorize_inner(sch, loops[-1], vector_lanes)
-        fused = sch.fuse(*loops[:3])
+        fused, _ = _row_runs(sch, loops[:3], runs)
         row = fused if row is None else sch.merge(row, fused)
     sch.parallel(row)
 
