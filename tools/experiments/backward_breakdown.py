@@ -39,8 +39,15 @@ def main(argv=None) -> None:
     def forward():
         return swa_tvm.sliding_window_attention(q, k, v, window_size=window)
 
+    def backward(out):
+        # Gradients replace, not accumulate (as benchmarks.training and an optimizer's
+        # zero_grad(set_to_none=True) have it): no add into existing .grad tensors.
+        for x in (q, k, v):
+            x.grad = None
+        torch.autograd.backward(out, grad)
+
     for _ in range(2):  # compiles or loads the kernels, warms the caches
-        torch.autograd.backward(forward(), grad)
+        backward(forward())
     fwd, bwd = [], []
     for _ in range(a.steps):
         with torch.no_grad():
@@ -49,7 +56,7 @@ def main(argv=None) -> None:
             fwd.append(time.perf_counter() - t0)
         out = forward()
         t0 = time.perf_counter()
-        torch.autograd.backward(out, grad)
+        backward(out)
         bwd.append(time.perf_counter() - t0)
     print(f"{a.dtype} B={a.B} H={a.H} T={a.T} D={a.D} window={window}: forward {statistics.median(fwd) * 1e3:.1f} ms, "
           f"backward {statistics.median(bwd) * 1e3:.1f} ms (medians of {a.steps})")
@@ -57,7 +64,7 @@ def main(argv=None) -> None:
     outs = [forward() for _ in range(a.steps)]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for out in outs:
-            torch.autograd.backward(out, grad)
+            backward(out)
     rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in rows)
     print(f"profiled backward: {total / 1e3 / a.steps:.1f} ms per step of self CPU time")
