@@ -56,14 +56,21 @@ def write_results(result: dict, name: str, out: str | None) -> str:
     return path
 
 
+def _foreign(target: dict | None) -> bool:
+    """Whether ``target`` is not this machine's own target: another class, or the same
+    -mcpu name with other features (a virtual machine LLVM names rocketlake gets AMX in
+    its host target, which ``--mcpu rocketlake`` leaves out)."""
+    return target is not None and target != host_target()
+
+
 def results_dir(out: str | None, target: dict | None = None) -> str:
-    """``out``, or benchmarks/results/<target-key>: this machine's CPU class, or, for a
-    ``target`` of another class, ``<its key>-on-<this machine's mcpu>``."""
+    """``out``, or benchmarks/results/<target-key>: this machine's own target, or, for
+    another (``_foreign``), ``<its key>-on-<this machine's mcpu>``."""
     if out:
         return out
     host = host_target()
     key = target_key(host)
-    if target is not None and target_key(target) != key:
+    if _foreign(target):
         key = f"{target_key(target)}-on-{host['mcpu']}"
     return os.path.join(_REPO, "benchmarks", "results", key)
 
@@ -241,14 +248,32 @@ def sliding_chunks(q, k, v, cfg: dict, gi: torch.Tensor | None):
     return out.reshape(Bq, Hq, n * c, Dq)[:, :, :T].contiguous()
 
 
+# Each library's kernels, as load_library registered them (by path).
+_LIBRARY_KERNELS: dict = {}
+
+
+def use_library(path: str) -> None:
+    """Make ``path``'s kernels the registered ones. The "tuned" and "default" libraries
+    hold the same kernel names, and the registry keeps one kernel per name: so each call
+    of a method re-registers its library's kernels (a few dictionary entries; the file
+    is loaded and checked once). Registered only when a method was made, the library
+    made last served both methods' timed calls."""
+    if path not in _LIBRARY_KERNELS:
+        swa_tvm.load_library(path)
+        _LIBRARY_KERNELS[path] = [k for k in library.REGISTRY.kernels() if k.origin == path]
+    for kernel in _LIBRARY_KERNELS[path]:
+        library.REGISTRY.add(kernel)
+
+
 def make_method(name: str, T: int, cfg: dict, gi, libs: dict):
     """A no-argument callable computing attention on (q, k, v) for one method, or None
     where it does not apply (dense peers past DENSE_MAX_T)."""
     if name.startswith("swa_tvm"):
-        # Both libraries of a dtype hold the same kernel names; loading one (re)registers its kernels.
-        swa_tvm.load_library(libs[{"swa_tvm tuned": "tuned", "swa_tvm default": "default", FLOAT32: "float32"}[name]])
+        path = libs[{"swa_tvm tuned": "tuned", "swa_tvm default": "default", FLOAT32: "float32"}[name]]
+        use_library(path)
 
         def run(q, k, v):
+            use_library(path)
             return swa_tvm.sliding_window_attention(
                 q, k, v, window_size=cfg["window"], dilation=cfg["dilation"], global_idx=gi
             )
@@ -403,7 +428,7 @@ def memory_in_subprocess(method: str, config: str, T: int, libs: dict, timeout: 
 
 def _load_libs(libs: dict) -> None:
     for path in libs.values():
-        swa_tvm.load_library(path)
+        use_library(path)
 
 
 def build_libraries(out_dir: str, logs: str | None, reuse: bool = False, dtype: str = "float32",
@@ -612,6 +637,8 @@ def _result(args, argv, libs_tuned, threads, peak, rows, memory, growth=(), targ
         "tuned_kernels": libs_tuned,
         # Which searched records "swa_tvm tuned" applies: those validation kept.
         "record_rule": "validated",
+        # Each swa_tvm method's calls run its own library's kernels (use_library).
+        "library_per_call": True,
         "rows": rows,
         "growth": list(growth),
         "memory": memory,
@@ -656,7 +683,7 @@ def machine_info(threads: int, target: dict | None = None) -> dict:
     key = target_key(target) if target is not None else host
     info = {"cpu": library.host_cpu_name(), "machine": platform.machine(), "target_key": key,
             "threads": threads, "tvm_threads": library.tvm_pool_threads()}
-    if key != host:
+    if _foreign(target):
         info["host_key"] = host
     return info
 

@@ -221,6 +221,26 @@ def test_library_records_amx_and_refuses_a_cpu_without_it(tmp_path, monkeypatch)
 
 
 @x86
+@pytest.mark.slow  # compiles the forward and both window gradients
+@pytest.mark.parametrize("dilation", [1, 2])
+def test_matrix_form_builds_for_an_amx_class(tmp_path, dilation):
+    """On any x86 machine, the matrix form of the local forward and both window
+    gradients builds for an AMX class with every product tensorized: at dilation bound
+    1 the tile loads read the residue copies in place, at 2 each item copies its band.
+    (Where the CPU has AMX, the accuracy tests above run both.)"""
+    from swa_tvm.spec import AttentionSpec
+
+    text = "head_dim=64,window=20:3,backward,dtype=bfloat16" + (f",dilation={dilation}" if dilation > 1 else "")
+    path = tmp_path / "amx.so"
+    manifest = swa_tvm.export_library([AttentionSpec.parse(text)], path, target=AMX_TARGET, logs=None,
+                                      warn_untuned=False)
+    schedules = {e["spec"]["kind"]: e["schedule"] for e in manifest["kernels"]}
+    assert all(e["spec"]["max_dilation"] == dilation for e in manifest["kernels"])
+    assert [schedules[kind] for kind in ("local", "local_dq", "local_dkv")] == ["amx"] * 3, schedules
+    assert _has_tdpbf16ps(path.read_bytes()), "no TDPBF16PS instruction in the compiled library"
+
+
+@x86
 def test_refused_tile_state_is_a_library_error(tmp_path, monkeypatch):
     """Where the OS refuses the process AMX tile state, loading a library with AMX
     kernels raises LibraryError naming it; no kernel is registered to die of SIGILL."""

@@ -60,6 +60,7 @@ from swa_tvm.compute.forward import (
     matrix_product,
     mod_nonneg,
     product,
+    unit_band,
 )
 from swa_tvm.spec import KernelSpec, accum_dtype
 
@@ -105,7 +106,7 @@ def local_dq(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
     Bq = amx_block(spec) if amx else spec.block_q
     ins, (q, k, v, dil, xidx, dout, lse, delta, scale) = _grad_inputs(spec, B, H, Hkv, T, E)
     band = Band(spec.left, spec.right, Bq, spec.max_dilation, T, H, dil, lanes=MATRIX_K if amx else LANES,
-                unit=amx and spec.max_dilation == 1)
+                unit=unit_band(spec, amx))
     n, kw, clamp = band.nitems, band.width, band.clamp
     group = div_nonneg(H, Hkv)
     ninf = _neg_inf(acc)
@@ -210,7 +211,7 @@ def local_dq(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
         xarg = te.compute(
             (B, H, n, E, Bq),
             lambda b, h, be, e, qi: tirx.Select(
-                visible(b, h, e, band.pos(h, be, qi), band.info[h, be, 2] + qi, band.info[h, be, 3]),
+                visible(b, h, e, band.pos(h, be, qi), band.start(h, be) + qi, band.residue(h, be)),
                 xscore[b, h, be, e, qi] * scale - rstat[b, h, be, 0, qi],
                 ninf,
             ),
@@ -263,7 +264,7 @@ def local_dkv(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = F
     ins, (q, k, v, dil, _, dout, lse, delta, scale) = _grad_inputs(spec, B, H, Hkv, T, E)
     # Key j is seen by query i = j + u*d for -right <= u <= left: the transposed window.
     band = Band(spec.right, spec.left, Bk, spec.max_dilation, T, H, dil, lanes=MATRIX_K if amx else LANES,
-                unit=amx and spec.max_dilation == 1)
+                unit=unit_band(spec, amx))
     n, qw, clamp = band.nitems, band.width, band.clamp
     group = div_nonneg(H, Hkv)
     ninf = _neg_inf(acc)

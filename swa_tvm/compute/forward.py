@@ -173,6 +173,13 @@ def mod_nonneg(a, b):
     return tirx.truncmod(a, b)
 
 
+def unit_band(spec: KernelSpec, amx: bool) -> bool:
+    """Whether ``spec``'s band is built ``unit`` (``Band``): the matrix form of a kernel
+    that serves dilation 1 alone. Its schedule then reads the residue copies in place
+    (``schedules.cpu._amx_bands``), which needs the affine band start."""
+    return amx and spec.max_dilation == 1
+
+
 class Band:
     """The blocked band structure shared by the local kernels (forward and backward).
 
@@ -570,8 +577,8 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
     exact = spec.nonfinite or native_exp
     mul = product(exact)
     band = Band(left, right, Bq, spec.max_dilation, T, H, dil, lanes=MATRIX_K if amx else LANES,
-                unit=amx and spec.max_dilation == 1)
-    nitems, kw, item_info = band.nitems, band.width, band.info
+                unit=unit_band(spec, amx))
+    nitems, kw = band.nitems, band.width
     row_of, key_of, clamp = band.pos, band.partner, band.clamp
     group = div_nonneg(H, Hkv)
     ninf = _neg_inf(acc)
@@ -629,7 +636,7 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
         nx = tirx.floordiv(E + (EXTRA_TILE - 1), EXTRA_TILE) * EXTRA_TILE
         xe = lambda e: tirx.min(e, E - 1)  # noqa: E731
         band_extra_ok = lambda b, h, beta, qi, e: tirx.all(  # noqa: E731
-            e < E, extra_ok(b, h, xe(e), row_of(h, beta, qi), item_info[h, beta, 2] + qi, item_info[h, beta, 3])
+            e < E, extra_ok(b, h, xe(e), row_of(h, beta, qi), band.start(h, beta) + qi, band.residue(h, beta))
         )
 
         c2 = te.reduce_axis((0, D), name="c2")

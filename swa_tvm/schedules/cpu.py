@@ -40,6 +40,7 @@ from swa_tvm.compute.forward import (
     band_width,
     i64,
     item_key_span,
+    unit_band,
 )
 from swa_tvm.schedules import amx
 from swa_tvm.spec import KernelSpec
@@ -363,7 +364,7 @@ def _amx_bands(sch, spec: KernelSpec, names) -> list[str]:
     so the copies are inlined and the tile loads read the residue copy in place; under
     a runtime dilation the offset is read from the item table, which a tensorized block
     cannot take, so each item copies its band."""
-    if spec.max_dilation == 1:
+    if unit_band(spec, amx=True):
         for name in names:
             sch.compute_inline(sch.get_sblock(name))
         return []

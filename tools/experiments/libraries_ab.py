@@ -43,11 +43,18 @@ def main(argv=None) -> int:
 
     def call():
         if args.training:
+            for x in (q, k, v):
+                x.grad = None  # gradients replace, not accumulate, as in benchmarks.training
             swa_tvm.sliding_window_attention(q, k, v, **kw).backward(dout)
         else:
             with torch.no_grad():
                 swa_tvm.sliding_window_attention(q, k, v, **kw)
 
+    # The two must hold the same kernels: one missing from a library would be served by
+    # the other's, registered under the same name.
+    held = [sorted(s.name for s in swa_tvm.load_library(lib)) for lib in args.libraries]
+    if held[0] != held[1]:
+        p.error(f"the libraries hold different kernels: {held[0]} and {held[1]}")
     times = {lib: [] for lib in args.libraries}
     for r in range(args.rounds):
         for lib in args.libraries[:: 1 if r % 2 == 0 else -1]:
