@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     p.add_argument("--D", type=int, default=64)
     p.add_argument("--window", type=int, nargs=2, default=[511, 0])
     p.add_argument("--dilation", type=int, default=1)
+    p.add_argument("--globals", type=int, default=0, metavar="G",
+                   help="G global tokens at random positions (the libraries need 'globals')")
     p.add_argument("--training", action="store_true", help="time forward + backward (the libraries need 'backward')")
     p.add_argument("--rounds", type=int, default=9)
     args = p.parse_args(argv)
@@ -40,6 +42,9 @@ def main(argv=None) -> int:
     q, k, v = (torch.randn(1, args.H, args.T, args.D).to(dtype).requires_grad_(args.training) for _ in range(3))
     dout = torch.randn(1, args.H, args.T, args.D).to(dtype)
     kw = dict(window_size=tuple(args.window), dilation=args.dilation)
+    if args.globals:
+        positions = torch.randperm(args.T, generator=torch.Generator().manual_seed(1))[: args.globals]
+        kw["global_idx"] = torch.sort(positions).values.to(torch.int32).view(1, -1)
 
     def call():
         if args.training:
