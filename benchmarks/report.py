@@ -108,7 +108,9 @@ Every table below is generated from a JSON file under `benchmarks/results/<targe
 Each names the command that wrote it, the date, the machine and the versions. A target
 key is the class of machine a kernel is built for: `llvm-<mcpu>` as LLVM detects the CPU,
 `cuda-<arch>` for a GPU. Tuning records apply per key, so a run measures the records of
-its own key.
+its own key. A key `<key>-on-<mcpu>` holds runs of another class's code on a machine of
+class `<mcpu>` (`--mcpu`): what a CPU without some feature runs, timed where it is
+present.
 
 How the CPU runs measure:
 
