@@ -75,6 +75,19 @@ def results_dir(out: str | None, target: dict | None = None) -> str:
     return os.path.join(_REPO, "benchmarks", "results", key)
 
 
+def add_mcpu_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mcpu", default=None, help="build for this LLVM CPU class instead of this machine's "
+                   "(its tuning records; results in benchmarks/results/llvm-<MCPU>-on-<this mcpu>)")
+
+
+def parsed_target(p: argparse.ArgumentParser, mcpu: str | None) -> dict:
+    """``bench_target(mcpu)``, a bad name a usage error of ``p``."""
+    try:
+        return bench_target(mcpu)
+    except ValueError as e:
+        p.error(f"--mcpu: {e}")
+
+
 def bench_target(mcpu: str | None) -> dict:
     """This machine's target, or the llvm target of CPU class ``mcpu`` on this machine's
     cores (without the AMX features the host target would add)."""
@@ -483,8 +496,7 @@ def main(argv=None) -> int:
     p.add_argument("--logs", help="tuning log root (default: the committed tuning_logs/)")
     p.add_argument("--memory-T", type=int, default=None, help="T of the peak-memory runs (default: largest T)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
-    p.add_argument("--mcpu", default=None, help="build for this LLVM CPU class instead of this machine's "
-                   "(its tuning records; results in benchmarks/results/llvm-<MCPU>-on-<this mcpu>)")
+    add_mcpu_argument(p)
     p.add_argument("--reuse-libs", action="store_true", help="reuse OUT's libraries from an earlier run if they load")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="input dtype (float16/bfloat16: our kernels accumulate in float32; on a CPU with AMX the "
@@ -497,10 +509,7 @@ def main(argv=None) -> int:
 
     if FLOAT32 in args.methods and args.dtype == "float32":
         p.error(f"--methods {FLOAT32!r} compares a 16-bit run with float32: give --dtype bfloat16 or float16")
-    try:
-        target = bench_target(args.mcpu)
-    except ValueError as e:
-        p.error(f"--mcpu: {e}")
+    target = parsed_target(p, args.mcpu)
     args.out = results_dir(args.out, target)
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()

@@ -291,15 +291,24 @@ def flex_over_ours(cell: dict) -> float | None:
     return peer["ms"] / ours["ms"]
 
 
+def ratio_range(cells: dict, top: str, bottom: str) -> tuple[float, float, str, int] | None:
+    """The smallest and largest ``top`` ms / ``bottom`` ms over a run's rows, and the
+    row (config, T) of the largest; None where no row timed both."""
+    ratios = [(c[top]["ms"] / c[bottom]["ms"], config, T)
+              for (config, T), c in cells.items() if "ms" in c.get(top, {}) and "ms" in c.get(bottom, {})]
+    if not ratios:
+        return None
+    hi, config, T = max(ratios)
+    return min(r[0] for r in ratios), hi, config, T
+
+
 def tuned_over_default(cells: dict, d: dict) -> str | None:
     """The range of "swa_tvm tuned" ms / "swa_tvm default" ms over a run's rows, naming
     the row of the largest, and whether the run's records were applied unvalidated."""
-    ratios = [(c["swa_tvm tuned"]["ms"] / c["swa_tvm default"]["ms"], config, T)
-              for (config, T), c in cells.items()
-              if "ms" in c.get("swa_tvm tuned", {}) and "ms" in c.get("swa_tvm default", {})]
-    if not ratios:
+    found = ratio_range(cells, "swa_tvm tuned", "swa_tvm default")
+    if found is None:
         return None
-    lo, (hi, config, T) = min(r[0] for r in ratios), max(ratios)
+    lo, hi, config, T = found
     text = f"swa_tvm tuned / swa_tvm default: {lo:.2f}–{hi:.2f} over the rows (largest: {config}, T={T})."
     if not d.get("library_per_call"):
         text += (" In this run both columns' timed calls ran the library loaded last, the default one (a defect "
@@ -312,12 +321,10 @@ def tuned_over_default(cells: dict, d: dict) -> str | None:
 
 def half_over_float32(cells: dict, d: dict) -> str | None:
     """The range of "swa_tvm tuned" ms / "swa_tvm float32" ms over a 16-bit run's rows."""
-    ratios = [(c["swa_tvm tuned"]["ms"] / c[FLOAT32]["ms"], config, T)
-              for (config, T), c in cells.items()
-              if "ms" in c.get("swa_tvm tuned", {}) and "ms" in c.get(FLOAT32, {})]
-    if not ratios:
+    found = ratio_range(cells, "swa_tvm tuned", FLOAT32)
+    if found is None:
         return None
-    lo, (hi, config, T) = min(r[0] for r in ratios), max(ratios)
+    lo, hi, config, T = found
     dtype = d.get("shape", {}).get("dtype", "?")
     return (f"swa_tvm tuned ({dtype}) / {FLOAT32} (the float32 library on float32 copies of the inputs, timed "
             f"round-robin with it): {lo:.2f}–{hi:.2f} over the rows (largest: {config}, T={T}); above 1.00 the "

@@ -81,14 +81,10 @@ def main(argv=None) -> int:
     p.add_argument("--logs", help="tuning log root (default: the committed tuning_logs/)")
     p.add_argument("--dtype", choices=bench.DTYPES, default="float32",
                    help="input dtype (as swa-tvm bench --dtype); results go to training_<dtype>.json")
-    p.add_argument("--mcpu", default=None, help="build for this LLVM CPU class instead of this machine's "
-                   "(its tuning records; results in benchmarks/results/llvm-<MCPU>-on-<this mcpu>)")
+    bench.add_mcpu_argument(p)
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    try:
-        target = bench.bench_target(args.mcpu)
-    except ValueError as e:
-        p.error(f"--mcpu: {e}")
+    target = bench.parsed_target(p, args.mcpu)
     args.out = bench.results_dir(args.out, target)
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()

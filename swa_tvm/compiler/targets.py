@@ -9,7 +9,7 @@ import os
 import platform
 import re
 
-from swa_tvm.runtime.library import X86_FEATURES
+from swa_tvm.runtime.library import X86_FEATURES, cuda_device_arch
 
 # tvm is imported inside the functions that use it: tiles and kernels import this module
 # on the GPU machine, which has no TVM (tools/gpu_check.py).
@@ -56,15 +56,7 @@ CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")
 
 def local_cuda_arch() -> str | None:
     """sm_XY of this machine's first CUDA device (via torch), or None without one."""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability(0)
-            return f"sm_{major}{minor}"
-    except Exception:  # noqa: BLE001 - no usable CUDA runtime counts as no device
-        pass
-    return None
+    return cuda_device_arch(0)
 
 
 def _cuda_target(arch: str | None) -> dict:

@@ -196,13 +196,14 @@ def cuda_unavailable_reason() -> str | None:
     return reason
 
 
-def cuda_device_arch() -> str | None:
-    """sm_XY of the current CUDA device (via torch), or None where torch sees none."""
+def cuda_device_arch(index: int | None = None) -> str | None:
+    """sm_XY of CUDA device ``index`` (default: the current one), via torch, or None
+    where torch sees none."""
     try:
         import torch
 
         if torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability(torch.cuda.current_device())
+            major, minor = torch.cuda.get_device_capability(torch.cuda.current_device() if index is None else index)
             return f"sm_{major}{minor}"
     except Exception:  # noqa: BLE001 - no usable CUDA runtime counts as no device
         pass

@@ -209,9 +209,14 @@ def schedule_cache_dx(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) 
     _gather_back(sch, ["dkx"], spec, vector_lanes)
 
 
-def _converts_band(spec: KernelSpec) -> bool:
-    """16-bit inputs of a bounded window: see ``_band_rows``."""
-    return spec.dtype in ("bfloat16", "float16") and spec.left >= 0 and spec.right >= 0
+def _inline_unless(sch, names, keep: bool) -> list[str]:
+    """The gather stages ``names`` inlined into their consumers, or, with ``keep``,
+    returned to be computed per item."""
+    if keep:
+        return list(names)
+    for name in names:
+        sch.compute_inline(sch.get_sblock(name))
+    return []
 
 
 def _band_rows(sch, spec: KernelSpec, names) -> list[str]:
@@ -222,18 +227,15 @@ def _band_rows(sch, spec: KernelSpec, names) -> list[str]:
     use of a 16-bit value took its own conversion: three extra instructions per
     broadcast key, which made bfloat16 slower than float32 on CPUs without a matrix
     engine. An unbounded window's band is the whole sequence, so it stays in place."""
-    if _converts_band(spec):
-        return list(names)
+    converts = spec.dtype in ("bfloat16", "float16") and spec.left >= 0 and spec.right >= 0
+    return _inline_unless(sch, names, converts)
+
+
+def _vectorize_rows(sch, names, spec: KernelSpec, vector_lanes: int) -> None:
+    """The per-item band gathers ``names`` (``_band_rows``) vectorized along the head dim."""
     for name in names:
-        sch.compute_inline(sch.get_sblock(name))
-    return []
-
-
-def _vectorize_band_rows(sch, spec: KernelSpec, names, vector_lanes: int) -> None:
-    if _converts_band(spec):
-        for name in names:
-            _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1],
-                             _largest_divisor_upto(spec.head_dim, vector_lanes))
+        lanes = _largest_divisor_upto(spec.head_dim, vector_lanes)
+        _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1], lanes)
 
 
 def _largest_divisor_upto(n: int, cap: int) -> int:
@@ -295,9 +297,9 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8,
     # Producers of blk_out, innermost first so each compute_at finds its consumer placed.
     order = ["denom", "wacc", "xacc", "wsum", "xsum", "wprob", "xprob", "rowmax", "wmax", "xmax"]
     order += ["masked", "xmasked", "krange", "score", "xscore", "qblk_t"]
-    order += _band_rows(sch, spec, ("kband", "vband"))
-    _stages_at(sch, item, order, knobs)
-    _vectorize_band_rows(sch, spec, ("kband", "vband"), vector_lanes)
+    bands = _band_rows(sch, spec, ("kband", "vband"))
+    _stages_at(sch, item, order + bands, knobs)
+    _vectorize_rows(sch, bands, spec, vector_lanes)
 
     rows_vec = spec.block_q % vector_lanes == 0
     # Query block, transposed: walk rows outside and features inside (contiguous loads).
@@ -364,11 +366,7 @@ def _amx_bands(sch, spec: KernelSpec, names) -> list[str]:
     so the copies are inlined and the tile loads read the residue copy in place; under
     a runtime dilation the offset is read from the item table, which a tensorized block
     cannot take, so each item copies its band."""
-    if unit_band(spec, amx=True):
-        for name in names:
-            sch.compute_inline(sch.get_sblock(name))
-        return []
-    return list(names)
+    return _inline_unless(sch, names, not unit_band(spec, amx=True))
 
 
 def _amx_item_stages(sch, spec: KernelSpec, products, band_rows, band_cols, words, elementwise, vector_lanes) -> None:
@@ -652,9 +650,9 @@ def schedule_local_dq(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) 
     per_item += ["rstat", "dblk_t", "qblk_t"]
     # Key and value rows: read straight from k and v, or converted once per item from
     # 16-bit inputs (``_band_rows``).
-    per_item += _band_rows(sch, spec, ("kband", "vband"))
-    _items(sch, ["dq_blk"], per_item, knobs)
-    _vectorize_band_rows(sch, spec, ("kband", "vband"), vector_lanes)
+    bands = _band_rows(sch, spec, ("kband", "vband"))
+    _items(sch, ["dq_blk"], per_item + bands, knobs)
+    _vectorize_rows(sch, bands, spec, vector_lanes)
     if spec.head_dim % vector_lanes == 0:
         _vectorize_inner(sch, sch.get_loops(sch.get_sblock("dq_blk"))[-1], vector_lanes)
     for name in ("score", "dp"):
@@ -676,9 +674,9 @@ def schedule_local_dkv(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None)
     per_item = ["ds", "prob", "arg", "krange", "dp", "score", "bstat", "vblk_t", "kblk_t"]
     # Query and output-gradient rows: read straight from q and dout, or converted once
     # per item from 16-bit inputs (``_band_rows``).
-    per_item += _band_rows(sch, spec, ("qband", "dband"))
-    _items(sch, ["dv_blk", "dk_blk"], per_item, knobs)
-    _vectorize_band_rows(sch, spec, ("qband", "dband"), vector_lanes)
+    bands = _band_rows(sch, spec, ("qband", "dband"))
+    _items(sch, ["dv_blk", "dk_blk"], per_item + bands, knobs)
+    _vectorize_rows(sch, bands, spec, vector_lanes)
     for name in ("score", "dp"):
         _band_block_product(sch, name, spec, vector_lanes, knobs, bounded)
     _vectorize_block_axis(sch, ["arg", "prob", "ds"], spec.block_q, vector_lanes)
