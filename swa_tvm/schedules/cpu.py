@@ -122,12 +122,14 @@ def _vertical_reduce(sch, name, lanes, vectorize: bool):
     sch.decompose_reduction(blk, keys)
 
 
-def _key_row_product(sch, name, rows_extent, cols_extent, lanes, knobs, vector_cols: bool, tiled_rows: bool):
+def _key_row_product(sch, name, rows_extent, cols_extent, lanes, knobs, vector_cols: bool, tiled_rows: bool,
+                     key_rows: int = 4):
     """A key-major [keys, rows] product reduced over the feature axis (score = K Q^T):
-    register tile of key rows x block-row vectors, the feature reduction outside it.
-    Keys are the broadcast operand (read straight from k), block rows the vectors.
-    Untiled key rows (a runtime key count) take the widest vector tile instead: its
-    independent accumulators hide the FMA latency a single key row's chain exposes."""
+    register tile of ``key_rows`` key rows x block-row vectors (by default), the feature
+    reduction outside it. Keys are the broadcast operand (read straight from k), block
+    rows the vectors. Untiled key rows (a runtime key count) take the widest vector tile
+    instead: its independent accumulators hide the FMA latency a single key row's chain
+    exposes."""
     blk = sch.get_sblock(name)
     k_l, r_l, c_l = sch.get_loops(blk)[-3:]
     widths = _widths(cols_extent, lanes)
@@ -138,7 +140,7 @@ def _key_row_product(sch, name, rows_extent, cols_extent, lanes, knobs, vector_c
     default = widths[min(1, len(widths) - 1)] if tiled_rows else widths[-1]
     ro, ri = sch.split(r_l, factors=[None, knobs.choice(sch, widths, default)])
     if tiled_rows:
-        ko, ki = sch.split(k_l, factors=[None, knobs.tile(sch, k_l, rows_extent, 4, 8)])
+        ko, ki = sch.split(k_l, factors=[None, knobs.tile(sch, k_l, rows_extent, key_rows, 8)])
         sch.reorder(ko, ro, c_l, ki, ri)
         sch.unroll(ki)
     else:
@@ -307,9 +309,13 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8,
     cc_l, qi_l = sch.get_loops(blk)[-2:]
     sch.reorder(qi_l, cc_l)
 
+    # With 32 vector registers (AVX-512), the band's two products take register tiles of
+    # 16 accumulators: twice the FMAs per broadcast and per value row's index (clamped
+    # to the sequence) than the 8-accumulator tiles that 16-register AVX2 is held to.
+    wide = vector_lanes >= 16
     if bounded:
         kw = band_width(spec.block_q, spec.left, spec.right)
-        _key_row_product(sch, "score", kw, spec.block_q, vector_lanes, knobs, rows_vec, True)
+        _key_row_product(sch, "score", kw, spec.block_q, vector_lanes, knobs, rows_vec, True, 8 if wide else 4)
     else:
         _key_row_product(sch, "score", None, spec.block_q, vector_lanes, knobs, rows_vec, False)
     if _has(sch, "xscore"):
@@ -331,7 +337,7 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8,
         if _has(sch, name):
             kw = band_width(spec.block_q, spec.left, spec.right) if name == "wacc" and bounded else None
             k = knobs if name == "wacc" else Defaults()
-            _prob_value_product(sch, name, spec.block_q, spec.head_dim, vector_lanes, k, kw)
+            _prob_value_product(sch, name, spec.block_q, spec.head_dim, vector_lanes, k, kw, wide and name == "wacc")
 
 
 # Slots per run of the residue copies' parallel loop.
@@ -468,17 +474,20 @@ AMX_PRODUCTS = {"local": ("score", "wacc_t"), "local_dq": ("score", "dp", "dq_t"
                 "local_dkv": ("score", "dp", "dv_t", "dk_t")}
 
 
-def _prob_value_product(sch, name, rows: int, head_dim: int, vector_lanes: int, knobs, keys: int | None):
+def _prob_value_product(sch, name, rows: int, head_dim: int, vector_lanes: int, knobs, keys: int | None,
+                        widest: bool = False):
     """[rows, D] = sum over keys of P[key, row] * V[key, D] (P·V): register tile of
-    rows x feature vectors, the reduction over keys outside the tile; value rows come
-    straight from v. With ``keys`` (a fixed key extent) the keys are walked in chunks."""
+    rows x feature vectors (by default 2 vectors, or all of D's with ``widest``), the
+    reduction over keys outside the tile; value rows come straight from v. With ``keys``
+    (a fixed key extent) the keys are walked in chunks."""
     widths = _widths(head_dim, vector_lanes)
     blk = sch.get_sblock(name)
     qi_l, c_l, kr = sch.get_loops(blk)[-3:]
     qo, qi_in = sch.split(qi_l, factors=[None, knobs.tile(sch, qi_l, rows, 4, 4)])
     tiles = [qo]
     if widths:
-        co, ci = sch.split(c_l, factors=[None, knobs.choice(sch, widths, widths[min(1, len(widths) - 1)])])
+        default = widths[-1] if widest else widths[min(1, len(widths) - 1)]
+        co, ci = sch.split(c_l, factors=[None, knobs.choice(sch, widths, default)])
         tiles.append(co)
     else:
         ci = c_l
@@ -563,14 +572,15 @@ def _widths(extent: int, vector_lanes: int) -> list[int]:
 
 def _band_block_product(sch, name, spec, vector_lanes, knobs, bounded):
     """A [band, block] product reduced over the feature axis: register tile of band
-    rows x block vector(s), the reduction outside the tile."""
+    rows x block vector(s), the reduction outside the tile. With 32 vector registers
+    (16 lanes: AVX-512) the default tile has 16 accumulators, else 8."""
     blk = sch.get_sblock(name)
     r_l, b_l, c_l = sch.get_loops(blk)[-3:]
     widths = _widths(spec.block_q, vector_lanes)
     if not (bounded and widths):
         sch.reorder(c_l, b_l)
         return
-    r_in = knobs.tile(sch, r_l, band_width(spec.block_q, spec.left, spec.right), 4, 8)
+    r_in = knobs.tile(sch, r_l, band_width(spec.block_q, spec.left, spec.right), 8 if vector_lanes >= 16 else 4, 8)
     ro, ri = sch.split(r_l, factors=[None, r_in])
     bo, bi = sch.split(b_l, factors=[None, knobs.choice(sch, widths, widths[min(1, len(widths) - 1)])])
     sch.reorder(ro, bo, c_l, ri, bi)
@@ -581,10 +591,11 @@ def _band_block_product(sch, name, spec, vector_lanes, knobs, bounded):
 
 def _block_feature_product(sch, name, spec, vector_lanes, knobs):
     """[block, D] = sum over the band of [band, block] x [band, D]: register tile of
-    block rows x feature vector(s), the reduction over the band outside the tile."""
+    block rows x feature vector(s), the reduction over the band outside the tile; by
+    default 4 rows with 32 vector registers (AVX-512), else 2."""
     blk = sch.get_sblock(name)
     q_l, c_l, kr = sch.get_loops(blk)[-3:]
-    qo, qi_in = sch.split(q_l, factors=[None, knobs.tile(sch, q_l, spec.block_q, 2, 4)])
+    qo, qi_in = sch.split(q_l, factors=[None, knobs.tile(sch, q_l, spec.block_q, 4 if vector_lanes >= 16 else 2, 4)])
     widths = _widths(spec.head_dim, vector_lanes)
     if widths:
         co, ci = sch.split(c_l, factors=[None, knobs.choice(sch, widths, widths[-1])])
