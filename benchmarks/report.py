@@ -83,9 +83,10 @@ NOTES = {
         "There are no tuning records for this key: \"tuned\" and \"default\" are the same schedules, so their "
         "ratio below is the noise between two libraries timed in one run on this shared machine."
     ),
+    ("llvm-emeraldrapids", "training.json"): "There are no tuning records for this key: the default schedules.",
     ("llvm-rocketlake-on-emeraldrapids", "results.json"): (
-        "Of the forward kernels, validation kept a searched record for the global rows alone, so in every row "
-        "but the globals' \"tuned\" and \"default\" run the same window kernels: their ratio is this run's noise."
+        "Validation (2026-12-07, against the defaults of this run) kept no searched record of a forward kernel, so "
+        "\"tuned\" and \"default\" are the same schedules: their ratio is this run's noise."
     ),
     ("llvm-rocketlake-on-emeraldrapids", "results_bfloat16.json"): (
         "No AMX: the bfloat16 kernels convert each item's band to float32 and multiply in float32. They run their "
