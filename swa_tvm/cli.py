@@ -17,7 +17,7 @@ import warnings
 
 from swa_tvm.compiler.kernels import FUSED_KERNELS
 from swa_tvm.runtime.library import check_manifest, read_manifest
-from swa_tvm.spec import BACKWARD_KINDS, AttentionSpec
+from swa_tvm.spec import BACKWARD_KINDS, CPU_ONLY_KINDS, AttentionSpec
 
 # The commands import the compiler and the tuner when they run, not here: `swa-tvm info`
 # and `--help` work on the TVM runtime alone.
@@ -113,7 +113,7 @@ def _cmd_tune(args) -> int:
 
     check_tune_arguments(args.trials, args.rpc_tracker, args.rpc_key, args.validate_candidates)
     target = normalize_target(args.target)
-    specs = _kernel_specs(args)
+    specs = [k for k in _kernel_specs(args) if k.kind not in CPU_ONLY_KINDS]  # hand-written: nothing to search
     if args.kernels != "all":
 
         specs = [k for k in specs if (k.kind in BACKWARD_KINDS) == (args.kernels == "backward")]

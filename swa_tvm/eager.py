@@ -321,6 +321,36 @@ def _group_sum(x, Hkv):
     return x if H == Hkv else x.view(B, Hkv, H // Hkv, *x.shape[2:]).sum(2)
 
 
+# The five-product CPU backward (kind "local_bwd", schedules/cpu_flash_bwd.py) is one task
+# per (batch, head); the TE gradient kernels split every head into query blocks. So the
+# fused kernel runs where the (batch, head) pairs fill at least this share of the threads'
+# waves: at B=1, H=8, T=16384 on 2 threads it took 0.58x the TE kernels' time
+# (tools/experiments/fused_backward_probe.py), so a wave at 3/4 still wins.
+FUSED_BACKWARD_MIN_OCCUPANCY = 0.75
+
+
+def _fused_backward_kernel(fwd: KernelSpec, device: str, written, pairs: int) -> library.Kernel | None:
+    """The "local_bwd" kernel for the gradients of ``fwd``, or None where the TE kernels
+    run: not a CPU call, a case it does not serve (``KernelSpec.fused_backward``), too
+    few (batch, head) pairs for the threads, or loaded libraries without it (exported
+    before it existed, or without 'backward')."""
+    if device != "cpu" or not fwd.fused_backward:
+        return None
+    threads = max(1, library.tvm_pool_threads())
+    waves = -(-pairs // threads)
+    if pairs / (waves * threads) < FUSED_BACKWARD_MIN_OCCUPANCY:
+        return None
+    want = dataclasses.replace(fwd, kind="local_bwd")
+    if library.REGISTRY.libraries:
+        for left, right in (written, (want.left, want.right)):
+            if max(left, right) <= MAX_SPEC_INT:
+                hit = library.REGISTRY.find(dataclasses.replace(want, left=left, right=right), device)
+                if hit is not None:
+                    return hit
+        return None
+    return _kernel(want, device)
+
+
 def attention_backward(
     dout, dlse, q, k, v, dilation, global_idx, q_global, k_global, v_global, num_sinks, sink_logits, scale, left, right, out, lse
 ):
@@ -371,20 +401,24 @@ def _backward(
 
     extra = _extra_positions(global_idx, num_sinks, B, q.device)
     fwd = _local_spec(q, left, right, dil, extra, nonfinite)
-    kernels = {s.kind: _kernel_as_written(s, device, *written) for s in fwd.backward_kernels()}
     common = [q, k, v, dil] + ([extra] if extra is not None else []) + [dout, _dense(lse_l), _dense(delta_l), float(scale)]
     dq = torch.empty_like(q)
-    _launch(kernels["local_dq"], q.device, *common, dq)
     # Key gradients per query head come in the accumulation dtype: a GQA group and the
     # extra and global terms are summed before the one rounding to k's dtype.
     dk = torch.empty(B, H, T, D, dtype=acc, device=q.device)
     dv = torch.empty_like(dk)
-    _launch(kernels["local_dkv"], q.device, *common, dk, dv)
+    fused = _fused_backward_kernel(fwd, device, written, B * H)
+    if fused is not None:
+        _launch(fused, q.device, *common, dq, dk, dv)
+    else:
+        for kind, outs in (("local_dq", (dq,)), ("local_dkv", (dk, dv))):
+            _launch(_kernel_as_written(dataclasses.replace(fwd, kind=kind), device, *written), q.device, *common, *outs)
     if extra is not None:
         E = extra.shape[1]
         dkx = torch.empty(B, H, E, D, dtype=acc, device=q.device)
         dvx = torch.empty_like(dkx)
-        _launch(kernels["local_dx"], q.device, *common, dkx, dvx)
+        dx = _kernel_as_written(dataclasses.replace(fwd, kind="local_dx"), device, *written)
+        _launch(dx, q.device, *common, dkx, dvx)
         # Padding entries (-1) have zero gradient; send them to row 0 harmlessly.
         xi = extra.long().clamp_min(0)[:, None, :, None].expand(B, H, E, D)
         dk.scatter_add_(2, xi, dkx)

@@ -24,7 +24,12 @@ def accum_dtype(dtype: str) -> str:
     return "float64" if dtype == "float64" else "float32"
 
 FORWARD_KINDS = ("local", "global", "cache")
-BACKWARD_KINDS = ("local_dq", "local_dkv", "local_dx", "global_bwd", "cache_dq", "cache_dkv", "cache_dx")
+# "local_bwd": dq, dk and dv in one kernel (schedules/cpu_flash_bwd.py), on CPUs, for the
+# cases KernelSpec.fused_backward names; the others keep "local_dq" and "local_dkv".
+BACKWARD_KINDS = ("local_dq", "local_dkv", "local_dx", "local_bwd", "global_bwd", "cache_dq", "cache_dkv", "cache_dx")
+# Hand-written kernels without a TE compute: no search space, no tuning records, and
+# built for CPU targets only.
+CPU_ONLY_KINDS = ("local_bwd",)
 KINDS = FORWARD_KINDS + BACKWARD_KINDS
 
 # Rows per query block in the blocked ("chunks") formulation. The window's keys for one
@@ -99,6 +104,10 @@ class KernelSpec:
             raise ValueError(f"block_q must be >= 1, got {self.block_q}")
         if self.softcap and not self.kind.startswith("cache"):
             raise ValueError(f"softcap is served by the cache kernels only, not by kind {self.kind!r}")
+        if self.kind == "local_bwd" and not self.fused_backward:
+            raise ValueError("kind 'local_bwd' serves float32, max_dilation 1, a bounded window, no extras and "
+                             f"finite inputs; got dtype {self.dtype}, max_dilation {self.max_dilation}, window "
+                             f"({self.left}, {self.right}), extras={self.extras}, nonfinite={self.nonfinite}")
         # Bounds that keep every constant a kernel is built with far inside int32 and every
         # band allocatable: a side reaching the whole sequence is -1, and the op turns any
         # longer one into -1 (checks.normalize_window), and dilations beyond T into T.
@@ -136,8 +145,18 @@ class KernelSpec:
             f"_md{self.max_dilation}_x{int(self.extras)}_bq{self.block_q}"
         ) + ("_nf" if self.nonfinite else "")
 
+    @property
+    def fused_backward(self) -> bool:
+        """Whether the five-product CPU kernel (kind "local_bwd") computes this local
+        kernel's gradients: float32, dilation 1, a bounded window, no extra keys, finite
+        inputs."""
+        return (self.kind in ("local", "local_bwd") and self.dtype == "float32" and self.max_dilation == 1
+                and self.left >= 0 and self.right >= 0 and not self.extras and not self.nonfinite)
+
     def backward_kernels(self) -> list["KernelSpec"]:
-        """The gradient kernels of this forward kernel."""
+        """The gradient kernels of this forward kernel: on a CPU, "local_bwd" replaces
+        "local_dq" and "local_dkv" where it serves (``fused_backward``) and a call has
+        enough (batch, head) pairs for the threads (``swa_tvm.eager``)."""
         if self.kind == "global":
             return [dataclasses.replace(self, kind="global_bwd")]
         if self.kind == "cache":
@@ -145,7 +164,8 @@ class KernelSpec:
             return [dataclasses.replace(self, kind=k) for k in kinds]
         if self.kind != "local":
             raise ValueError(f"{self.name} is not a forward kernel")
-        kinds = ("local_dq", "local_dkv") + (("local_dx",) if self.extras else ())
+        kinds = ("local_dq", "local_dkv") + (("local_dx",) if self.extras else ()) + (
+            ("local_bwd",) if self.fused_backward else ())
         return [dataclasses.replace(self, kind=k) for k in kinds]
 
     def to_dict(self) -> dict:
@@ -217,7 +237,7 @@ class AttentionSpec:
         if self.backward:
             out += [b for f in out for b in f.backward_kernels()]
         if self.nonfinite:
-            out += [dataclasses.replace(k, nonfinite=True) for k in out]
+            out += [dataclasses.replace(k, nonfinite=True) for k in out if k.kind != "local_bwd"]
         return out
 
     @classmethod

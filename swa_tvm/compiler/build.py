@@ -37,8 +37,9 @@ from swa_tvm.compute import prim_func
 from swa_tvm.runtime import library
 from swa_tvm.runtime.library import MANIFEST_FORMAT, MANIFEST_FORMATS, sha256_file
 from swa_tvm.schedules import cpu as cpu_schedules
+from swa_tvm.schedules import cpu_flash_bwd
 from swa_tvm.schedules import cuda as cuda_schedules
-from swa_tvm.spec import KernelSpec
+from swa_tvm.spec import CPU_ONLY_KINDS, KernelSpec
 
 # The manifest format of a library without matrix-engine kernels: loaders from before
 # format 3 still read it.
@@ -60,6 +61,10 @@ def schedule_spec(spec: KernelSpec, tvm_target, record=None, tiles=None):
     kind = tvm_target.kind.name
     if kind not in ("llvm", "cuda"):
         raise NotImplementedError(f"no schedule for target kind {kind!r}")
+    if spec.kind in CPU_ONLY_KINDS:
+        if kind != "llvm":
+            raise ValueError(f"{spec.name}: kind {spec.kind!r} is a CPU kernel; {kind} targets have none")
+        return cpu_flash_bwd.fused_backward(spec)
     if uses_amx(spec, tvm_target):
         sch = s_tir.Schedule(tvm.IRModule({spec.name: prim_func(spec, amx=True)}))
         sch.work_on(spec.name)
@@ -84,8 +89,11 @@ def schedule_spec(spec: KernelSpec, tvm_target, record=None, tiles=None):
 def default_schedule(spec: KernelSpec, kind: str) -> str:
     """Which kernel a spec gets without a tuning record: on CUDA the first fused kernel
     of ``kernels.FUSED_KERNELS`` that serves it (tensor cores for float16/bfloat16, else
-    CUDA cores, forward and gradients alike), named as there; otherwise "default", the TE
+    CUDA cores, forward and gradients alike), named as there; "cpu_flash_bwd" for the
+    five-product CPU backward (schedules/cpu_flash_bwd.py); otherwise "default", the TE
     compute under schedules/cpu.py or schedules/cuda.py."""
+    if spec.kind in CPU_ONLY_KINDS:
+        return "cpu_flash_bwd"
     fused = kernels.choose(spec) if kind == "cuda" else None
     return fused.name if fused is not None else "default"
 
@@ -198,12 +206,15 @@ def export_library(
     """
     specs = list(dict.fromkeys(specs))
     target = normalize_target(target)
+    if target.get("kind") != "llvm":  # the CPU-only gradient kernel's work is the CUDA ones' there
+        specs = [s for s in specs if s.kind not in CPU_ONLY_KINDS]
     records = find_records(specs, target, logs) if logs is not None else {}
     if warn_untuned and logs is not None:  # logs=None asks for default schedules: nothing to warn
         root = default_logs_root() if logs == DEFAULT_LOGS else logs
         where = log_dir(root, target) if root else "(no tuning logs configured)"
         for s in specs:
-            if records.get(s.name) is None and not uses_amx(s, target):  # the AMX form has no search yet
+            # The AMX form has no search yet; the hand-written CPU backward has none at all.
+            if records.get(s.name) is None and not uses_amx(s, target) and s.kind not in CPU_ONLY_KINDS:
                 warnings.warn(
                     f"kernel {s.name}: no tuning record for {target_key(target)} in {where}; "
                     "using the default schedule",

@@ -43,7 +43,7 @@ from swa_tvm.schedules.cuda import register_intrinsics
 
 # Also importable from here, where it was before (tests and tools call it so).
 from swa_tvm.schedules.intrinsics import preload_tensor_intrin as preload_tensor_intrin
-from swa_tvm.spec import KernelSpec, accum_dtype
+from swa_tvm.spec import CPU_ONLY_KINDS, KernelSpec, accum_dtype
 
 WORKLOAD_FILE = "database_workload.json"
 
@@ -403,10 +403,13 @@ def best_records(specs: Iterable[KernelSpec], target: dict, logs_root: str | Non
     if folder is None or not os.path.exists(os.path.join(folder, RECORD_FILE)):
         return {s.name: None for s in specs}
     kind = target.get("kind")
-    mods = {s.name: tuning_workload(s, target_kind=kind) for s in specs}
+    searched = [s for s in specs if s.kind not in CPU_ONLY_KINDS]  # the others have no search space
+    mods = {s.name: tuning_workload(s, target_kind=kind) for s in searched}
     db = open_log(folder, only={workload_key(m) for m in mods.values()})
     baselines, validation = read_baselines(folder), read_validation(folder)
-    return {s.name: _best_in(db, s, target, baselines, mods[s.name], validation) for s in specs}
+    found = {s.name: None for s in specs}
+    found.update({s.name: _best_in(db, s, target, baselines, mods[s.name], validation) for s in searched})
+    return found
 
 
 def best_record(spec: KernelSpec, target: dict, logs_root: str | None) -> BestRecord | None:

@@ -36,7 +36,8 @@ def flops(spec: KernelSpec, B: int, H: int, T: int, G: int = 0, window_entries: 
     QK^T and PV; dq: QK^T, dO V^T, dS K; dk/dv: those plus P^T dO, dS^T Q recomputed).
     For "local_dx" the visible scores are the E extras of every row (pass them as
     window_entries)."""
-    products = {"local": 2, "global": 2, "cache": 2, "local_dq": 3, "local_dkv": 4, "local_dx": 4, "global_bwd": 5,
+    products = {"local": 2, "global": 2, "cache": 2, "local_dq": 3, "local_dkv": 4, "local_dx": 4, "local_bwd": 5,
+                "global_bwd": 5,
                 "cache_dq": 3, "cache_dkv": 4, "cache_dx": 4}[spec.kind]
     if spec.is_global:
         return 2.0 * products * B * H * G * T * spec.head_dim

@@ -1,0 +1,173 @@
+"""The five-product CPU backward (kind "local_bwd"): dq, dk and dv of a local window
+kernel in one hand-written TIR kernel, FlashAttention-2's plan.
+
+The TE gradient kernels (``compute.backward``) take two passes: dq (recomputing Q·Kᵀ
+and dO·Vᵀ, then dS·K) and dk/dv (both again, then Pᵀ·dO and dSᵀ·Q), seven products and
+two softmax recomputations. A single pass needs dq accumulated across key blocks, a
+scatter-add TE cannot write. Here each (batch, head) is one task: its key blocks run in
+order, each recomputes the scores and dP of the query rows that see it (in sub-blocks
+of ``BQ`` rows), keeps its dk/dv in a local tile, and adds dS·K to the dq rows in place,
+which no other task writes. Five products, one recomputation.
+
+It serves float32 with dilation 1, a bounded window, no extra keys and finite inputs
+(``KernelSpec.fused_backward``); every other case keeps the TE kernels, and so does a
+call with too few (batch, head) pairs to occupy the threads (``swa_tvm.eager``).
+Probabilities use the forward's exp (``compute.forward._exp``), and dq, dk and dv sum
+in the TE kernels' key and row order; the scale is applied to dS before the sums, not
+after them (the same values for a power-of-two scale).
+
+Arguments, as the TE kernels': q [B,H,T,D], k/v [B,Hkv,T,D], dilation [H] (all 1),
+dout [B,H,T,D], lse [B,H,T] (+inf: a row whose probabilities are all 0), delta [B,H,T],
+scale, then the results dq [B,H,T,D], dk/dv [B,H,T,D] per query head (the caller sums
+a GQA group).
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from swa_tvm.compute.forward import _exp
+from swa_tvm.spec import KernelSpec
+
+# Keys per key block and query rows per sub-block.
+BK = BQ = 32
+# Register tiles (rows x vectors, 16 accumulators with AVX-512's 32 registers): the two
+# score products RT rows x BK keys; dk/dv KT keys x D; dq QT rows x D.
+RT, KT, QT = 8, 4, 4
+assert QT <= KT  # dq's tile reuses dk/dv's accumulators
+
+
+def fused_backward(spec: KernelSpec):
+    """The PrimFunc of a "local_bwd" spec (symbolic B, H, Hkv and T)."""
+    assert spec.kind == "local_bwd" and spec.fused_backward, spec.name
+    D, left, right = spec.head_dim, spec.left, spec.right
+    nsub = (BK + left + right + BQ - 1) // BQ  # query sub-blocks that see a key block
+
+    def exp(x):
+        return _exp(x, "float32")
+
+    def clamp(i, Tn):
+        return T.max(T.min(i, Tn - 1), 0)
+
+    @T.prim_func(s_tir=True)
+    def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, dil_h: T.handle, do_h: T.handle, lse_h: T.handle,
+               delta_h: T.handle, scale: T.float32, dq_h: T.handle, dk_h: T.handle, dv_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        B, H, Hkv, Tn = T.int64(), T.int64(), T.int64(), T.int64()
+        q = T.match_buffer(q_h, (B, H, Tn, D), "float32")
+        k = T.match_buffer(k_h, (B, Hkv, Tn, D), "float32")
+        v = T.match_buffer(v_h, (B, Hkv, Tn, D), "float32")
+        dil = T.match_buffer(dil_h, (H,), "int32")
+        dout = T.match_buffer(do_h, (B, H, Tn, D), "float32")
+        lse = T.match_buffer(lse_h, (B, H, Tn), "float32")
+        delta = T.match_buffer(delta_h, (B, H, Tn), "float32")
+        dq = T.match_buffer(dq_h, (B, H, Tn, D), "float32")
+        dk = T.match_buffer(dk_h, (B, H, Tn, D), "float32")
+        dv = T.match_buffer(dv_h, (B, H, Tn, D), "float32")
+        for bh in T.parallel(B * H):
+            with T.sblock("head"):
+                T.reads(q[0:B, 0:H, 0:Tn, 0:D], k[0:B, 0:Hkv, 0:Tn, 0:D], v[0:B, 0:Hkv, 0:Tn, 0:D], dil[0:H],
+                        dout[0:B, 0:H, 0:Tn, 0:D], lse[0:B, 0:H, 0:Tn], delta[0:B, 0:H, 0:Tn])
+                T.writes(dq[0:B, 0:H, 0:Tn, 0:D], dk[0:B, 0:H, 0:Tn, 0:D], dv[0:B, 0:H, 0:Tn, 0:D])
+                Kt = T.alloc_buffer((D, BK), "float32")  # the key block, transposed: keys in vectors
+                Vt = T.alloc_buffer((D, BK), "float32")
+                P = T.alloc_buffer((BQ, BK), "float32")
+                dS = T.alloc_buffer((BQ, BK), "float32")  # scale * P * (dP - delta)
+                dKa = T.alloc_buffer((BK, D), "float32")
+                dVa = T.alloc_buffer((BK, D), "float32")
+                sacc = T.alloc_buffer((RT, BK), "float32", scope="local")
+                pacc = T.alloc_buffer((RT, BK), "float32", scope="local")
+                tacc = T.alloc_buffer((KT, D), "float32", scope="local")
+                b = bh // H
+                h = bh % H
+                kh = h // (H // Hkv)
+                for i in range(Tn):
+                    for c in T.vectorized(D):
+                        dq[b, h, i, c] = T.float32(0)
+                for kb in range((Tn + (BK - 1)) // BK):
+                    j0 = kb * BK
+                    for c, kk in T.grid(D, BK):
+                        Kt[c, kk] = k[b, kh, T.min(j0 + kk, Tn - 1), c]
+                        Vt[c, kk] = v[b, kh, T.min(j0 + kk, Tn - 1), c]
+                    for kk in range(BK):
+                        for c in T.vectorized(D):
+                            dKa[kk, c] = T.float32(0)
+                            dVa[kk, c] = T.float32(0)
+                    for s in range(nsub):
+                        i0 = j0 - right + s * BQ
+                        if i0 + BQ > 0 and i0 < Tn:
+                            for ro in range(BQ // RT):
+                                for r in T.unroll(RT):
+                                    for kk in T.vectorized(BK):
+                                        sacc[r, kk] = T.float32(0)
+                                        pacc[r, kk] = T.float32(0)
+                                for c in range(D):
+                                    for r in T.unroll(RT):
+                                        for kk in T.vectorized(BK):
+                                            sacc[r, kk] = sacc[r, kk] + q[b, h, clamp(i0 + ro * RT + r, Tn), c] * Kt[c, kk]
+                                for c in range(D):
+                                    for r in T.unroll(RT):
+                                        for kk in T.vectorized(BK):
+                                            pacc[r, kk] = pacc[r, kk] + dout[b, h, clamp(i0 + ro * RT + r, Tn), c] * Vt[c, kk]
+                                for r in range(RT):
+                                    for kk in T.vectorized(BK):
+                                        P[ro * RT + r, kk] = T.Select(
+                                            T.And(
+                                                T.And(i0 + ro * RT + r >= 0, i0 + ro * RT + r < Tn),
+                                                T.And(j0 + kk < Tn, T.And(i0 + ro * RT + r - j0 - kk <= left,
+                                                                          j0 + kk - i0 - ro * RT - r <= right)),
+                                            ),
+                                            exp(sacc[r, kk] * scale - lse[b, h, clamp(i0 + ro * RT + r, Tn)]),
+                                            T.float32(0),
+                                        )
+                                        dS[ro * RT + r, kk] = (
+                                            P[ro * RT + r, kk]
+                                            * (pacc[r, kk] - delta[b, h, clamp(i0 + ro * RT + r, Tn)])
+                                            * scale
+                                        )
+                            # dv += Pᵀ dO and dk += dSᵀ Q over the sub-block's rows.
+                            for ko in range(BK // KT):
+                                for kk in T.unroll(KT):
+                                    for c in T.vectorized(D):
+                                        tacc[kk, c] = dVa[ko * KT + kk, c]
+                                for r in range(BQ):
+                                    for kk in T.unroll(KT):
+                                        for c in T.vectorized(D):
+                                            tacc[kk, c] = tacc[kk, c] + P[r, ko * KT + kk] * dout[b, h, clamp(i0 + r, Tn), c]
+                                for kk in T.unroll(KT):
+                                    for c in T.vectorized(D):
+                                        dVa[ko * KT + kk, c] = tacc[kk, c]
+                                for kk in T.unroll(KT):
+                                    for c in T.vectorized(D):
+                                        tacc[kk, c] = dKa[ko * KT + kk, c]
+                                for r in range(BQ):
+                                    for kk in T.unroll(KT):
+                                        for c in T.vectorized(D):
+                                            tacc[kk, c] = tacc[kk, c] + dS[r, ko * KT + kk] * q[b, h, clamp(i0 + r, Tn), c]
+                                for kk in T.unroll(KT):
+                                    for c in T.vectorized(D):
+                                        dKa[ko * KT + kk, c] = tacc[kk, c]
+                            # dq rows += dS K, in place; rows outside [0, T) (clamped reads,
+                            # all-zero dS) are not written back.
+                            for ro in range(BQ // QT):
+                                for r in T.unroll(QT):
+                                    for c in T.vectorized(D):
+                                        tacc[r, c] = dq[b, h, clamp(i0 + ro * QT + r, Tn), c]
+                                for kk in range(BK):
+                                    for r in T.unroll(QT):
+                                        for c in T.vectorized(D):
+                                            tacc[r, c] = tacc[r, c] + dS[ro * QT + r, kk] * k[b, kh, T.min(j0 + kk, Tn - 1), c]
+                                for r in T.unroll(QT):
+                                    if i0 + ro * QT + r >= 0 and i0 + ro * QT + r < Tn:
+                                        for c in T.vectorized(D):
+                                            dq[b, h, i0 + ro * QT + r, c] = tacc[r, c]
+                    for kk in range(BK):
+                        if j0 + kk < Tn:
+                            for c in T.vectorized(D):
+                                dk[b, h, j0 + kk, c] = dKa[kk, c]
+                                dv[b, h, j0 + kk, c] = dVa[kk, c]
+
+    return kernel.with_attr("global_symbol", spec.name)
+
+
+__all__ = ["fused_backward", "BK", "BQ"]

@@ -1,0 +1,140 @@
+"""The five-product CPU backward (kind "local_bwd", schedules/cpu_flash_bwd.py): its
+gradients against autograd through the float64 dense reference, and when it runs in
+place of the TE gradient kernels (local_dq, local_dkv)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import swa_tvm
+from conftest import rel_err
+from swa_tvm import eager
+from swa_tvm.reference import sliding_window_attention_ref as ref
+from swa_tvm.runtime import library
+from swa_tvm.spec import AttentionSpec, KernelSpec
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The kinds of the kernels each call launches, in order."""
+    kinds = []
+    launch = eager._launch
+
+    def spy(kernel, *args, **kwargs):
+        kinds.append(kernel.spec.kind)
+        return launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(eager, "_launch", spy)
+    return kinds
+
+
+def grads_against_reference(B, H, Hkv, T, D, window, slog=False, seed=0):
+    """Relative errors of dq, dk, dv (and the sink logits') of <out, R1> + <lse, R2>."""
+    g = torch.Generator().manual_seed(seed)
+    leaf = lambda *s: torch.randn(*s, generator=g).requires_grad_()  # noqa: E731
+    q, k, v = leaf(B, H, T, D), leaf(B, Hkv, T, D), leaf(B, Hkv, T, D)
+    kw = dict(window_size=window)
+    if slog:
+        kw["sink_logits"] = leaf(H)
+    leaves = [q, k, v] + ([kw["sink_logits"]] if slog else [])
+    out, lse = swa_tvm.sliding_window_attention(q, k, v, return_lse=True, **kw)
+    d_out, d_lse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
+    got = torch.autograd.grad((out * d_out).sum() + (lse * d_lse).sum(), leaves)
+    wide = [x.detach().double().requires_grad_() for x in leaves]
+    r_kw = dict(kw, sink_logits=wide[3]) if slog else kw
+    r_out, r_lse = ref(*wide[:3], **r_kw)
+    want = torch.autograd.grad((r_out * d_out.double()).sum() + (r_lse * d_lse.double()).sum(), wide)
+    return [rel_err(a, b) for a, b in zip(got, want)]
+
+
+# (B, H, Hkv, T, D, window, learned sink logits): several key blocks of 32 and query
+# sub-blocks, T not a multiple of 32, windows on either or both sides, GQA, B > 1.
+CASES = {
+    "causal": (1, 4, 4, 200, 16, (37, 0), False),
+    "symmetric_gqa_batch": (2, 4, 2, 150, 16, (20, 17), False),
+    "right_only": (1, 2, 2, 70, 16, (0, 9), False),
+    "shorter_than_a_block": (1, 2, 1, 13, 16, (5, 3), False),
+    "sink_logits": (1, 2, 2, 90, 16, (37, 0), True),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fused_gradients_match_reference(name, launched, monkeypatch):
+    # One thread in the eager layer's count, so every case takes the fused kernel.
+    monkeypatch.setattr(library, "tvm_pool_threads", lambda: 1)
+    *shape, window, slog = CASES[name]
+    errors = grads_against_reference(*shape, window, slog)
+    assert "local_bwd" in launched and "local_dq" not in launched and "local_dkv" not in launched, launched
+    for which, e in zip(("dq", "dk", "dv", "dsink"), errors):
+        assert e < 2e-6, f"{which}: relative error {e:.2e}"
+
+
+@pytest.mark.slow  # a D=64 kernel set of its own
+def test_fused_gradients_head_dim_64(launched, monkeypatch):
+    monkeypatch.setattr(library, "tvm_pool_threads", lambda: 1)
+    errors = grads_against_reference(1, 2, 2, 300, 64, (100, 0))
+    assert "local_bwd" in launched
+    assert max(errors) < 2e-6, errors
+
+
+def test_fused_kernel_only_where_the_threads_are_occupied(monkeypatch):
+    """The fused kernel runs one task per (batch, head): with 4 threads, 3 or 8 pairs take
+    it (waves 3/4 and fully occupied), 2 and 5 keep the TE kernels (1/2 and 5/8)."""
+    monkeypatch.setattr(library, "tvm_pool_threads", lambda: 4)
+    fwd = KernelSpec("local", 16, "float32", 37, 0)
+    chosen = {pairs: eager._fused_backward_kernel(fwd, "cpu", (37, 0), pairs) for pairs in (2, 3, 5, 8)}
+    assert chosen[2] is None and chosen[5] is None
+    assert chosen[3].spec.kind == "local_bwd" and chosen[8].spec.kind == "local_bwd"
+    # Cases it does not serve, and devices other than the CPU, never take it.
+    for other in (dataclasses.replace(fwd, dtype="bfloat16"), dataclasses.replace(fwd, max_dilation=2),
+                  dataclasses.replace(fwd, extras=True), dataclasses.replace(fwd, nonfinite=True),
+                  dataclasses.replace(fwd, left=-1)):  # fmt: skip
+        assert eager._fused_backward_kernel(other, "cpu", (other.left, 0), 8) is None
+    assert eager._fused_backward_kernel(fwd, "cuda", (37, 0), 8) is None
+
+
+def test_spec_names_the_fused_kernel_where_it_serves():
+    kinds = lambda **kw: [k.kind for k in AttentionSpec(head_dim=16, window=(37, 0), backward=True, **kw).kernels()]  # noqa: E731
+    assert "local_bwd" in kinds()
+    for kw in (dict(dtype="bfloat16"), dict(max_dilation=2), dict(globals=True), dict(sinks=True)):
+        assert "local_bwd" not in kinds(**kw), kw
+    # The nonfinite set has the TE kernels only (the fused kernel has no NaN rule).
+    nonfinite = AttentionSpec(head_dim=16, window=(37, 0), backward=True, nonfinite=True).kernels()
+    assert [k.kind for k in nonfinite if k.nonfinite and k.kind == "local_bwd"] == []
+    with pytest.raises(ValueError, match="local_bwd"):
+        KernelSpec("local_bwd", 16, "bfloat16", 37, 0)
+    with pytest.raises(ValueError, match="local_bwd"):
+        KernelSpec("local_bwd", 16, "float32", -1, 0)
+
+
+def test_cuda_targets_build_no_fused_cpu_kernel():
+    import tvm
+
+    from swa_tvm.compiler import build
+
+    spec = KernelSpec("local_bwd", 16, "float32", 37, 0)
+    with pytest.raises(ValueError, match="CPU kernel"):
+        build.schedule_spec(spec, tvm.target.Target("cuda"))
+    assert build.default_schedule(spec, "llvm") == "cpu_flash_bwd"
+
+
+def test_libraries_with_and_without_the_fused_kernel(fresh_registry, tmp_path, launched, monkeypatch):
+    """A library exported with 'backward' holds the fused kernel and serves a training
+    step with it; one without it (exported before it existed) keeps its TE kernels
+    instead of failing."""
+    monkeypatch.setattr(library, "tvm_pool_threads", lambda: 1)
+    spec = AttentionSpec(head_dim=16, window=(37, 0), backward=True)
+    with_fused = tmp_path / "with.so"
+    manifest = swa_tvm.export_library([spec], with_fused, logs=None)
+    by_kind = {k["spec"]["kind"]: k for k in manifest["kernels"]}
+    assert by_kind["local_bwd"]["schedule"] == "cpu_flash_bwd"
+    without = tmp_path / "without.so"
+    swa_tvm.export_library([k for k in spec.kernels() if k.kind != "local_bwd"], without, logs=None)
+    for lib, kinds in ((with_fused, ["local_bwd"]), (without, ["local_dq", "local_dkv"])):
+        fresh_registry.clear()
+        swa_tvm.load_library(str(lib))
+        launched.clear()
+        errors = grads_against_reference(1, 2, 2, 100, 16, (37, 0))
+        assert [k for k in launched if k != "local"] == kinds, (lib, launched)
+        assert max(errors) < 2e-6, errors
