@@ -331,11 +331,14 @@ FUSED_BACKWARD_MIN_OCCUPANCY = 0.75
 
 def _fused_backward_kernel(fwd: KernelSpec, device: str, written, pairs: int) -> library.Kernel | None:
     """The "local_bwd" kernel for the gradients of ``fwd``, or None where the TE kernels
-    run: not a CPU call, a case it does not serve (``KernelSpec.fused_backward``), too
-    few (batch, head) pairs for the threads, or loaded libraries without it (exported
-    before it existed, or without 'backward')."""
+    run: not a CPU call, a case it does not serve (``KernelSpec.fused_backward``),
+    bfloat16 compiled here on a CPU with AMX (the TE kernels' matrix-engine form is
+    faster), too few (batch, head) pairs for the threads, or loaded libraries without it
+    (exported before it existed, without 'backward', or for a CPU with AMX)."""
     if device != "cpu" or not fwd.fused_backward:
         return None
+    if fwd.dtype == "bfloat16" and not library.REGISTRY.libraries and {"amx_tile", "amx_bf16"} <= library.host_cpu_flags():
+        return None  # the TE kernels multiply on the matrix engine here (a library says for itself)
     threads = max(1, library.tvm_pool_threads())
     waves = -(-pairs // threads)
     if pairs / (waves * threads) < FUSED_BACKWARD_MIN_OCCUPANCY:
@@ -409,7 +412,10 @@ def _backward(
     dv = torch.empty_like(dk)
     fused = _fused_backward_kernel(fwd, device, written, B * H)
     if fused is not None:
-        _launch(fused, q.device, *common, dq, dk, dv)
+        dq32 = dq if dq.dtype == acc else torch.empty(B, H, T, D, dtype=acc, device=q.device)
+        _launch(fused, q.device, *common, dq32, dk, dv)
+        if dq32 is not dq:
+            dq.copy_(dq32)
     else:
         for kind, outs in (("local_dq", (dq,)), ("local_dkv", (dk, dv))):
             _launch(_kernel_as_written(dataclasses.replace(fwd, kind=kind), device, *written), q.device, *common, *outs)

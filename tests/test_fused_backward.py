@@ -87,7 +87,7 @@ def test_fused_kernel_only_where_the_threads_are_occupied(monkeypatch):
     assert chosen[2] is None and chosen[5] is None
     assert chosen[3].spec.kind == "local_bwd" and chosen[8].spec.kind == "local_bwd"
     # Cases it does not serve, and devices other than the CPU, never take it.
-    for other in (dataclasses.replace(fwd, dtype="bfloat16"), dataclasses.replace(fwd, max_dilation=2),
+    for other in (dataclasses.replace(fwd, dtype="float64"), dataclasses.replace(fwd, max_dilation=2),
                   dataclasses.replace(fwd, extras=True), dataclasses.replace(fwd, nonfinite=True),
                   dataclasses.replace(fwd, left=-1)):  # fmt: skip
         assert eager._fused_backward_kernel(other, "cpu", (other.left, 0), 8) is None
@@ -97,13 +97,14 @@ def test_fused_kernel_only_where_the_threads_are_occupied(monkeypatch):
 def test_spec_names_the_fused_kernel_where_it_serves():
     kinds = lambda **kw: [k.kind for k in AttentionSpec(head_dim=16, window=(37, 0), backward=True, **kw).kernels()]  # noqa: E731
     assert "local_bwd" in kinds()
-    for kw in (dict(dtype="bfloat16"), dict(max_dilation=2), dict(globals=True), dict(sinks=True)):
+    assert "local_bwd" in kinds(dtype="bfloat16") and "local_bwd" in kinds(dtype="float16")
+    for kw in (dict(dtype="float64"), dict(max_dilation=2), dict(globals=True), dict(sinks=True)):
         assert "local_bwd" not in kinds(**kw), kw
     # The nonfinite set has the TE kernels only (the fused kernel has no NaN rule).
     nonfinite = AttentionSpec(head_dim=16, window=(37, 0), backward=True, nonfinite=True).kernels()
     assert [k.kind for k in nonfinite if k.nonfinite and k.kind == "local_bwd"] == []
     with pytest.raises(ValueError, match="local_bwd"):
-        KernelSpec("local_bwd", 16, "bfloat16", 37, 0)
+        KernelSpec("local_bwd", 16, "float64", 37, 0)
     with pytest.raises(ValueError, match="local_bwd"):
         KernelSpec("local_bwd", 16, "float32", -1, 0)
 
@@ -138,3 +139,45 @@ def test_libraries_with_and_without_the_fused_kernel(fresh_registry, tmp_path, l
         errors = grads_against_reference(1, 2, 2, 100, 16, (37, 0))
         assert [k for k in launched if k != "local"] == kinds, (lib, launched)
         assert max(errors) < 2e-6, errors
+
+
+@pytest.mark.slow  # two libraries of their own
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_half_precision(dtype, fresh_registry, tmp_path, launched, monkeypatch):
+    """bfloat16 and float16, converted to float32 as they are staged, as a CPU without
+    the matrix engine runs them (a target without AMX, on any x86 machine): the gradients
+    within the tolerance the other half-precision gradients are held to, rounded once to
+    the inputs' dtype."""
+    from swa_tvm.compiler.targets import host_target
+    from swa_tvm.compiler.tiles import GRAD_TOLERANCE
+
+    monkeypatch.setattr(library, "tvm_pool_threads", lambda: 1)
+    name = str(dtype).removeprefix("torch.")
+    target = dict(host_target(), mattr=["-amx-tile", "-amx-bf16"])
+    lib = tmp_path / f"{name}.so"
+    swa_tvm.export_library([AttentionSpec(head_dim=32, window=(20, 17), backward=True, dtype=name)], lib,
+                           target=target, logs=None, warn_untuned=False)  # fmt: skip
+    swa_tvm.load_library(str(lib))
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 150, 32, generator=g).to(dtype).requires_grad_()
+    k, v = (torch.randn(2, 2, 150, 32, generator=g).to(dtype).requires_grad_() for _ in range(2))
+    out = swa_tvm.sliding_window_attention(q, k, v, window_size=(20, 17))
+    d_out = torch.randn(out.shape, generator=g).to(dtype)
+    got = torch.autograd.grad(out, (q, k, v), d_out)
+    assert launched == ["local", "local_bwd"], launched
+    wide = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want = torch.autograd.grad(ref(*wide, window_size=(20, 17))[0], wide, d_out.double())
+    for which, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert a.dtype == dtype and torch.isfinite(a).all(), which
+        assert rel_err(a, b) < GRAD_TOLERANCE[dtype], (which, rel_err(a, b))
+
+
+@pytest.mark.slow  # compiles the matrix-engine form
+def test_amx_targets_keep_their_matrix_engine_gradients(tmp_path):
+    """A bfloat16 library for a CPU with AMX holds no five-product kernel (its TE
+    gradients multiply on the matrix engine); a float16 one, which has no AMX form, does."""
+    target = {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2}
+    for dtype, has in (("bfloat16", False), ("float16", True)):
+        m = swa_tvm.export_library([AttentionSpec(head_dim=32, window=(31, 0), backward=True, dtype=dtype)],
+                                   tmp_path / f"{dtype}.so", target=target, logs=None, warn_untuned=False)  # fmt: skip
+        assert ("local_bwd" in {k["spec"]["kind"] for k in m["kernels"]}) == has, dtype

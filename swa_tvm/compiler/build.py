@@ -6,6 +6,7 @@ Data flows one way: KernelSpec -> TE (swa_tvm.compute) -> PrimFunc -> schedule
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -206,8 +207,10 @@ def export_library(
     """
     specs = list(dict.fromkeys(specs))
     target = normalize_target(target)
-    if target.get("kind") != "llvm":  # the CPU-only gradient kernel's work is the CUDA ones' there
-        specs = [s for s in specs if s.kind not in CPU_ONLY_KINDS]
+    # The five-product CPU backward is left out where the TE gradient kernels serve better:
+    # on CUDA (fused kernels of their own) and on the matrix engine (AMX products).
+    specs = [s for s in specs if s.kind not in CPU_ONLY_KINDS
+             or (target.get("kind") == "llvm" and not uses_amx(dataclasses.replace(s, kind="local_dq"), target))]
     records = find_records(specs, target, logs) if logs is not None else {}
     if warn_untuned and logs is not None:  # logs=None asks for default schedules: nothing to warn
         root = default_logs_root() if logs == DEFAULT_LOGS else logs

@@ -9,17 +9,20 @@ order, each recomputes the scores and dP of the query rows that see it (in sub-b
 of ``BQ`` rows), keeps its dk/dv in a local tile, and adds dS·K to the dq rows in place,
 which no other task writes. Five products, one recomputation.
 
-It serves float32 with dilation 1, a bounded window, no extra keys and finite inputs
-(``KernelSpec.fused_backward``); every other case keeps the TE kernels, and so does a
-call with too few (batch, head) pairs to occupy the threads (``swa_tvm.eager``).
+It serves float32, bfloat16 and float16 (converted to float32 as they are staged, once
+per key block or query sub-block) with dilation 1, a bounded window, no extra keys and
+finite inputs (``KernelSpec.fused_backward``); every other case keeps the TE kernels,
+and so do a call with too few (batch, head) pairs to occupy the threads and bfloat16
+on a CPU with the matrix engine, whose TE kernels multiply on it (``swa_tvm.eager``).
 Probabilities use the forward's exp (``compute.forward._exp``), and dq, dk and dv sum
 in the TE kernels' key and row order; the scale is applied to dS before the sums, not
 after them (the same values for a power-of-two scale).
 
 Arguments, as the TE kernels': q [B,H,T,D], k/v [B,Hkv,T,D], dilation [H] (all 1),
-dout [B,H,T,D], lse [B,H,T] (+inf: a row whose probabilities are all 0), delta [B,H,T],
-scale, then the results dq [B,H,T,D], dk/dv [B,H,T,D] per query head (the caller sums
-a GQA group).
+dout [B,H,T,D] (in the spec's dtype), lse [B,H,T] (+inf: a row whose probabilities are
+all 0), delta [B,H,T], scale, then the results, all float32: dq [B,H,T,D] (accumulated
+in place; the caller rounds it to q's dtype), dk/dv [B,H,T,D] per query head (the
+caller sums a GQA group).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ assert QT <= KT  # dq's tile reuses dk/dv's accumulators
 def fused_backward(spec: KernelSpec):
     """The PrimFunc of a "local_bwd" spec (symbolic B, H, Hkv and T)."""
     assert spec.kind == "local_bwd" and spec.fused_backward, spec.name
-    D, left, right = spec.head_dim, spec.left, spec.right
+    D, dt, left, right = spec.head_dim, spec.dtype, spec.left, spec.right
     nsub = (BK + left + right + BQ - 1) // BQ  # query sub-blocks that see a key block
 
     def exp(x):
@@ -49,16 +52,19 @@ def fused_backward(spec: KernelSpec):
     def clamp(i, Tn):
         return T.max(T.min(i, Tn - 1), 0)
 
+    def f32(x):
+        return T.Cast("float32", x)
+
     @T.prim_func(s_tir=True)
     def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, dil_h: T.handle, do_h: T.handle, lse_h: T.handle,
                delta_h: T.handle, scale: T.float32, dq_h: T.handle, dk_h: T.handle, dv_h: T.handle):
         T.func_attr({"tirx.noalias": True})
         B, H, Hkv, Tn = T.int64(), T.int64(), T.int64(), T.int64()
-        q = T.match_buffer(q_h, (B, H, Tn, D), "float32")
-        k = T.match_buffer(k_h, (B, Hkv, Tn, D), "float32")
-        v = T.match_buffer(v_h, (B, Hkv, Tn, D), "float32")
+        q = T.match_buffer(q_h, (B, H, Tn, D), dt)
+        k = T.match_buffer(k_h, (B, Hkv, Tn, D), dt)
+        v = T.match_buffer(v_h, (B, Hkv, Tn, D), dt)
         dil = T.match_buffer(dil_h, (H,), "int32")
-        dout = T.match_buffer(do_h, (B, H, Tn, D), "float32")
+        dout = T.match_buffer(do_h, (B, H, Tn, D), dt)
         lse = T.match_buffer(lse_h, (B, H, Tn), "float32")
         delta = T.match_buffer(delta_h, (B, H, Tn), "float32")
         dq = T.match_buffer(dq_h, (B, H, Tn, D), "float32")
@@ -69,8 +75,15 @@ def fused_backward(spec: KernelSpec):
                 T.reads(q[0:B, 0:H, 0:Tn, 0:D], k[0:B, 0:Hkv, 0:Tn, 0:D], v[0:B, 0:Hkv, 0:Tn, 0:D], dil[0:H],
                         dout[0:B, 0:H, 0:Tn, 0:D], lse[0:B, 0:H, 0:Tn], delta[0:B, 0:H, 0:Tn])
                 T.writes(dq[0:B, 0:H, 0:Tn, 0:D], dk[0:B, 0:H, 0:Tn, 0:D], dv[0:B, 0:H, 0:Tn, 0:D])
-                Kt = T.alloc_buffer((D, BK), "float32")  # the key block, transposed: keys in vectors
+                # Staged in float32: the key block transposed (keys in vectors) and as rows,
+                # the value block transposed, the sub-block's query and output-gradient rows.
+                Kt = T.alloc_buffer((D, BK), "float32")
                 Vt = T.alloc_buffer((D, BK), "float32")
+                Kr = T.alloc_buffer((BK, D), "float32")
+                Qs = T.alloc_buffer((BQ, D), "float32")
+                dOs = T.alloc_buffer((BQ, D), "float32")
+                Ls = T.alloc_buffer((BQ,), "float32")
+                Ds = T.alloc_buffer((BQ,), "float32")
                 P = T.alloc_buffer((BQ, BK), "float32")
                 dS = T.alloc_buffer((BQ, BK), "float32")  # scale * P * (dP - delta)
                 dKa = T.alloc_buffer((BK, D), "float32")
@@ -87,15 +100,22 @@ def fused_backward(spec: KernelSpec):
                 for kb in range((Tn + (BK - 1)) // BK):
                     j0 = kb * BK
                     for c, kk in T.grid(D, BK):
-                        Kt[c, kk] = k[b, kh, T.min(j0 + kk, Tn - 1), c]
-                        Vt[c, kk] = v[b, kh, T.min(j0 + kk, Tn - 1), c]
+                        Kt[c, kk] = f32(k[b, kh, T.min(j0 + kk, Tn - 1), c])
+                        Vt[c, kk] = f32(v[b, kh, T.min(j0 + kk, Tn - 1), c])
                     for kk in range(BK):
                         for c in T.vectorized(D):
+                            Kr[kk, c] = f32(k[b, kh, T.min(j0 + kk, Tn - 1), c])
                             dKa[kk, c] = T.float32(0)
                             dVa[kk, c] = T.float32(0)
                     for s in range(nsub):
                         i0 = j0 - right + s * BQ
                         if i0 + BQ > 0 and i0 < Tn:
+                            for r in range(BQ):
+                                Ls[r] = lse[b, h, clamp(i0 + r, Tn)]
+                                Ds[r] = delta[b, h, clamp(i0 + r, Tn)]
+                                for c in T.vectorized(D):
+                                    Qs[r, c] = f32(q[b, h, clamp(i0 + r, Tn), c])
+                                    dOs[r, c] = f32(dout[b, h, clamp(i0 + r, Tn), c])
                             for ro in range(BQ // RT):
                                 for r in T.unroll(RT):
                                     for kk in T.vectorized(BK):
@@ -104,11 +124,11 @@ def fused_backward(spec: KernelSpec):
                                 for c in range(D):
                                     for r in T.unroll(RT):
                                         for kk in T.vectorized(BK):
-                                            sacc[r, kk] = sacc[r, kk] + q[b, h, clamp(i0 + ro * RT + r, Tn), c] * Kt[c, kk]
+                                            sacc[r, kk] = sacc[r, kk] + Qs[ro * RT + r, c] * Kt[c, kk]
                                 for c in range(D):
                                     for r in T.unroll(RT):
                                         for kk in T.vectorized(BK):
-                                            pacc[r, kk] = pacc[r, kk] + dout[b, h, clamp(i0 + ro * RT + r, Tn), c] * Vt[c, kk]
+                                            pacc[r, kk] = pacc[r, kk] + dOs[ro * RT + r, c] * Vt[c, kk]
                                 for r in range(RT):
                                     for kk in T.vectorized(BK):
                                         P[ro * RT + r, kk] = T.Select(
@@ -117,12 +137,12 @@ def fused_backward(spec: KernelSpec):
                                                 T.And(j0 + kk < Tn, T.And(i0 + ro * RT + r - j0 - kk <= left,
                                                                           j0 + kk - i0 - ro * RT - r <= right)),
                                             ),
-                                            exp(sacc[r, kk] * scale - lse[b, h, clamp(i0 + ro * RT + r, Tn)]),
+                                            exp(sacc[r, kk] * scale - Ls[ro * RT + r]),
                                             T.float32(0),
                                         )
                                         dS[ro * RT + r, kk] = (
                                             P[ro * RT + r, kk]
-                                            * (pacc[r, kk] - delta[b, h, clamp(i0 + ro * RT + r, Tn)])
+                                            * (pacc[r, kk] - Ds[ro * RT + r])
                                             * scale
                                         )
                             # dv += Pᵀ dO and dk += dSᵀ Q over the sub-block's rows.
@@ -133,7 +153,7 @@ def fused_backward(spec: KernelSpec):
                                 for r in range(BQ):
                                     for kk in T.unroll(KT):
                                         for c in T.vectorized(D):
-                                            tacc[kk, c] = tacc[kk, c] + P[r, ko * KT + kk] * dout[b, h, clamp(i0 + r, Tn), c]
+                                            tacc[kk, c] = tacc[kk, c] + P[r, ko * KT + kk] * dOs[r, c]
                                 for kk in T.unroll(KT):
                                     for c in T.vectorized(D):
                                         dVa[ko * KT + kk, c] = tacc[kk, c]
@@ -143,7 +163,7 @@ def fused_backward(spec: KernelSpec):
                                 for r in range(BQ):
                                     for kk in T.unroll(KT):
                                         for c in T.vectorized(D):
-                                            tacc[kk, c] = tacc[kk, c] + dS[r, ko * KT + kk] * q[b, h, clamp(i0 + r, Tn), c]
+                                            tacc[kk, c] = tacc[kk, c] + dS[r, ko * KT + kk] * Qs[r, c]
                                 for kk in T.unroll(KT):
                                     for c in T.vectorized(D):
                                         dKa[ko * KT + kk, c] = tacc[kk, c]
@@ -156,7 +176,7 @@ def fused_backward(spec: KernelSpec):
                                 for kk in range(BK):
                                     for r in T.unroll(QT):
                                         for c in T.vectorized(D):
-                                            tacc[r, c] = tacc[r, c] + dS[ro * QT + r, kk] * k[b, kh, T.min(j0 + kk, Tn - 1), c]
+                                            tacc[r, c] = tacc[r, c] + dS[ro * QT + r, kk] * Kr[kk, c]
                                 for r in T.unroll(QT):
                                     if i0 + ro * QT + r >= 0 and i0 + ro * QT + r < Tn:
                                         for c in T.vectorized(D):
