@@ -105,9 +105,8 @@ class KernelSpec:
         if self.softcap and not self.kind.startswith("cache"):
             raise ValueError(f"softcap is served by the cache kernels only, not by kind {self.kind!r}")
         if self.kind == "local_bwd" and not self.fused_backward:
-            raise ValueError("kind 'local_bwd' serves float32, bfloat16 and float16, max_dilation 1, a bounded window, "
-                             "no extras and "
-                             f"finite inputs; got dtype {self.dtype}, max_dilation {self.max_dilation}, window "
+            raise ValueError("kind 'local_bwd' serves float32, bfloat16 and float16, a bounded window, no extras "
+                             f"and finite inputs; got dtype {self.dtype}, window "
                              f"({self.left}, {self.right}), extras={self.extras}, nonfinite={self.nonfinite}")
         # Bounds that keep every constant a kernel is built with far inside int32 and every
         # band allocatable: a side reaching the whole sequence is -1, and the op turns any
@@ -149,9 +148,9 @@ class KernelSpec:
     @property
     def fused_backward(self) -> bool:
         """Whether the five-product CPU kernel (kind "local_bwd") computes this local
-        kernel's gradients: float32, bfloat16 or float16, dilation 1, a bounded window,
+        kernel's gradients: float32, bfloat16 or float16, a bounded window (any dilation),
         no extra keys, finite inputs."""
-        return (self.kind in ("local", "local_bwd") and self.dtype != "float64" and self.max_dilation == 1
+        return (self.kind in ("local", "local_bwd") and self.dtype != "float64"
                 and self.left >= 0 and self.right >= 0 and not self.extras and not self.nonfinite)
 
     def backward_kernels(self) -> list["KernelSpec"]:

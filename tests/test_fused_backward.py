@@ -29,12 +29,12 @@ def launched(monkeypatch):
     return kinds
 
 
-def grads_against_reference(B, H, Hkv, T, D, window, slog=False, seed=0):
+def grads_against_reference(B, H, Hkv, T, D, window, slog=False, dilation=1, seed=0):
     """Relative errors of dq, dk, dv (and the sink logits') of <out, R1> + <lse, R2>."""
     g = torch.Generator().manual_seed(seed)
     leaf = lambda *s: torch.randn(*s, generator=g).requires_grad_()  # noqa: E731
     q, k, v = leaf(B, H, T, D), leaf(B, Hkv, T, D), leaf(B, Hkv, T, D)
-    kw = dict(window_size=window)
+    kw = dict(window_size=window, dilation=dilation)
     if slog:
         kw["sink_logits"] = leaf(H)
     leaves = [q, k, v] + ([kw["sink_logits"]] if slog else [])
@@ -48,23 +48,31 @@ def grads_against_reference(B, H, Hkv, T, D, window, slog=False, seed=0):
     return [rel_err(a, b) for a, b in zip(got, want)]
 
 
-# (B, H, Hkv, T, D, window, learned sink logits): several key blocks of 32 and query
-# sub-blocks, T not a multiple of 32, windows on either or both sides, GQA, B > 1.
+# (B, H, Hkv, T, D, window, learned sink logits, dilation): several key blocks of 32 and
+# query sub-blocks, T not a multiple of 32 (nor of the dilation), windows on either or
+# both sides, GQA, B > 1, uniform and per-head dilation.
+PER_HEAD = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
 CASES = {
-    "causal": (1, 4, 4, 200, 16, (37, 0), False),
-    "symmetric_gqa_batch": (2, 4, 2, 150, 16, (20, 17), False),
-    "right_only": (1, 2, 2, 70, 16, (0, 9), False),
-    "shorter_than_a_block": (1, 2, 1, 13, 16, (5, 3), False),
-    "sink_logits": (1, 2, 2, 90, 16, (37, 0), True),
+    "causal": (1, 4, 4, 200, 16, (37, 0), False, 1),
+    "symmetric_gqa_batch": (2, 4, 2, 150, 16, (20, 17), False, 1),
+    "right_only": (1, 2, 2, 70, 16, (0, 9), False, 1),
+    "shorter_than_a_block": (1, 2, 1, 13, 16, (5, 3), False, 1),
+    "sink_logits": (1, 2, 2, 90, 16, (37, 0), True, 1),
+    "dilation_2": (1, 2, 2, 201, 16, (37, 0), False, 2),
+    "dilation_per_head_gqa": (2, 4, 2, 183, 16, (20, 17), False, PER_HEAD),
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# The quick tier runs the cases that share kernels with others or cover the most.
+SLOW_CASES = ("right_only", "shorter_than_a_block", "dilation_2")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CASES else n for n in CASES])
 def test_fused_gradients_match_reference(name, launched, monkeypatch):
     # One thread in the eager layer's count, so every case takes the fused kernel.
     monkeypatch.setattr(library, "tvm_pool_threads", lambda: 1)
-    *shape, window, slog = CASES[name]
-    errors = grads_against_reference(*shape, window, slog)
+    *shape, window, slog, dilation = CASES[name]
+    errors = grads_against_reference(*shape, window, slog, dilation)
     assert "local_bwd" in launched and "local_dq" not in launched and "local_dkv" not in launched, launched
     for which, e in zip(("dq", "dk", "dv", "dsink"), errors):
         assert e < 2e-6, f"{which}: relative error {e:.2e}"
@@ -87,7 +95,7 @@ def test_fused_kernel_only_where_the_threads_are_occupied(monkeypatch):
     assert chosen[2] is None and chosen[5] is None
     assert chosen[3].spec.kind == "local_bwd" and chosen[8].spec.kind == "local_bwd"
     # Cases it does not serve, and devices other than the CPU, never take it.
-    for other in (dataclasses.replace(fwd, dtype="float64"), dataclasses.replace(fwd, max_dilation=2),
+    for other in (dataclasses.replace(fwd, dtype="float64"),
                   dataclasses.replace(fwd, extras=True), dataclasses.replace(fwd, nonfinite=True),
                   dataclasses.replace(fwd, left=-1)):  # fmt: skip
         assert eager._fused_backward_kernel(other, "cpu", (other.left, 0), 8) is None
@@ -97,8 +105,9 @@ def test_fused_kernel_only_where_the_threads_are_occupied(monkeypatch):
 def test_spec_names_the_fused_kernel_where_it_serves():
     kinds = lambda **kw: [k.kind for k in AttentionSpec(head_dim=16, window=(37, 0), backward=True, **kw).kernels()]  # noqa: E731
     assert "local_bwd" in kinds()
-    assert "local_bwd" in kinds(dtype="bfloat16") and "local_bwd" in kinds(dtype="float16")
-    for kw in (dict(dtype="float64"), dict(max_dilation=2), dict(globals=True), dict(sinks=True)):
+    for kw in (dict(dtype="bfloat16"), dict(dtype="float16"), dict(max_dilation=4)):
+        assert "local_bwd" in kinds(**kw), kw
+    for kw in (dict(dtype="float64"), dict(globals=True), dict(sinks=True)):
         assert "local_bwd" not in kinds(**kw), kw
     # The nonfinite set has the TE kernels only (the fused kernel has no NaN rule).
     nonfinite = AttentionSpec(head_dim=16, window=(37, 0), backward=True, nonfinite=True).kernels()

@@ -7,18 +7,21 @@ two softmax recomputations. A single pass needs dq accumulated across key blocks
 scatter-add TE cannot write. Here each (batch, head) is one task: its key blocks run in
 order, each recomputes the scores and dP of the query rows that see it (in sub-blocks
 of ``BQ`` rows), keeps its dk/dv in a local tile, and adds dS·K to the dq rows in place,
-which no other task writes. Five products, one recomputation.
+which no other task writes. Five products, one recomputation. Under dilation d (the
+head's runtime value) the positions of each residue r (r, r + d, r + 2d, ...) are a
+plain window of their own: the task runs the same loops over each residue in turn, in
+units of d.
 
 It serves float32, bfloat16 and float16 (converted to float32 as they are staged, once
-per key block or query sub-block) with dilation 1, a bounded window, no extra keys and
-finite inputs (``KernelSpec.fused_backward``); every other case keeps the TE kernels,
+per key block or query sub-block) with a bounded window, no extra keys and finite
+inputs (``KernelSpec.fused_backward``); every other case keeps the TE kernels,
 and so do a call with too few (batch, head) pairs to occupy the threads and bfloat16
 on a CPU with the matrix engine, whose TE kernels multiply on it (``swa_tvm.eager``).
 Probabilities use the forward's exp (``compute.forward._exp``), and dq, dk and dv sum
 in the TE kernels' key and row order; the scale is applied to dS before the sums, not
 after them (the same values for a power-of-two scale).
 
-Arguments, as the TE kernels': q [B,H,T,D], k/v [B,Hkv,T,D], dilation [H] (all 1),
+Arguments, as the TE kernels': q [B,H,T,D], k/v [B,Hkv,T,D], dilation [H],
 dout [B,H,T,D] (in the spec's dtype), lse [B,H,T] (+inf: a row whose probabilities are
 all 0), delta [B,H,T], scale, then the results, all float32: dq [B,H,T,D] (accumulated
 in place; the caller rounds it to q's dtype), dk/dv [B,H,T,D] per query head (the
@@ -54,6 +57,9 @@ def fused_backward(spec: KernelSpec):
 
     def f32(x):
         return T.Cast("float32", x)
+
+    def at(res, d, x):  # the position of index x of residue res (dilation d)
+        return res + d * x
 
     @T.prim_func(s_tir=True)
     def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, dil_h: T.handle, do_h: T.handle, lse_h: T.handle,
@@ -97,95 +103,98 @@ def fused_backward(spec: KernelSpec):
                 for i in range(Tn):
                     for c in T.vectorized(D):
                         dq[b, h, i, c] = T.float32(0)
-                for kb in range((Tn + (BK - 1)) // BK):
-                    j0 = kb * BK
-                    for c, kk in T.grid(D, BK):
-                        Kt[c, kk] = f32(k[b, kh, T.min(j0 + kk, Tn - 1), c])
-                        Vt[c, kk] = f32(v[b, kh, T.min(j0 + kk, Tn - 1), c])
-                    for kk in range(BK):
-                        for c in T.vectorized(D):
-                            Kr[kk, c] = f32(k[b, kh, T.min(j0 + kk, Tn - 1), c])
-                            dKa[kk, c] = T.float32(0)
-                            dVa[kk, c] = T.float32(0)
-                    for s in range(nsub):
-                        i0 = j0 - right + s * BQ
-                        if i0 + BQ > 0 and i0 < Tn:
-                            for r in range(BQ):
-                                Ls[r] = lse[b, h, clamp(i0 + r, Tn)]
-                                Ds[r] = delta[b, h, clamp(i0 + r, Tn)]
-                                for c in T.vectorized(D):
-                                    Qs[r, c] = f32(q[b, h, clamp(i0 + r, Tn), c])
-                                    dOs[r, c] = f32(dout[b, h, clamp(i0 + r, Tn), c])
-                            for ro in range(BQ // RT):
-                                for r in T.unroll(RT):
-                                    for kk in T.vectorized(BK):
-                                        sacc[r, kk] = T.float32(0)
-                                        pacc[r, kk] = T.float32(0)
-                                for c in range(D):
+                d = T.Cast("int64", dil[h])
+                for res in range(d):
+                    Tr = (Tn - res + (d - 1)) // d  # positions res, res + d, ... below T
+                    for kb in range((Tr + (BK - 1)) // BK):
+                        j0 = kb * BK
+                        for c, kk in T.grid(D, BK):
+                            Kt[c, kk] = f32(k[b, kh, at(res, d, T.min(j0 + kk, Tr - 1)), c])
+                            Vt[c, kk] = f32(v[b, kh, at(res, d, T.min(j0 + kk, Tr - 1)), c])
+                        for kk in range(BK):
+                            for c in T.vectorized(D):
+                                Kr[kk, c] = f32(k[b, kh, at(res, d, T.min(j0 + kk, Tr - 1)), c])
+                                dKa[kk, c] = T.float32(0)
+                                dVa[kk, c] = T.float32(0)
+                        for s in range(nsub):
+                            i0 = j0 - right + s * BQ
+                            if i0 + BQ > 0 and i0 < Tr:
+                                for r in range(BQ):
+                                    Ls[r] = lse[b, h, at(res, d, clamp(i0 + r, Tr))]
+                                    Ds[r] = delta[b, h, at(res, d, clamp(i0 + r, Tr))]
+                                    for c in T.vectorized(D):
+                                        Qs[r, c] = f32(q[b, h, at(res, d, clamp(i0 + r, Tr)), c])
+                                        dOs[r, c] = f32(dout[b, h, at(res, d, clamp(i0 + r, Tr)), c])
+                                for ro in range(BQ // RT):
                                     for r in T.unroll(RT):
                                         for kk in T.vectorized(BK):
-                                            sacc[r, kk] = sacc[r, kk] + Qs[ro * RT + r, c] * Kt[c, kk]
-                                for c in range(D):
-                                    for r in T.unroll(RT):
+                                            sacc[r, kk] = T.float32(0)
+                                            pacc[r, kk] = T.float32(0)
+                                    for c in range(D):
+                                        for r in T.unroll(RT):
+                                            for kk in T.vectorized(BK):
+                                                sacc[r, kk] = sacc[r, kk] + Qs[ro * RT + r, c] * Kt[c, kk]
+                                    for c in range(D):
+                                        for r in T.unroll(RT):
+                                            for kk in T.vectorized(BK):
+                                                pacc[r, kk] = pacc[r, kk] + dOs[ro * RT + r, c] * Vt[c, kk]
+                                    for r in range(RT):
                                         for kk in T.vectorized(BK):
-                                            pacc[r, kk] = pacc[r, kk] + dOs[ro * RT + r, c] * Vt[c, kk]
-                                for r in range(RT):
-                                    for kk in T.vectorized(BK):
-                                        P[ro * RT + r, kk] = T.Select(
-                                            T.And(
-                                                T.And(i0 + ro * RT + r >= 0, i0 + ro * RT + r < Tn),
-                                                T.And(j0 + kk < Tn, T.And(i0 + ro * RT + r - j0 - kk <= left,
-                                                                          j0 + kk - i0 - ro * RT - r <= right)),
-                                            ),
-                                            exp(sacc[r, kk] * scale - Ls[ro * RT + r]),
-                                            T.float32(0),
-                                        )
-                                        dS[ro * RT + r, kk] = (
-                                            P[ro * RT + r, kk]
-                                            * (pacc[r, kk] - Ds[ro * RT + r])
-                                            * scale
-                                        )
-                            # dv += Pᵀ dO and dk += dSᵀ Q over the sub-block's rows.
-                            for ko in range(BK // KT):
-                                for kk in T.unroll(KT):
-                                    for c in T.vectorized(D):
-                                        tacc[kk, c] = dVa[ko * KT + kk, c]
-                                for r in range(BQ):
+                                            P[ro * RT + r, kk] = T.Select(
+                                                T.And(
+                                                    T.And(i0 + ro * RT + r >= 0, i0 + ro * RT + r < Tr),
+                                                    T.And(j0 + kk < Tr, T.And(i0 + ro * RT + r - j0 - kk <= left,
+                                                                              j0 + kk - i0 - ro * RT - r <= right)),
+                                                ),
+                                                exp(sacc[r, kk] * scale - Ls[ro * RT + r]),
+                                                T.float32(0),
+                                            )
+                                            dS[ro * RT + r, kk] = (
+                                                P[ro * RT + r, kk]
+                                                * (pacc[r, kk] - Ds[ro * RT + r])
+                                                * scale
+                                            )
+                                # dv += Pᵀ dO and dk += dSᵀ Q over the sub-block's rows.
+                                for ko in range(BK // KT):
                                     for kk in T.unroll(KT):
                                         for c in T.vectorized(D):
-                                            tacc[kk, c] = tacc[kk, c] + P[r, ko * KT + kk] * dOs[r, c]
-                                for kk in T.unroll(KT):
-                                    for c in T.vectorized(D):
-                                        dVa[ko * KT + kk, c] = tacc[kk, c]
-                                for kk in T.unroll(KT):
-                                    for c in T.vectorized(D):
-                                        tacc[kk, c] = dKa[ko * KT + kk, c]
-                                for r in range(BQ):
+                                            tacc[kk, c] = dVa[ko * KT + kk, c]
+                                    for r in range(BQ):
+                                        for kk in T.unroll(KT):
+                                            for c in T.vectorized(D):
+                                                tacc[kk, c] = tacc[kk, c] + P[r, ko * KT + kk] * dOs[r, c]
                                     for kk in T.unroll(KT):
                                         for c in T.vectorized(D):
-                                            tacc[kk, c] = tacc[kk, c] + dS[r, ko * KT + kk] * Qs[r, c]
-                                for kk in T.unroll(KT):
-                                    for c in T.vectorized(D):
-                                        dKa[ko * KT + kk, c] = tacc[kk, c]
-                            # dq rows += dS K, in place; rows outside [0, T) (clamped reads,
-                            # all-zero dS) are not written back.
-                            for ro in range(BQ // QT):
-                                for r in T.unroll(QT):
-                                    for c in T.vectorized(D):
-                                        tacc[r, c] = dq[b, h, clamp(i0 + ro * QT + r, Tn), c]
-                                for kk in range(BK):
+                                            dVa[ko * KT + kk, c] = tacc[kk, c]
+                                    for kk in T.unroll(KT):
+                                        for c in T.vectorized(D):
+                                            tacc[kk, c] = dKa[ko * KT + kk, c]
+                                    for r in range(BQ):
+                                        for kk in T.unroll(KT):
+                                            for c in T.vectorized(D):
+                                                tacc[kk, c] = tacc[kk, c] + dS[r, ko * KT + kk] * Qs[r, c]
+                                    for kk in T.unroll(KT):
+                                        for c in T.vectorized(D):
+                                            dKa[ko * KT + kk, c] = tacc[kk, c]
+                                # dq rows += dS K, in place; rows outside [0, T) (clamped reads,
+                                # all-zero dS) are not written back.
+                                for ro in range(BQ // QT):
                                     for r in T.unroll(QT):
                                         for c in T.vectorized(D):
-                                            tacc[r, c] = tacc[r, c] + dS[ro * QT + r, kk] * Kr[kk, c]
-                                for r in T.unroll(QT):
-                                    if i0 + ro * QT + r >= 0 and i0 + ro * QT + r < Tn:
-                                        for c in T.vectorized(D):
-                                            dq[b, h, i0 + ro * QT + r, c] = tacc[r, c]
-                    for kk in range(BK):
-                        if j0 + kk < Tn:
-                            for c in T.vectorized(D):
-                                dk[b, h, j0 + kk, c] = dKa[kk, c]
-                                dv[b, h, j0 + kk, c] = dVa[kk, c]
+                                            tacc[r, c] = dq[b, h, at(res, d, clamp(i0 + ro * QT + r, Tr)), c]
+                                    for kk in range(BK):
+                                        for r in T.unroll(QT):
+                                            for c in T.vectorized(D):
+                                                tacc[r, c] = tacc[r, c] + dS[ro * QT + r, kk] * Kr[kk, c]
+                                    for r in T.unroll(QT):
+                                        if i0 + ro * QT + r >= 0 and i0 + ro * QT + r < Tr:
+                                            for c in T.vectorized(D):
+                                                dq[b, h, at(res, d, i0 + ro * QT + r), c] = tacc[r, c]
+                        for kk in range(BK):
+                            if j0 + kk < Tr:
+                                for c in T.vectorized(D):
+                                    dk[b, h, at(res, d, j0 + kk), c] = dKa[kk, c]
+                                    dv[b, h, at(res, d, j0 + kk), c] = dVa[kk, c]
 
     return kernel.with_attr("global_symbol", spec.name)
 
