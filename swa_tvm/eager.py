@@ -4,6 +4,7 @@ on first use when no library is loaded), lays out their arguments and launches t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -324,9 +325,14 @@ def _group_sum(x, Hkv):
 # The five-product CPU backward (kind "local_bwd", schedules/cpu_flash_bwd.py) is one task
 # per (batch, head); the TE gradient kernels split every head into query blocks. So the
 # fused kernel runs where the (batch, head) pairs fill at least this share of the threads'
-# waves: at B=1, H=8, T=16384 on 2 threads it took 0.58x the TE kernels' time
+# waves: at B=1, H=8, T=16384 on 2 threads it took about 0.6x the TE kernels' time
 # (tools/experiments/fused_backward_probe.py), so a wave at 3/4 still wins.
 FUSED_BACKWARD_MIN_OCCUPANCY = 0.75
+
+
+@functools.lru_cache(maxsize=1)
+def _host_has_amx_bf16() -> bool:
+    return {"amx_tile", "amx_bf16"} <= library.host_cpu_flags()
 
 
 def _fused_backward_kernel(fwd: KernelSpec, device: str, written, pairs: int) -> library.Kernel | None:
@@ -337,7 +343,7 @@ def _fused_backward_kernel(fwd: KernelSpec, device: str, written, pairs: int) ->
     (exported before it existed, without 'backward', or for a CPU with AMX)."""
     if device != "cpu" or not fwd.fused_backward:
         return None
-    if fwd.dtype == "bfloat16" and not library.REGISTRY.libraries and {"amx_tile", "amx_bf16"} <= library.host_cpu_flags():
+    if fwd.dtype == "bfloat16" and not library.REGISTRY.libraries and _host_has_amx_bf16():
         return None  # the TE kernels multiply on the matrix engine here (a library says for itself)
     threads = max(1, library.tvm_pool_threads())
     waves = -(-pairs // threads)
