@@ -61,6 +61,11 @@ def fused_backward(spec: KernelSpec):
     def at(res, d, x):  # the position of index x of residue res (dilation d)
         return res + d * x
 
+    def dilation(dil, h):
+        # A kernel for dilation 1 alone takes it as the constant 1 (its code is then the
+        # plain window's), as compute.forward.Band(unit=True) does.
+        return T.int64(1) if spec.max_dilation == 1 else T.Cast("int64", dil[h])
+
     @T.prim_func(s_tir=True)
     def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, dil_h: T.handle, do_h: T.handle, lse_h: T.handle,
                delta_h: T.handle, scale: T.float32, dq_h: T.handle, dk_h: T.handle, dv_h: T.handle):
@@ -103,7 +108,7 @@ def fused_backward(spec: KernelSpec):
                 for i in range(Tn):
                     for c in T.vectorized(D):
                         dq[b, h, i, c] = T.float32(0)
-                d = T.Cast("int64", dil[h])
+                d = dilation(dil, h)
                 for res in range(d):
                     Tr = (Tn - res + (d - 1)) // d  # positions res, res + d, ... below T
                     for kb in range((Tr + (BK - 1)) // BK):
