@@ -66,6 +66,21 @@ def fused_backward(spec: KernelSpec):
         # plain window's), as compute.forward.Band(unit=True) does.
         return T.int64(1) if spec.max_dilation == 1 else T.Cast("int64", dil[h])
 
+    @T.macro
+    def key_tile_update(total, weights, rows, tacc, ko):
+        # total[key] += sum over the sub-block's rows r of weights[r, key] * rows[r]: KT keys
+        # of the block at a time (from ko * KT), in the register tile tacc.
+        for kk in T.unroll(KT):
+            for c in T.vectorized(D):
+                tacc[kk, c] = total[ko * KT + kk, c]
+        for r in range(BQ):
+            for kk in T.unroll(KT):
+                for c in T.vectorized(D):
+                    tacc[kk, c] = tacc[kk, c] + weights[r, ko * KT + kk] * rows[r, c]
+        for kk in T.unroll(KT):
+            for c in T.vectorized(D):
+                total[ko * KT + kk, c] = tacc[kk, c]
+
     @T.prim_func(s_tir=True)
     def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, dil_h: T.handle, do_h: T.handle, lse_h: T.handle,
                delta_h: T.handle, scale: T.float32, dq_h: T.handle, dk_h: T.handle, dv_h: T.handle):
@@ -161,26 +176,8 @@ def fused_backward(spec: KernelSpec):
                                             )
                                 # dv += Pᵀ dO and dk += dSᵀ Q over the sub-block's rows.
                                 for ko in range(BK // KT):
-                                    for kk in T.unroll(KT):
-                                        for c in T.vectorized(D):
-                                            tacc[kk, c] = dVa[ko * KT + kk, c]
-                                    for r in range(BQ):
-                                        for kk in T.unroll(KT):
-                                            for c in T.vectorized(D):
-                                                tacc[kk, c] = tacc[kk, c] + P[r, ko * KT + kk] * dOs[r, c]
-                                    for kk in T.unroll(KT):
-                                        for c in T.vectorized(D):
-                                            dVa[ko * KT + kk, c] = tacc[kk, c]
-                                    for kk in T.unroll(KT):
-                                        for c in T.vectorized(D):
-                                            tacc[kk, c] = dKa[ko * KT + kk, c]
-                                    for r in range(BQ):
-                                        for kk in T.unroll(KT):
-                                            for c in T.vectorized(D):
-                                                tacc[kk, c] = tacc[kk, c] + dS[r, ko * KT + kk] * Qs[r, c]
-                                    for kk in T.unroll(KT):
-                                        for c in T.vectorized(D):
-                                            dKa[ko * KT + kk, c] = tacc[kk, c]
+                                    key_tile_update(dVa, P, dOs, tacc, ko)
+                                    key_tile_update(dKa, dS, Qs, tacc, ko)
                                 # dq rows += dS K, in place; rows outside [0, T) (clamped reads,
                                 # all-zero dS) are not written back.
                                 for ro in range(BQ // QT):
