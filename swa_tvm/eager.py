@@ -338,26 +338,33 @@ def _host_has_amx_bf16() -> bool:
 def _fused_backward_kernel(fwd: KernelSpec, device: str, written, pairs: int) -> library.Kernel | None:
     """The "local_bwd" kernel for the gradients of ``fwd``, or None where the TE kernels
     run: not a CPU call, a case it does not serve (``KernelSpec.fused_backward``),
-    bfloat16 compiled here on a CPU with AMX (the TE kernels' matrix-engine form is
-    faster), too few (batch, head) pairs for the threads, or loaded libraries without it
-    (exported before it existed, without 'backward', or for a CPU with AMX)."""
-    if device != "cpu" or not fwd.fused_backward:
+    bfloat16 compiled here on a CPU with AMX (the TE kernels, in their matrix-engine form
+    where it serves; export leaves the fused kernel out for such a CPU alike), too few
+    (batch, head) pairs for the threads, or loaded libraries without it (exported before
+    it existed, without 'backward', or for a CPU with AMX). A loaded library may hold it
+    for the window as written (``_kernel_as_written``)."""
+    if device != "cpu":
+        return None
+    as_written = dataclasses.replace(fwd, left=written[0], right=written[1])
+    wants = [s for s in dict.fromkeys((as_written, fwd))
+             if min(s.left, s.right) >= 0 and max(s.left, s.right) <= MAX_SPEC_INT and s.fused_backward]
+    if not wants:
         return None
     if fwd.dtype == "bfloat16" and not library.REGISTRY.libraries and _host_has_amx_bf16():
-        return None  # the TE kernels multiply on the matrix engine here (a library says for itself)
+        return None
     threads = max(1, library.tvm_pool_threads())
     waves = -(-pairs // threads)
     if pairs / (waves * threads) < FUSED_BACKWARD_MIN_OCCUPANCY:
         return None
-    want = dataclasses.replace(fwd, kind="local_bwd")
     if library.REGISTRY.libraries:
-        for left, right in (written, (want.left, want.right)):
-            if max(left, right) <= MAX_SPEC_INT:
-                hit = library.REGISTRY.find(dataclasses.replace(want, left=left, right=right), device)
-                if hit is not None:
-                    return hit
+        for want in wants:
+            hit = library.REGISTRY.find(dataclasses.replace(want, kind="local_bwd"), device)
+            if hit is not None:
+                return hit
         return None
-    return _kernel(want, device)
+    if not fwd.fused_backward:  # a compile serves the normalized window only
+        return None
+    return _kernel(dataclasses.replace(fwd, kind="local_bwd"), device)
 
 
 def attention_backward(

@@ -508,6 +508,7 @@ def test_cuda_backward_kernels_compute_the_reference_gradients(case, fused, monk
         return Kernel(want, serial_on_cpu(sch.mod)[want.name], device, "serial CUDA schedule")
 
     monkeypatch.setattr(eager, "_kernel", serial_cuda_kernel)
+    monkeypatch.setattr(eager, "_fused_backward_kernel", lambda *a: None)  # a CPU kernel; CUDA's are emulated here
     monkeypatch.setattr(eager, "global_pieces", lambda B, H, G, T, device: 3)  # T=45: empty pieces too
     dtype, window, dilation, extras, tol, _ = BACKWARD_CASES[case]
     B, H, Hkv, T, G = 2, 4, 2, 45, 2
@@ -560,6 +561,7 @@ def test_tensor_core_forward_through_functional(pieces, monkeypatch):
         return Kernel(want, serial_on_cpu(func)[want.name], device, "serial, mma emulated", None, workspace)
 
     monkeypatch.setattr(eager, "_kernel", serial_tc_kernel)
+    monkeypatch.setattr(eager, "_fused_backward_kernel", lambda *a: None)  # a CPU kernel; CUDA's are emulated here
     monkeypatch.setattr(eager, "global_pieces", lambda B, H, G, T, device: pieces)
     B, H, Hkv, T, D = 2, 4, 2, 90, 32
     q, k, v = rand(B, H, T, D).bfloat16(), rand(B, Hkv, T, D).bfloat16(), rand(B, Hkv, T, D).bfloat16()

@@ -375,6 +375,7 @@ def test_backward_keeps_unseen_keys_out(build, case, separate, monkeypatch):
         return Kernel(want, serial_on_cpu(func)[want.name], device, "serial, mma emulated", None, workspace)
 
     monkeypatch.setattr(eager, "_kernel", serial_kernel)
+    monkeypatch.setattr(eager, "_fused_backward_kernel", lambda *a: None)  # a CPU kernel; CUDA's are emulated here
     monkeypatch.setattr(eager, "global_pieces", lambda B, H, G, T, device: 3)
     (q, k, v), kw, _, _ = _local_inputs(dtype, case, D)
     tdt = getattr(torch, dtype)

@@ -109,13 +109,29 @@ def test_spec_names_the_fused_kernel_where_it_serves():
         assert "local_bwd" in kinds(**kw), kw
     for kw in (dict(dtype="float64"), dict(globals=True), dict(sinks=True)):
         assert "local_bwd" not in kinds(**kw), kw
-    # The nonfinite set has the TE kernels only (the fused kernel has no NaN rule).
-    nonfinite = AttentionSpec(head_dim=16, window=(37, 0), backward=True, nonfinite=True).kernels()
-    assert [k.kind for k in nonfinite if k.nonfinite and k.kind == "local_bwd"] == []
+    # The nonfinite set has every kernel of the plain set but the fused one (it has no
+    # NaN rule): the guarded calls take the TE gradient kernels.
+    both = AttentionSpec(head_dim=16, window=(37, 0), backward=True, nonfinite=True).kernels()
+    plain = [k.kind for k in both if not k.nonfinite]
+    guarded = [k.kind for k in both if k.nonfinite]
+    assert "local_bwd" in plain and guarded == [k for k in plain if k != "local_bwd"], (plain, guarded)
     with pytest.raises(ValueError, match="local_bwd"):
         KernelSpec("local_bwd", 16, "float64", 37, 0)
     with pytest.raises(ValueError, match="local_bwd"):
         KernelSpec("local_bwd", 16, "float32", -1, 0)
+
+
+def test_bfloat16_on_a_matrix_engine_keeps_the_te_kernels(fresh_registry, monkeypatch):
+    """Compiled on first use, bfloat16 on a CPU with AMX takes the TE gradient kernels
+    (their matrix-engine form); without AMX, and float16 anywhere, the fused kernel. (The
+    compile is stubbed: only the choice is checked, on any CPU.)"""
+    monkeypatch.setattr(library, "tvm_pool_threads", lambda: 1)
+    monkeypatch.setattr(eager, "_kernel", lambda want, device: want)
+    fwd = KernelSpec("local", 16, "bfloat16", 37, 0)
+    for amx, dtype, fused in ((True, "bfloat16", False), (False, "bfloat16", True), (True, "float16", True)):
+        monkeypatch.setattr(eager, "_host_has_amx_bf16", lambda: amx)
+        got = eager._fused_backward_kernel(dataclasses.replace(fwd, dtype=dtype), "cpu", (37, 0), 8)
+        assert (got is not None and got.kind == "local_bwd") == fused, (amx, dtype, got)
 
 
 def test_cuda_targets_build_no_fused_cpu_kernel():
@@ -130,24 +146,27 @@ def test_cuda_targets_build_no_fused_cpu_kernel():
 
 
 def test_libraries_with_and_without_the_fused_kernel(fresh_registry, tmp_path, launched, monkeypatch):
-    """A library exported with 'backward' holds the fused kernel and serves a training
-    step with it; one without it (exported before it existed) keeps its TE kernels
-    instead of failing."""
+    """A library exported with 'backward' holds the fused kernel (manifest format 4) and
+    serves a training step with it, also where T is short enough that the window as
+    written spans every row (the call's own spec is then unbounded); one without it
+    (exported before it existed) keeps its TE kernels instead of failing."""
     monkeypatch.setattr(library, "tvm_pool_threads", lambda: 1)
     spec = AttentionSpec(head_dim=16, window=(37, 0), backward=True)
     with_fused = tmp_path / "with.so"
     manifest = swa_tvm.export_library([spec], with_fused, logs=None)
     by_kind = {k["spec"]["kind"]: k for k in manifest["kernels"]}
-    assert by_kind["local_bwd"]["schedule"] == "cpu_flash_bwd"
+    assert by_kind["local_bwd"]["schedule"] == "cpu_flash_bwd" and manifest["format"] == 4
     without = tmp_path / "without.so"
     swa_tvm.export_library([k for k in spec.kernels() if k.kind != "local_bwd"], without, logs=None)
     for lib, kinds in ((with_fused, ["local_bwd"]), (without, ["local_dq", "local_dkv"])):
         fresh_registry.clear()
         swa_tvm.load_library(str(lib))
         launched.clear()
-        errors = grads_against_reference(1, 2, 2, 100, 16, (37, 0))
-        assert [k for k in launched if k != "local"] == kinds, (lib, launched)
-        assert max(errors) < 2e-6, errors
+        for T in (100, 30):
+            launched.clear()
+            errors = grads_against_reference(1, 2, 2, T, 16, (37, 0))
+            assert [k for k in launched if k != "local"] == kinds, (lib, T, launched)
+            assert max(errors) < 2e-6, (T, errors)
 
 
 @pytest.mark.slow  # two libraries of their own

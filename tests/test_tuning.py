@@ -347,6 +347,8 @@ def test_backward_kernels_tune_and_export_with_their_own_records(tmp_path, fresh
     db = records.open_log(records.log_dir(str(tmp_path / "logs"), host_target()), readonly=True)
     lanes = _vector_lanes(tvm.target.Target(host_target()))
     for k in kernels[1:]:
+        if k.kind == "local_bwd":  # hand-written: no search space, nothing tuned
+            continue
         default = str(records.default_point(k, lanes).trace)
         recs = db.records_for(records.tuning_workload(k))
         assert any(str(r.trace) == default for r in recs), k.name

@@ -52,7 +52,7 @@ import tvm_ffi
 
 from swa_tvm.compiler.build import cuda_source, schedule_spec
 from swa_tvm.schedules import cuda_flash_tc
-from swa_tvm.spec import AttentionSpec
+from swa_tvm.spec import CPU_ONLY_KINDS, AttentionSpec
 
 SYNC = "__syncthreads();"
 WAIT = re.compile(r"\bswa_cp_async_wait_all\(\)")
@@ -299,6 +299,8 @@ def main(argv=None) -> int:
         funcs = {}
         for text in args.spec:
             for k in AttentionSpec.parse(text).kernels():
+                if k.kind in CPU_ONLY_KINDS:  # the five-product CPU backward: no CUDA build
+                    continue
                 funcs[k.name] = schedule_spec(k, target)
                 if args.async_forward and cuda_flash_tc.supports(k):
                     cfg = dataclasses.replace(cuda_flash_tc.default_config(k), async_copy=True)

@@ -34,7 +34,7 @@ import tvm
 from swa_tvm.compiler.build import schedule_spec
 from swa_tvm.compiler.cuda_pack import nvcc_compile, ptxas_resources
 from swa_tvm.schedules import cuda_flash_bwd_tc, cuda_flash_tc
-from swa_tvm.spec import AttentionSpec
+from swa_tvm.spec import CPU_ONLY_KINDS, AttentionSpec
 from tools.cuda_races import generated_source
 
 # A tensor-core product: HMMA on sm_80/sm_90 (mma.sync m16n8k16), HGMMA on sm_90a (wgmma
@@ -221,6 +221,8 @@ def main(argv=None) -> int:
     funcs = {}
     for text in args.spec:
         for k in AttentionSpec.parse(text).kernels():
+            if k.kind in CPU_ONLY_KINDS:  # the five-product CPU backward: no CUDA build
+                continue
             if args.forward_tiles and cuda_flash_tc.supports(k):
                 funcs[k.name] = cuda_flash_tc.flash_tc(k, cuda_flash_tc.TCConfig(*fields(args.forward_tiles)))
             elif args.backward_tiles and cuda_flash_bwd_tc.supports(k):

@@ -6,7 +6,6 @@ Data flows one way: KernelSpec -> TE (swa_tvm.compute) -> PrimFunc -> schedule
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import os
@@ -30,20 +29,21 @@ from swa_tvm.compiler.targets import (
     AMX_FEATURES,
     _cpu_features,
     _vector_lanes,
+    has_amx,
     normalize_target,
     target_key,
     uses_amx,
 )
 from swa_tvm.compute import prim_func
 from swa_tvm.runtime import library
-from swa_tvm.runtime.library import MANIFEST_FORMAT, MANIFEST_FORMATS, sha256_file
+from swa_tvm.runtime.library import AMX_FORMAT, FUSED_BACKWARD_FORMAT, MANIFEST_FORMATS, sha256_file
 from swa_tvm.schedules import cpu as cpu_schedules
 from swa_tvm.schedules import cpu_flash_bwd
 from swa_tvm.schedules import cuda as cuda_schedules
 from swa_tvm.spec import CPU_ONLY_KINDS, KernelSpec
 
-# The manifest format of a library without matrix-engine kernels: loaders from before
-# format 3 still read it.
+# The manifest format of a library without matrix-engine or five-product backward
+# kernels: loaders from before format 3 still read it.
 LEGACY_FORMAT = MANIFEST_FORMATS[0]
 
 
@@ -207,10 +207,11 @@ def export_library(
     """
     specs = list(dict.fromkeys(specs))
     target = normalize_target(target)
-    # The five-product CPU backward is left out where the TE gradient kernels serve better:
-    # on CUDA (fused kernels of their own) and on the matrix engine (AMX products).
+    # The five-product CPU backward is left out where the TE gradient kernels run instead:
+    # on CUDA (fused kernels of their own), and in bfloat16 on a CPU with AMX (their
+    # matrix-engine form), the rule swa_tvm.eager applies to first-use compiles.
     specs = [s for s in specs if s.kind not in CPU_ONLY_KINDS
-             or (target.get("kind") == "llvm" and not uses_amx(dataclasses.replace(s, kind="local_dq"), target))]
+             or (target.get("kind") == "llvm" and not (s.dtype == "bfloat16" and has_amx(target)))]
     records = find_records(specs, target, logs) if logs is not None else {}
     if warn_untuned and logs is not None:  # logs=None asks for default schedules: nothing to warn
         root = default_logs_root() if logs == DEFAULT_LOGS else logs
@@ -279,7 +280,8 @@ def export_library(
 
     amx = any(uses_amx(s, target) for s in specs)
     manifest = {
-        "format": MANIFEST_FORMAT if amx else LEGACY_FORMAT,
+        "format": (FUSED_BACKWARD_FORMAT if any(s.kind in CPU_ONLY_KINDS for s in specs)
+                   else AMX_FORMAT if amx else LEGACY_FORMAT),
         "tvm_version": library.tvm_version(),
         "target": target,
         "target_key": target_key(target),

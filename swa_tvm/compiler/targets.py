@@ -132,6 +132,12 @@ def uses_amx(spec, target) -> bool:
     return _has_amx(json.dumps(target, sort_keys=True) if isinstance(target, dict) else str(target))
 
 
+def has_amx(target) -> bool:
+    """Whether an llvm ``target`` (a dict or a tvm Target) has AMX with bfloat16."""
+    kind = target.get("kind") if isinstance(target, dict) else target.kind.name
+    return kind == "llvm" and _has_amx(json.dumps(target, sort_keys=True) if isinstance(target, dict) else str(target))
+
+
 @functools.lru_cache(maxsize=None)
 def _has_amx(target: str) -> bool:
     import tvm

@@ -35,8 +35,11 @@ from swa_tvm.spec import KernelSpec
 # 3: kernels may use AMX tiles ("schedule": "amx"), which the loader must ask the OS for
 # before their first call; an older loader, which would not, refuses format 3. Libraries
 # without such kernels keep format 2.
-MANIFEST_FORMAT = 3
-MANIFEST_FORMATS = (2, 3)
+# 4: kernels may be of kind "local_bwd" (the five-product CPU backward), which a loader
+# from before it would reject by kind; it refuses format 4 instead, by number.
+MANIFEST_FORMAT = 4
+MANIFEST_FORMATS = (2, 3, 4)
+AMX_FORMAT, FUSED_BACKWARD_FORMAT = 3, 4
 # Such sets of arguments: the split-K global rows' pieces (schedules/cuda_flash_tc, and
 # the gradients' dq in schedules/cuda_flash_bwd_tc), an fp32 workspace the caller
 # allocates for any number S >= 1 of pieces of the keys (functional.global_pieces

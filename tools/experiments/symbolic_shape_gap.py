@@ -23,7 +23,7 @@ from swa_tvm.compiler import records
 from swa_tvm.tuning import tune
 from swa_tvm.compute import prim_func
 from swa_tvm.schedules import cpu as cpu_schedules
-from swa_tvm.spec import AttentionSpec
+from swa_tvm.spec import CPU_ONLY_KINDS, AttentionSpec
 
 
 def compiled(spec, shapes, target, lanes, drop_predicates: bool):
@@ -47,6 +47,8 @@ def main() -> None:
     lanes = targets._vector_lanes(target)
     dev = tvm.cpu()
     for spec in AttentionSpec.parse(args.spec).kernels():
+        if spec.kind in CPU_ONLY_KINDS:  # hand-written: no TE compute to compare
+            continue
         shapes = records.tune_shapes(spec)
         variants = {
             "as shipped": compiled(spec, None, target, lanes, True),
