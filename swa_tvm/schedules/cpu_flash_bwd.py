@@ -37,10 +37,15 @@ from swa_tvm.spec import KernelSpec
 
 # Keys per key block and query rows per sub-block.
 BK = BQ = 32
-# Register tiles (rows x vectors, 16 accumulators with AVX-512's 32 registers): the two
-# score products RT rows x BK keys; dk/dv KT keys x D; dq QT rows x D.
-RT, KT, QT = 8, 4, 4
-assert QT <= KT  # dq's tile reuses dk/dv's accumulators
+# Register tiles of 16 accumulators (half of AVX-512's 32 registers; the rest hold the
+# operands): the two score products RT rows x BK keys (2 vectors); dk/dv and dq
+# ``feature_tile_rows(D)`` keys or rows x D.
+RT = 8
+
+
+def feature_tile_rows(D: int) -> int:
+    """Rows of a [rows, D] register tile of at most 16 vectors of 16 floats, dividing BK."""
+    return max(n for n in (1, 2, 4, 8, 16, 32) if n * D <= 256 and BK % n == 0 and BQ % n == 0) if D <= 256 else 1
 
 
 def fused_backward(spec: KernelSpec):
@@ -48,6 +53,7 @@ def fused_backward(spec: KernelSpec):
     assert spec.kind == "local_bwd" and spec.fused_backward, spec.name
     D, dt, left, right = spec.head_dim, spec.dtype, spec.left, spec.right
     nsub = (BK + left + right + BQ - 1) // BQ  # query sub-blocks that see a key block
+    KT = QT = feature_tile_rows(D)  # dq's tile reuses dk/dv's accumulators (tacc)
 
     def exp(x):
         return _exp(x, "float32")
