@@ -374,7 +374,7 @@ def _spec(m):
 
 
 MANIFEST_EDITS = [
-    ("format_string", lambda m: m.update(format="2"), r"manifest format '2', expected one of \(2, 3\)"),
+    ("format_string", lambda m: m.update(format="2"), r"manifest format '2', expected one of \(2, 3, 4\)"),
     ("no_sha256", lambda m: m.pop("sha256"), r"malformed manifest .*no 'sha256'"),
     ("sha256_not_hex", lambda m: m.update(sha256="xyz"), r"sha256 'xyz' is not 64 lowercase hex digits"),
     ("tvm_version_number", lambda m: m.update(tvm_version=27), r"tvm_version is int 27, expected a string"),
