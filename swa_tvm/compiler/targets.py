@@ -126,10 +126,7 @@ def uses_amx(spec, target) -> bool:
     target class, as tuning records and caches do."""
     from swa_tvm.compute.forward import amx_serves
 
-    kind = target.get("kind") if isinstance(target, dict) else target.kind.name
-    if kind != "llvm" or not amx_serves(spec):
-        return False
-    return _has_amx(json.dumps(target, sort_keys=True) if isinstance(target, dict) else str(target))
+    return amx_serves(spec) and has_amx(target)
 
 
 def has_amx(target) -> bool:

@@ -37,7 +37,6 @@ from swa_tvm.spec import KernelSpec
 # without such kernels keep format 2.
 # 4: kernels may be of kind "local_bwd" (the five-product CPU backward), which a loader
 # from before it would reject by kind; it refuses format 4 instead, by number.
-MANIFEST_FORMAT = 4
 MANIFEST_FORMATS = (2, 3, 4)
 AMX_FORMAT, FUSED_BACKWARD_FORMAT = 3, 4
 # Such sets of arguments: the split-K global rows' pieces (schedules/cuda_flash_tc, and

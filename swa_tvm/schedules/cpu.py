@@ -98,6 +98,12 @@ class DefaultPoint(Sampled):
         return list(sch.sample_perfect_tile(loop, n=len(default), max_innermost_factor=max_inner, decision=default))
 
 
+def _wide_registers(vector_lanes: int) -> bool:
+    """16 float32 lanes (AVX-512): 32 vector registers, which hold register tiles of 16
+    accumulators beside their operands; AVX2's 16 registers hold tiles of 8."""
+    return vector_lanes >= 16
+
+
 def _has(sch: s_tir.Schedule, name: str) -> bool:
     try:
         sch.get_sblock(name)
@@ -312,7 +318,7 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8,
     # With 32 vector registers (AVX-512), the band's two products take register tiles of
     # 16 accumulators: twice the FMAs per broadcast and per value row's index (clamped
     # to the sequence) than the 8-accumulator tiles that 16-register AVX2 is held to.
-    wide = vector_lanes >= 16
+    wide = _wide_registers(vector_lanes)
     if bounded:
         kw = band_width(spec.block_q, spec.left, spec.right)
         _key_row_product(sch, "score", kw, spec.block_q, vector_lanes, knobs, rows_vec, True, 8 if wide else 4)
@@ -580,7 +586,8 @@ def _band_block_product(sch, name, spec, vector_lanes, knobs, bounded):
     if not (bounded and widths):
         sch.reorder(c_l, b_l)
         return
-    r_in = knobs.tile(sch, r_l, band_width(spec.block_q, spec.left, spec.right), 8 if vector_lanes >= 16 else 4, 8)
+    r_in = knobs.tile(sch, r_l, band_width(spec.block_q, spec.left, spec.right), 8 if _wide_registers(vector_lanes) else 4,
+                      8)
     ro, ri = sch.split(r_l, factors=[None, r_in])
     bo, bi = sch.split(b_l, factors=[None, knobs.choice(sch, widths, widths[min(1, len(widths) - 1)])])
     sch.reorder(ro, bo, c_l, ri, bi)
@@ -595,7 +602,8 @@ def _block_feature_product(sch, name, spec, vector_lanes, knobs):
     default 4 rows with 32 vector registers (AVX-512), else 2."""
     blk = sch.get_sblock(name)
     q_l, c_l, kr = sch.get_loops(blk)[-3:]
-    qo, qi_in = sch.split(q_l, factors=[None, knobs.tile(sch, q_l, spec.block_q, 4 if vector_lanes >= 16 else 2, 4)])
+    rows = 4 if _wide_registers(vector_lanes) else 2
+    qo, qi_in = sch.split(q_l, factors=[None, knobs.tile(sch, q_l, spec.block_q, rows, 4)])
     widths = _widths(spec.head_dim, vector_lanes)
     if widths:
         co, ci = sch.split(c_l, factors=[None, knobs.choice(sch, widths, widths[-1])])

@@ -44,8 +44,9 @@ RT = 8
 
 
 def feature_tile_rows(D: int) -> int:
-    """Rows of a [rows, D] register tile of at most 16 vectors of 16 floats, dividing BK."""
-    return max(n for n in (1, 2, 4, 8, 16, 32) if n * D <= 256 and BK % n == 0 and BQ % n == 0) if D <= 256 else 1
+    """Rows of a [rows, D] register tile of at most 16 vectors of 16 floats (at least
+    one row): a power of two up to BK = BQ = 32, so it divides both."""
+    return next((n for n in (32, 16, 8, 4, 2) if n * D <= 256), 1)
 
 
 def fused_backward(spec: KernelSpec):
