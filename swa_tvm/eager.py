@@ -424,20 +424,20 @@ def _backward(
     dk = torch.empty(B, H, T, D, dtype=acc, device=q.device)
     dv = torch.empty_like(dk)
     fused = _fused_backward_kernel(fwd, device, written, B * H)
-    if fused is not None:
-        dq32 = dq if dq.dtype == acc else torch.empty(B, H, T, D, dtype=acc, device=q.device)
-        _launch(fused, q.device, *common, dq32, dk, dv)
-        if dq32 is not dq:
-            dq.copy_(dq32)
-    else:
-        for kind, outs in (("local_dq", (dq,)), ("local_dkv", (dk, dv))):
-            _launch(_kernel_as_written(dataclasses.replace(fwd, kind=kind), device, *written), q.device, *common, *outs)
     if extra is not None:
         E = extra.shape[1]
         dkx = torch.empty(B, H, E, D, dtype=acc, device=q.device)
         dvx = torch.empty_like(dkx)
-        dx = _kernel_as_written(dataclasses.replace(fwd, kind="local_dx"), device, *written)
-        _launch(dx, q.device, *common, dkx, dvx)
+    if fused is not None:  # also the extra keys' dk and dv (local_dx's)
+        dq32 = dq if dq.dtype == acc else torch.empty(B, H, T, D, dtype=acc, device=q.device)
+        _launch(fused, q.device, *common, dq32, dk, dv, *((dkx, dvx) if extra is not None else ()))
+        if dq32 is not dq:
+            dq.copy_(dq32)
+    else:
+        for kind, outs in (("local_dq", (dq,)), ("local_dkv", (dk, dv))) + (
+                (("local_dx", (dkx, dvx)),) if extra is not None else ()):
+            _launch(_kernel_as_written(dataclasses.replace(fwd, kind=kind), device, *written), q.device, *common, *outs)
+    if extra is not None:
         # Padding entries (-1) have zero gradient; send them to row 0 harmlessly.
         xi = extra.long().clamp_min(0)[:, None, :, None].expand(B, H, E, D)
         dk.scatter_add_(2, xi, dkx)

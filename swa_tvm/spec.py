@@ -105,9 +105,9 @@ class KernelSpec:
         if self.softcap and not self.kind.startswith("cache"):
             raise ValueError(f"softcap is served by the cache kernels only, not by kind {self.kind!r}")
         if self.kind == "local_bwd" and not self.fused_backward:
-            raise ValueError("kind 'local_bwd' serves float32, bfloat16 and float16, a bounded window, no extras "
-                             f"and finite inputs; got dtype {self.dtype}, window "
-                             f"({self.left}, {self.right}), extras={self.extras}, nonfinite={self.nonfinite}")
+            raise ValueError("kind 'local_bwd' serves float32, bfloat16 and float16, a bounded window and finite "
+                             f"inputs; got dtype {self.dtype}, window ({self.left}, {self.right}), "
+                             f"nonfinite={self.nonfinite}")
         # Bounds that keep every constant a kernel is built with far inside int32 and every
         # band allocatable: a side reaching the whole sequence is -1, and the op turns any
         # longer one into -1 (checks.normalize_window), and dilations beyond T into T.
@@ -148,10 +148,10 @@ class KernelSpec:
     @property
     def fused_backward(self) -> bool:
         """Whether the five-product CPU kernel (kind "local_bwd") computes this local
-        kernel's gradients: float32, bfloat16 or float16, a bounded window (any dilation),
-        no extra keys, finite inputs."""
+        kernel's gradients: float32, bfloat16 or float16, a bounded window (any dilation,
+        extra keys or not), finite inputs."""
         return (self.kind in ("local", "local_bwd") and self.dtype != "float64"
-                and self.left >= 0 and self.right >= 0 and not self.extras and not self.nonfinite)
+                and self.left >= 0 and self.right >= 0 and not self.nonfinite)
 
     def backward_kernels(self) -> list["KernelSpec"]:
         """The gradient kernels of this forward kernel: on a CPU, "local_bwd" replaces

@@ -115,9 +115,9 @@ def test_converted_form_within_torch_bfloat16_sdpa(case, monkeypatch, tmp_path):
     """What a CPU without the matrix engine runs (a target without AMX, on any x86
     machine): bfloat16 converted to float32 (each item's band once, into a buffer of the
     item), products in float32. Its forward and dq, dk, dv are as close to float64 as
-    torch's bfloat16 SDPA's are. The gradients of the cases without extra keys come from
-    the five-product backward (the eager layer told of one thread, so any (batch, head)
-    count fills it); the globals' from the TE kernels."""
+    torch's bfloat16 SDPA's are. The window's and extra keys' gradients come from the
+    five-product backward (the eager layer told of one thread, so any (batch, head) count
+    fills it)."""
     from swa_tvm.compiler.targets import host_target
     from swa_tvm.runtime import library
     from swa_tvm.spec import AttentionSpec
@@ -133,7 +133,7 @@ def test_converted_form_within_torch_bfloat16_sdpa(case, monkeypatch, tmp_path):
     assert all(k["schedule"] != "amx" for k in manifest["kernels"])
     swa_tvm.load_library(path)
     monkeypatch.setattr(library, "tvm_pool_threads", lambda: 1)
-    _check_gradients(case, monkeypatch, "default", fused="global_idx" not in cfg)
+    _check_gradients(case, monkeypatch, "default", fused=True)
 
 
 def _check_gradients(case, monkeypatch, schedule: str, fused: bool = False):

@@ -29,12 +29,13 @@ def launched(monkeypatch):
     return kinds
 
 
-def grads_against_reference(B, H, Hkv, T, D, window, slog=False, dilation=1, seed=0):
-    """Relative errors of dq, dk, dv (and the sink logits') of <out, R1> + <lse, R2>."""
+def grads_against_reference(B, H, Hkv, T, D, window, slog=False, dilation=1, seed=0, **extra):
+    """Relative errors of dq, dk, dv (and the sink logits') of <out, R1> + <lse, R2>.
+    ``extra``: global_idx, num_sinks."""
     g = torch.Generator().manual_seed(seed)
     leaf = lambda *s: torch.randn(*s, generator=g).requires_grad_()  # noqa: E731
     q, k, v = leaf(B, H, T, D), leaf(B, Hkv, T, D), leaf(B, Hkv, T, D)
-    kw = dict(window_size=window, dilation=dilation)
+    kw = dict(window_size=window, dilation=dilation, **extra)
     if slog:
         kw["sink_logits"] = leaf(H)
     leaves = [q, k, v] + ([kw["sink_logits"]] if slog else [])
@@ -62,6 +63,19 @@ CASES = {
     "dilation_per_head_gqa": (2, 4, 2, 183, 16, (20, 17), False, PER_HEAD),
 }
 
+# Extra keys (global positions, sinks) beside the window: the fused kernel adds their dq
+# terms and returns their dk/dv (local_dx's). Globals that differ by batch row,
+# some inside a row's window (counted once), more than one chunk of 32 extras, sinks with
+# learned logits, per-head dilation (an extra's residue differs by head).
+GLOBALS = torch.tensor([[3, 40, 77, 150, 199], [0, 64, 65, 120, 121]], dtype=torch.int32)
+EXTRA_CASES = {
+    "globals_causal": ((2, 4, 2, 200, 16, (37, 0), False, 1), dict(global_idx=GLOBALS)),
+    "globals_symmetric_dilation_per_head": ((2, 4, 4, 200, 16, (20, 17), False, PER_HEAD), dict(global_idx=GLOBALS)),
+    "many_globals": ((1, 2, 2, 300, 16, (37, 0), False, 1),
+                     dict(global_idx=torch.arange(5, 300, 7, dtype=torch.int32)[None])),
+    "sinks_with_logits": ((1, 2, 1, 150, 16, (37, 0), True, 2), dict(num_sinks=4)),
+}
+
 
 # The quick tier runs the cases that share kernels with others or cover the most.
 SLOW_CASES = ("right_only", "shorter_than_a_block", "dilation_2")
@@ -74,6 +88,17 @@ def test_fused_gradients_match_reference(name, launched, monkeypatch):
     *shape, window, slog, dilation = CASES[name]
     errors = grads_against_reference(*shape, window, slog, dilation)
     assert "local_bwd" in launched and "local_dq" not in launched and "local_dkv" not in launched, launched
+    for which, e in zip(("dq", "dk", "dv", "dsink"), errors):
+        assert e < 2e-6, f"{which}: relative error {e:.2e}"
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n != "globals_causal" else n
+                                  for n in EXTRA_CASES])
+def test_fused_gradients_with_extra_keys(name, launched, monkeypatch):
+    monkeypatch.setattr(library, "tvm_pool_threads", lambda: 1)
+    (*shape, window, slog, dilation), extra = EXTRA_CASES[name]
+    errors = grads_against_reference(*shape, window, slog, dilation, **extra)
+    assert "local_bwd" in launched and not {"local_dq", "local_dkv", "local_dx"} & set(launched), launched
     for which, e in zip(("dq", "dk", "dv", "dsink"), errors):
         assert e < 2e-6, f"{which}: relative error {e:.2e}"
 
@@ -98,8 +123,8 @@ def test_fused_kernel_only_where_the_threads_are_occupied(monkeypatch):
     assert chosen[2] is None and chosen[5] is None
     assert chosen[3].spec.kind == "local_bwd" and chosen[8].spec.kind == "local_bwd"
     # Cases it does not serve, and devices other than the CPU, never take it.
-    for other in (dataclasses.replace(fwd, dtype="float64"),
-                  dataclasses.replace(fwd, extras=True), dataclasses.replace(fwd, nonfinite=True),
+    assert eager._fused_backward_kernel(dataclasses.replace(fwd, extras=True), "cpu", (37, 0), 8).spec.extras
+    for other in (dataclasses.replace(fwd, dtype="float64"), dataclasses.replace(fwd, nonfinite=True),
                   dataclasses.replace(fwd, left=-1)):  # fmt: skip
         assert eager._fused_backward_kernel(other, "cpu", (other.left, 0), 8) is None
     assert eager._fused_backward_kernel(fwd, "cuda", (37, 0), 8) is None
@@ -108,10 +133,10 @@ def test_fused_kernel_only_where_the_threads_are_occupied(monkeypatch):
 def test_spec_names_the_fused_kernel_where_it_serves():
     kinds = lambda **kw: [k.kind for k in AttentionSpec(head_dim=16, window=(37, 0), backward=True, **kw).kernels()]  # noqa: E731
     assert "local_bwd" in kinds()
-    for kw in (dict(dtype="bfloat16"), dict(dtype="float16"), dict(max_dilation=4)):
+    for kw in (dict(dtype="bfloat16"), dict(dtype="float16"), dict(max_dilation=4), dict(globals=True),
+               dict(sinks=True)):
         assert "local_bwd" in kinds(**kw), kw
-    for kw in (dict(dtype="float64"), dict(globals=True), dict(sinks=True)):
-        assert "local_bwd" not in kinds(**kw), kw
+    assert "local_bwd" not in kinds(dtype="float64")
     # The nonfinite set has every kernel of the plain set but the fused one (it has no
     # NaN rule): the guarded calls take the TE gradient kernels.
     both = AttentionSpec(head_dim=16, window=(37, 0), backward=True, nonfinite=True).kernels()

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from swa_tvm.compute.forward import _exp
+from swa_tvm.compute.forward import _exp, extra_visible
 from swa_tvm.spec import KernelSpec
 
 # Keys per key block and query rows per sub-block.
@@ -88,122 +88,233 @@ def fused_backward(spec: KernelSpec):
             for c in T.vectorized(D):
                 total[ko * KT + kk, c] = tacc[kk, c]
 
-    @T.prim_func(s_tir=True)
-    def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, dil_h: T.handle, do_h: T.handle, lse_h: T.handle,
-               delta_h: T.handle, scale: T.float32, dq_h: T.handle, dk_h: T.handle, dv_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        B, H, Hkv, Tn = T.int64(), T.int64(), T.int64(), T.int64()
-        q = T.match_buffer(q_h, (B, H, Tn, D), dt)
-        k = T.match_buffer(k_h, (B, Hkv, Tn, D), dt)
-        v = T.match_buffer(v_h, (B, Hkv, Tn, D), dt)
-        dil = T.match_buffer(dil_h, (H,), "int32")
-        dout = T.match_buffer(do_h, (B, H, Tn, D), dt)
-        lse = T.match_buffer(lse_h, (B, H, Tn), "float32")
-        delta = T.match_buffer(delta_h, (B, H, Tn), "float32")
-        dq = T.match_buffer(dq_h, (B, H, Tn, D), "float32")
-        dk = T.match_buffer(dk_h, (B, H, Tn, D), "float32")
-        dv = T.match_buffer(dv_h, (B, H, Tn, D), "float32")
-        for bh in T.parallel(B * H):
-            with T.sblock("head"):
+    @T.macro
+    def dq_rows_update(dq, dS, Krows, tacc, b, h, res, d, i0, Tr):
+        # dq rows += dS Krows, in place; rows outside [0, T) (clamped reads, all-zero dS)
+        # are not written back.
+        for ro in range(BQ // QT):
+            for r in T.unroll(QT):
+                for c in T.vectorized(D):
+                    tacc[r, c] = dq[b, h, at(res, d, clamp(i0 + ro * QT + r, Tr)), c]
+            for kk in range(BK):
+                for r in T.unroll(QT):
+                    for c in T.vectorized(D):
+                        tacc[r, c] = tacc[r, c] + dS[ro * QT + r, kk] * Krows[kk, c]
+            for r in T.unroll(QT):
+                if i0 + ro * QT + r >= 0 and i0 + ro * QT + r < Tr:
+                    for c in T.vectorized(D):
+                        dq[b, h, at(res, d, i0 + ro * QT + r), c] = tacc[r, c]
+
+    @T.macro
+    def extra_tile_update(total, weights, rows, tacc, ko, b, h, e0, E):
+        # total[b, h, e] += sum over the sub-block's rows r of weights[r, e - e0] * rows[r]
+        # for KT extras of the chunk at a time (from e0 + ko * KT); e < E alone written.
+        for kk in T.unroll(KT):
+            for c in T.vectorized(D):
+                tacc[kk, c] = total[b, h, T.min(e0 + ko * KT + kk, E - 1), c]
+        for r in range(BQ):
+            for kk in T.unroll(KT):
+                for c in T.vectorized(D):
+                    tacc[kk, c] = tacc[kk, c] + weights[r, ko * KT + kk] * rows[r, c]
+        for kk in T.unroll(KT):
+            if e0 + ko * KT + kk < E:
+                for c in T.vectorized(D):
+                    total[b, h, e0 + ko * KT + kk, c] = tacc[kk, c]
+
+    @T.macro
+    def head(bh, q, k, v, dil, xidx, dout, lse, delta, scale, dq, dk, dv, dkx, dvx, B, H, Hkv, Tn, E):
+        with T.sblock("head"):
+            if spec.extras:
+                T.reads(q[0:B, 0:H, 0:Tn, 0:D], k[0:B, 0:Hkv, 0:Tn, 0:D], v[0:B, 0:Hkv, 0:Tn, 0:D], dil[0:H],
+                        xidx[0:B, 0:E], dout[0:B, 0:H, 0:Tn, 0:D], lse[0:B, 0:H, 0:Tn], delta[0:B, 0:H, 0:Tn])
+                T.writes(dq[0:B, 0:H, 0:Tn, 0:D], dk[0:B, 0:H, 0:Tn, 0:D], dv[0:B, 0:H, 0:Tn, 0:D],
+                         dkx[0:B, 0:H, 0:E, 0:D], dvx[0:B, 0:H, 0:E, 0:D])
+            else:
                 T.reads(q[0:B, 0:H, 0:Tn, 0:D], k[0:B, 0:Hkv, 0:Tn, 0:D], v[0:B, 0:Hkv, 0:Tn, 0:D], dil[0:H],
                         dout[0:B, 0:H, 0:Tn, 0:D], lse[0:B, 0:H, 0:Tn], delta[0:B, 0:H, 0:Tn])
                 T.writes(dq[0:B, 0:H, 0:Tn, 0:D], dk[0:B, 0:H, 0:Tn, 0:D], dv[0:B, 0:H, 0:Tn, 0:D])
-                # Staged in float32: the key block transposed (keys in vectors) and as rows,
-                # the value block transposed, the sub-block's query and output-gradient rows.
-                Kt = T.alloc_buffer((D, BK), "float32")
-                Vt = T.alloc_buffer((D, BK), "float32")
-                Kr = T.alloc_buffer((BK, D), "float32")
-                Qs = T.alloc_buffer((BQ, D), "float32")
-                dOs = T.alloc_buffer((BQ, D), "float32")
-                Ls = T.alloc_buffer((BQ,), "float32")
-                Ds = T.alloc_buffer((BQ,), "float32")
-                P = T.alloc_buffer((BQ, BK), "float32")
-                dS = T.alloc_buffer((BQ, BK), "float32")  # scale * P * (dP - delta)
-                dKa = T.alloc_buffer((BK, D), "float32")
-                dVa = T.alloc_buffer((BK, D), "float32")
-                sacc = T.alloc_buffer((RT, BK), "float32", scope="local")
-                pacc = T.alloc_buffer((RT, BK), "float32", scope="local")
-                tacc = T.alloc_buffer((KT, D), "float32", scope="local")
-                b = bh // H
-                h = bh % H
-                kh = h // (H // Hkv)
-                for i in range(Tn):
+            # Staged in float32: the key block transposed (keys in vectors) and as rows,
+            # the value block transposed, the sub-block's query and output-gradient rows.
+            Kt = T.alloc_buffer((D, BK), "float32")
+            Vt = T.alloc_buffer((D, BK), "float32")
+            Kr = T.alloc_buffer((BK, D), "float32")
+            Qs = T.alloc_buffer((BQ, D), "float32")
+            dOs = T.alloc_buffer((BQ, D), "float32")
+            Ls = T.alloc_buffer((BQ,), "float32")
+            Ds = T.alloc_buffer((BQ,), "float32")
+            P = T.alloc_buffer((BQ, BK), "float32")
+            dS = T.alloc_buffer((BQ, BK), "float32")  # scale * P * (dP - delta)
+            dKa = T.alloc_buffer((BK, D), "float32")
+            dVa = T.alloc_buffer((BK, D), "float32")
+            sacc = T.alloc_buffer((RT, BK), "float32", scope="local")
+            pacc = T.alloc_buffer((RT, BK), "float32", scope="local")
+            tacc = T.alloc_buffer((KT, D), "float32", scope="local")
+            # A chunk of BK extra keys (globals, sinks) as the key block's: position,
+            # residue and residue-space index under the head's dilation.
+            XKt = T.alloc_buffer((D, BK), "float32")
+            XVt = T.alloc_buffer((D, BK), "float32")
+            XKr = T.alloc_buffer((BK, D), "float32")
+            Xp = T.alloc_buffer((BK,), "int64")
+            Xr = T.alloc_buffer((BK,), "int64")
+            Xt = T.alloc_buffer((BK,), "int64")
+            b = bh // H
+            h = bh % H
+            kh = h // (H // Hkv)
+            for i in range(Tn):
+                for c in T.vectorized(D):
+                    dq[b, h, i, c] = T.float32(0)
+            if spec.extras:
+                for e in range(E):
                     for c in T.vectorized(D):
-                        dq[b, h, i, c] = T.float32(0)
-                d = dilation(dil, h)
-                for res in range(d):
-                    Tr = (Tn - res + (d - 1)) // d  # positions res, res + d, ... below T
-                    for kb in range((Tr + (BK - 1)) // BK):
-                        j0 = kb * BK
-                        for c, kk in T.grid(D, BK):
-                            Kt[c, kk] = f32(k[b, kh, at(res, d, T.min(j0 + kk, Tr - 1)), c])
-                            Vt[c, kk] = f32(v[b, kh, at(res, d, T.min(j0 + kk, Tr - 1)), c])
-                        for kk in range(BK):
-                            for c in T.vectorized(D):
-                                Kr[kk, c] = f32(k[b, kh, at(res, d, T.min(j0 + kk, Tr - 1)), c])
-                                dKa[kk, c] = T.float32(0)
-                                dVa[kk, c] = T.float32(0)
-                        for s in range(nsub):
-                            i0 = j0 - right + s * BQ
-                            if i0 + BQ > 0 and i0 < Tr:
-                                for r in range(BQ):
-                                    Ls[r] = lse[b, h, at(res, d, clamp(i0 + r, Tr))]
-                                    Ds[r] = delta[b, h, at(res, d, clamp(i0 + r, Tr))]
-                                    for c in T.vectorized(D):
-                                        Qs[r, c] = f32(q[b, h, at(res, d, clamp(i0 + r, Tr)), c])
-                                        dOs[r, c] = f32(dout[b, h, at(res, d, clamp(i0 + r, Tr)), c])
-                                for ro in range(BQ // RT):
+                        dkx[b, h, e, c] = T.float32(0)
+                        dvx[b, h, e, c] = T.float32(0)
+            d = dilation(dil, h)
+            for res in range(d):
+                Tr = (Tn - res + (d - 1)) // d  # positions res, res + d, ... below T
+                nkb = (Tr + (BK - 1)) // BK
+                for kb in range(nkb):
+                    j0 = kb * BK
+                    for c, kk in T.grid(D, BK):
+                        Kt[c, kk] = f32(k[b, kh, at(res, d, T.min(j0 + kk, Tr - 1)), c])
+                        Vt[c, kk] = f32(v[b, kh, at(res, d, T.min(j0 + kk, Tr - 1)), c])
+                    for kk in range(BK):
+                        for c in T.vectorized(D):
+                            Kr[kk, c] = f32(k[b, kh, at(res, d, T.min(j0 + kk, Tr - 1)), c])
+                            dKa[kk, c] = T.float32(0)
+                            dVa[kk, c] = T.float32(0)
+                    for s in range(nsub):
+                        i0 = j0 - right + s * BQ
+                        if i0 + BQ > 0 and i0 < Tr:
+                            for r in range(BQ):
+                                Ls[r] = lse[b, h, at(res, d, clamp(i0 + r, Tr))]
+                                Ds[r] = delta[b, h, at(res, d, clamp(i0 + r, Tr))]
+                                for c in T.vectorized(D):
+                                    Qs[r, c] = f32(q[b, h, at(res, d, clamp(i0 + r, Tr)), c])
+                                    dOs[r, c] = f32(dout[b, h, at(res, d, clamp(i0 + r, Tr)), c])
+                            for ro in range(BQ // RT):
+                                for r in T.unroll(RT):
+                                    for kk in T.vectorized(BK):
+                                        sacc[r, kk] = T.float32(0)
+                                        pacc[r, kk] = T.float32(0)
+                                for c in range(D):
                                     for r in T.unroll(RT):
                                         for kk in T.vectorized(BK):
-                                            sacc[r, kk] = T.float32(0)
-                                            pacc[r, kk] = T.float32(0)
-                                    for c in range(D):
-                                        for r in T.unroll(RT):
-                                            for kk in T.vectorized(BK):
-                                                sacc[r, kk] = sacc[r, kk] + Qs[ro * RT + r, c] * Kt[c, kk]
-                                    for c in range(D):
-                                        for r in T.unroll(RT):
-                                            for kk in T.vectorized(BK):
-                                                pacc[r, kk] = pacc[r, kk] + dOs[ro * RT + r, c] * Vt[c, kk]
-                                    for r in range(RT):
+                                            sacc[r, kk] = sacc[r, kk] + Qs[ro * RT + r, c] * Kt[c, kk]
+                                for c in range(D):
+                                    for r in T.unroll(RT):
                                         for kk in T.vectorized(BK):
-                                            P[ro * RT + r, kk] = T.Select(
-                                                T.And(
-                                                    T.And(i0 + ro * RT + r >= 0, i0 + ro * RT + r < Tr),
-                                                    T.And(j0 + kk < Tr, T.And(i0 + ro * RT + r - j0 - kk <= left,
-                                                                              j0 + kk - i0 - ro * RT - r <= right)),
-                                                ),
-                                                exp(sacc[r, kk] * scale - Ls[ro * RT + r]),
-                                                T.float32(0),
-                                            )
-                                            dS[ro * RT + r, kk] = (
-                                                P[ro * RT + r, kk]
-                                                * (pacc[r, kk] - Ds[ro * RT + r])
-                                                * scale
-                                            )
-                                # dv += Pᵀ dO and dk += dSᵀ Q over the sub-block's rows.
-                                for ko in range(BK // KT):
-                                    key_tile_update(dVa, P, dOs, tacc, ko)
-                                    key_tile_update(dKa, dS, Qs, tacc, ko)
-                                # dq rows += dS K, in place; rows outside [0, T) (clamped reads,
-                                # all-zero dS) are not written back.
-                                for ro in range(BQ // QT):
-                                    for r in T.unroll(QT):
-                                        for c in T.vectorized(D):
-                                            tacc[r, c] = dq[b, h, at(res, d, clamp(i0 + ro * QT + r, Tr)), c]
-                                    for kk in range(BK):
-                                        for r in T.unroll(QT):
+                                            pacc[r, kk] = pacc[r, kk] + dOs[ro * RT + r, c] * Vt[c, kk]
+                                for r in range(RT):
+                                    for kk in T.vectorized(BK):
+                                        P[ro * RT + r, kk] = T.Select(
+                                            T.And(
+                                                T.And(i0 + ro * RT + r >= 0, i0 + ro * RT + r < Tr),
+                                                T.And(j0 + kk < Tr, T.And(i0 + ro * RT + r - j0 - kk <= left,
+                                                                          j0 + kk - i0 - ro * RT - r <= right)),
+                                            ),
+                                            exp(sacc[r, kk] * scale - Ls[ro * RT + r]),
+                                            T.float32(0),
+                                        )
+                                        dS[ro * RT + r, kk] = P[ro * RT + r, kk] * (pacc[r, kk] - Ds[ro * RT + r]) * scale
+                            # dv += Pᵀ dO and dk += dSᵀ Q over the sub-block's rows.
+                            for ko in range(BK // KT):
+                                key_tile_update(dVa, P, dOs, tacc, ko)
+                                key_tile_update(dKa, dS, Qs, tacc, ko)
+                            dq_rows_update(dq, dS, Kr, tacc, b, h, res, d, i0, Tr)
+                            if spec.extras:
+                                # The extra keys, once per sub-block: at its first key block
+                                # (s = 0), or at the last one for the sub-blocks past it.
+                                if s == 0 or kb == nkb - 1:
+                                    for xc in range((E + (BK - 1)) // BK):
+                                        e0 = xc * BK
+                                        for kk in range(BK):
+                                            Xp[kk] = T.Select(e0 + kk < E, T.Cast("int64", xidx[b, T.min(e0 + kk, E - 1)]),
+                                                              T.int64(-1))
+                                            Xr[kk] = T.floormod(T.max(Xp[kk], T.int64(0)), d)
+                                            Xt[kk] = T.floordiv(T.max(Xp[kk], T.int64(0)), d)
+                                        for c, kk in T.grid(D, BK):
+                                            XKt[c, kk] = f32(k[b, kh, clamp(Xp[kk], Tn), c])
+                                            XVt[c, kk] = f32(v[b, kh, clamp(Xp[kk], Tn), c])
+                                        for kk in range(BK):
                                             for c in T.vectorized(D):
-                                                tacc[r, c] = tacc[r, c] + dS[ro * QT + r, kk] * Kr[kk, c]
-                                    for r in T.unroll(QT):
-                                        if i0 + ro * QT + r >= 0 and i0 + ro * QT + r < Tr:
-                                            for c in T.vectorized(D):
-                                                dq[b, h, at(res, d, i0 + ro * QT + r), c] = tacc[r, c]
-                        for kk in range(BK):
-                            if j0 + kk < Tr:
-                                for c in T.vectorized(D):
-                                    dk[b, h, at(res, d, j0 + kk), c] = dKa[kk, c]
-                                    dv[b, h, at(res, d, j0 + kk), c] = dVa[kk, c]
+                                                XKr[kk, c] = f32(k[b, kh, clamp(Xp[kk], Tn), c])
+                                        for ro in range(BQ // RT):
+                                            for r in T.unroll(RT):
+                                                for kk in T.vectorized(BK):
+                                                    sacc[r, kk] = T.float32(0)
+                                                    pacc[r, kk] = T.float32(0)
+                                            for c in range(D):
+                                                for r in T.unroll(RT):
+                                                    for kk in T.vectorized(BK):
+                                                        sacc[r, kk] = sacc[r, kk] + Qs[ro * RT + r, c] * XKt[c, kk]
+                                            for c in range(D):
+                                                for r in T.unroll(RT):
+                                                    for kk in T.vectorized(BK):
+                                                        pacc[r, kk] = pacc[r, kk] + dOs[ro * RT + r, c] * XVt[c, kk]
+                                            for r in range(RT):
+                                                for kk in T.vectorized(BK):
+                                                    P[ro * RT + r, kk] = T.Select(
+                                                        T.And(
+                                                            T.And(i0 + ro * RT + r >= 0, i0 + ro * RT + r < Tr),
+                                                            extra_visible(left, right, Tn, Xp[kk], Xr[kk], Xt[kk],
+                                                                          at(res, d, i0 + ro * RT + r), i0 + ro * RT + r,
+                                                                          res),
+                                                        ),
+                                                        exp(sacc[r, kk] * scale - Ls[ro * RT + r]),
+                                                        T.float32(0),
+                                                    )
+                                                    dS[ro * RT + r, kk] = (P[ro * RT + r, kk] * (pacc[r, kk] - Ds[ro * RT + r])
+                                                                           * scale)
+                                        for ko in range(BK // KT):
+                                            extra_tile_update(dvx, P, dOs, tacc, ko, b, h, e0, E)
+                                            extra_tile_update(dkx, dS, Qs, tacc, ko, b, h, e0, E)
+                                        dq_rows_update(dq, dS, XKr, tacc, b, h, res, d, i0, Tr)
+                    for kk in range(BK):
+                        if j0 + kk < Tr:
+                            for c in T.vectorized(D):
+                                dk[b, h, at(res, d, j0 + kk), c] = dKa[kk, c]
+                                dv[b, h, at(res, d, j0 + kk), c] = dVa[kk, c]
+
+    if not spec.extras:
+        @T.prim_func(s_tir=True)
+        def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, dil_h: T.handle, do_h: T.handle, lse_h: T.handle,
+                   delta_h: T.handle, scale: T.float32, dq_h: T.handle, dk_h: T.handle, dv_h: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            B, H, Hkv, Tn = T.int64(), T.int64(), T.int64(), T.int64()
+            q = T.match_buffer(q_h, (B, H, Tn, D), dt)
+            k = T.match_buffer(k_h, (B, Hkv, Tn, D), dt)
+            v = T.match_buffer(v_h, (B, Hkv, Tn, D), dt)
+            dil = T.match_buffer(dil_h, (H,), "int32")
+            dout = T.match_buffer(do_h, (B, H, Tn, D), dt)
+            lse = T.match_buffer(lse_h, (B, H, Tn), "float32")
+            delta = T.match_buffer(delta_h, (B, H, Tn), "float32")
+            dq = T.match_buffer(dq_h, (B, H, Tn, D), "float32")
+            dk = T.match_buffer(dk_h, (B, H, Tn, D), "float32")
+            dv = T.match_buffer(dv_h, (B, H, Tn, D), "float32")
+            for bh in T.parallel(B * H):
+                head(bh, q, k, v, dil, None, dout, lse, delta, scale, dq, dk, dv, None, None, B, H, Hkv, Tn, None)
+    else:
+        @T.prim_func(s_tir=True)
+        def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, dil_h: T.handle, x_h: T.handle, do_h: T.handle,
+                   lse_h: T.handle, delta_h: T.handle, scale: T.float32, dq_h: T.handle, dk_h: T.handle,
+                   dv_h: T.handle, dkx_h: T.handle, dvx_h: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            B, H, Hkv, Tn, E = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+            q = T.match_buffer(q_h, (B, H, Tn, D), dt)
+            k = T.match_buffer(k_h, (B, Hkv, Tn, D), dt)
+            v = T.match_buffer(v_h, (B, Hkv, Tn, D), dt)
+            dil = T.match_buffer(dil_h, (H,), "int32")
+            xidx = T.match_buffer(x_h, (B, E), "int32")
+            dout = T.match_buffer(do_h, (B, H, Tn, D), dt)
+            lse = T.match_buffer(lse_h, (B, H, Tn), "float32")
+            delta = T.match_buffer(delta_h, (B, H, Tn), "float32")
+            dq = T.match_buffer(dq_h, (B, H, Tn, D), "float32")
+            dk = T.match_buffer(dk_h, (B, H, Tn, D), "float32")
+            dv = T.match_buffer(dv_h, (B, H, Tn, D), "float32")
+            dkx = T.match_buffer(dkx_h, (B, H, E, D), "float32")
+            dvx = T.match_buffer(dvx_h, (B, H, E, D), "float32")
+            for bh in T.parallel(B * H):
+                head(bh, q, k, v, dil, xidx, dout, lse, delta, scale, dq, dk, dv, dkx, dvx, B, H, Hkv, Tn, E)
 
     return kernel.with_attr("global_symbol", spec.name)
 
