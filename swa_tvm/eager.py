@@ -217,6 +217,16 @@ def _dilation(dilation, T):
     return _dense(dilation.clamp(max=max(T, 1)).to(torch.int32))
 
 
+def _no_rows(like: torch.Tensor, shape) -> torch.Tensor:
+    """An empty tensor of ``shape`` (one extent 0) with the compact strides TVM checks
+    (torch's own give the empty extent a stride as if it were 1)."""
+    strides, n = [], 1
+    for extent in reversed(shape):
+        strides.insert(0, n)
+        n *= extent
+    return torch.empty_strided(shape, strides, dtype=like.dtype, device=like.device)
+
+
 def _global_rows(x, gi):
     """Rows global_idx of x [B, H, T, ...] -> [B, H, G, ...]."""
     idx = gi[:, None, :].expand(x.shape[0], x.shape[1], gi.shape[1])
@@ -428,9 +438,24 @@ def _backward(
         E = extra.shape[1]
         dkx = torch.empty(B, H, E, D, dtype=acc, device=q.device)
         dvx = torch.empty_like(dkx)
+    # The fused kernel with extra keys also takes the global rows where they attend to k
+    # and v themselves (not to k_global / v_global): their dk/dv terms join the window's
+    # in its key blocks, and it returns their dq (global_bwd's work).
+    fold_globals = fused is not None and G > 0 and k_global is None and v_global is None
     if fused is not None:  # also the extra keys' dk and dv (local_dx's)
         dq32 = dq if dq.dtype == acc else torch.empty(B, H, T, D, dtype=acc, device=q.device)
-        _launch(fused, q.device, *common, dq32, dk, dv, *((dkx, dvx) if extra is not None else ()))
+        rows = []
+        if fold_globals:
+            qg = _dense(q_global) if q_global is not None else _global_rows(q, gi)[0]
+            rows = [qg, _dense(global_idx), dout_g, _dense(lse_g), _dense(delta_g)]
+        elif extra is not None:  # no global rows for it
+            rows = [_no_rows(q, (B, H, 0, D)), _no_rows(extra, (B, 0)), _no_rows(q, (B, H, 0, D)),
+                    _no_rows(lse, (B, H, 0)), _no_rows(lse, (B, H, 0))]
+        if extra is not None:
+            dqg32 = _no_rows(dk, (B, H, 0, D)) if not fold_globals else torch.empty(B, H, G, D, dtype=acc, device=q.device)
+        _launch(fused, q.device, *common, *rows, dq32, dk, dv, *((dkx, dvx, dqg32) if extra is not None else ()))
+        if fold_globals and q_global is None:
+            dq32.scatter_add_(2, idx4, dqg32)
         if dq32 is not dq:
             dq.copy_(dq32)
     else:
@@ -445,7 +470,10 @@ def _backward(
     dk, dv = _group_sum(dk, Hkv), _group_sum(dv, Hkv)
 
     dqg, dkg, dvg = none(), none(), none()
-    if G:
+    if fold_globals:
+        if q_global is not None:
+            dqg = dqg32.to(q_global.dtype)
+    elif G:
         gkern = _kernel(_global_spec(q, right, nonfinite).backward_kernels()[0], device)
         qg = _dense(q_global) if q_global is not None else _global_rows(q, gi)[0]
         kg = _dense(k_global) if k_global is not None else k

@@ -29,8 +29,9 @@ def launched(monkeypatch):
     return kinds
 
 
-def grads_against_reference(B, H, Hkv, T, D, window, slog=False, dilation=1, seed=0, **extra):
-    """Relative errors of dq, dk, dv (and the sink logits') of <out, R1> + <lse, R2>.
+def grads_against_reference(B, H, Hkv, T, D, window, slog=False, dilation=1, seed=0, projections=(), **extra):
+    """Relative errors of dq, dk, dv (the sink logits', then the global rows' own
+    ``projections``: names of q_global, k_global, v_global) of <out, R1> + <lse, R2>.
     ``extra``: global_idx, num_sinks."""
     g = torch.Generator().manual_seed(seed)
     leaf = lambda *s: torch.randn(*s, generator=g).requires_grad_()  # noqa: E731
@@ -38,12 +39,15 @@ def grads_against_reference(B, H, Hkv, T, D, window, slog=False, dilation=1, see
     kw = dict(window_size=window, dilation=dilation, **extra)
     if slog:
         kw["sink_logits"] = leaf(H)
-    leaves = [q, k, v] + ([kw["sink_logits"]] if slog else [])
+    for name in projections:
+        kw[name] = leaf(B, H, extra["global_idx"].shape[1], D) if name == "q_global" else leaf(B, Hkv, T, D)
+    names = (["sink_logits"] if slog else []) + list(projections)
+    leaves = [q, k, v] + [kw[n] for n in names]
     out, lse = swa_tvm.sliding_window_attention(q, k, v, return_lse=True, **kw)
     d_out, d_lse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
     got = torch.autograd.grad((out * d_out).sum() + (lse * d_lse).sum(), leaves)
     wide = [x.detach().double().requires_grad_() for x in leaves]
-    r_kw = dict(kw, sink_logits=wide[3]) if slog else kw
+    r_kw = dict(kw, **dict(zip(names, wide[3:])))
     r_out, r_lse = ref(*wide[:3], **r_kw)
     want = torch.autograd.grad((r_out * d_out.double()).sum() + (r_lse * d_lse.double()).sum(), wide)
     return [rel_err(a, b) for a, b in zip(got, want)]
@@ -64,9 +68,11 @@ CASES = {
 }
 
 # Extra keys (global positions, sinks) beside the window: the fused kernel adds their dq
-# terms and returns their dk/dv (local_dx's). Globals that differ by batch row,
-# some inside a row's window (counted once), more than one chunk of 32 extras, sinks with
-# learned logits, per-head dilation (an extra's residue differs by head).
+# terms and returns their dk/dv (local_dx's), and takes the global rows (global_bwd's).
+# Globals that differ by batch row, some inside a row's window (counted once), more than
+# one chunk of 32 extras and global rows, global rows that see every key (a symmetric
+# window), sinks with learned logits, per-head dilation (an extra's residue differs by
+# head).
 GLOBALS = torch.tensor([[3, 40, 77, 150, 199], [0, 64, 65, 120, 121]], dtype=torch.int32)
 EXTRA_CASES = {
     "globals_causal": ((2, 4, 2, 200, 16, (37, 0), False, 1), dict(global_idx=GLOBALS)),
@@ -98,8 +104,21 @@ def test_fused_gradients_with_extra_keys(name, launched, monkeypatch):
     monkeypatch.setattr(library, "tvm_pool_threads", lambda: 1)
     (*shape, window, slog, dilation), extra = EXTRA_CASES[name]
     errors = grads_against_reference(*shape, window, slog, dilation, **extra)
-    assert "local_bwd" in launched and not {"local_dq", "local_dkv", "local_dx"} & set(launched), launched
+    assert "local_bwd" in launched and not {"local_dq", "local_dkv", "local_dx", "global_bwd"} & set(launched), launched
     for which, e in zip(("dq", "dk", "dv", "dsink"), errors):
+        assert e < 2e-6, f"{which}: relative error {e:.2e}"
+
+
+@pytest.mark.parametrize("projections", [(), ("q_global",), ("k_global", "v_global")])
+def test_fused_kernel_takes_the_global_rows_that_read_k_and_v(projections, launched, monkeypatch):
+    """The global rows' gradients come from the fused kernel, their key terms summed into
+    its key blocks, where those rows attend to k and v (their queries q's rows or
+    q_global); with k_global and v_global of their own, from global_bwd beside it."""
+    monkeypatch.setattr(library, "tvm_pool_threads", lambda: 1)
+    errors = grads_against_reference(2, 4, 2, 200, 16, (37, 0), projections=projections, global_idx=GLOBALS)
+    folded = "k_global" not in projections
+    assert "local_bwd" in launched and ("global_bwd" in launched) != folded, launched
+    for which, e in zip(("dq", "dk", "dv") + projections, errors):
         assert e < 2e-6, f"{which}: relative error {e:.2e}"
 
 

@@ -50,7 +50,8 @@ def feature_tile_rows(D: int) -> int:
 
 
 def fused_backward(spec: KernelSpec):
-    """The PrimFunc of a "local_bwd" spec (symbolic B, H, Hkv and T)."""
+    """The PrimFunc of a "local_bwd" spec (symbolic B, H, Hkv, T, and E and G with extra
+    keys)."""
     assert spec.kind == "local_bwd" and spec.fused_backward, spec.name
     D, dt, left, right = spec.head_dim, spec.dtype, spec.left, spec.right
     nsub = (BK + left + right + BQ - 1) // BQ  # query sub-blocks that see a key block
@@ -73,10 +74,50 @@ def fused_backward(spec: KernelSpec):
         # plain window's), as compute.forward.Band(unit=True) does.
         return T.int64(1) if spec.max_dilation == 1 else T.Cast("int64", dil[h])
 
+    # Which (row r of the staged rows, key kk of the staged keys) pairs count, by what the
+    # rows and keys are: "window" (sub-block rows from i0, the key block from j0 of
+    # residue res), "extras" (sub-block rows, a chunk of extra keys), "global" (a chunk
+    # of global rows from g0, the key block).
+    def visible(what, r, kk, i0, j0, Tr, res, d, Xp, Xr, Xt, Tn, g0, G, Gp):
+        row_ok = T.And(i0 + r >= 0, i0 + r < Tr)
+        if what == "window":
+            return T.And(row_ok, T.And(j0 + kk < Tr, T.And(i0 + r - j0 - kk <= left, j0 + kk - i0 - r <= right)))
+        if what == "extras":
+            return T.And(row_ok, extra_visible(left, right, Tn, Xp[kk], Xr[kk], Xt[kk], at(res, d, i0 + r), i0 + r, res))
+        ok = T.And(g0 + r < G, j0 + kk < Tr)
+        return T.And(ok, at(res, d, j0 + kk) <= Gp[r]) if right == 0 else ok  # a causal global row's past
+
+    @T.macro
+    def probabilities(what, Qs, dOs, Ls, Ds, Kt, Vt, P, dS, sacc, pacc, scale, i0, j0, Tr, res, d, Xp, Xr, Xt, Tn,
+                      g0, G, Gp):
+        # P = exp(Q Kᵀ scale - lse) where visible, else 0, and dS = scale * P * (dO Vᵀ - delta)
+        # for the BQ staged rows and BK staged keys, RT rows at a time in registers.
+        for ro in range(BQ // RT):
+            for r in T.unroll(RT):
+                for kk in T.vectorized(BK):
+                    sacc[r, kk] = T.float32(0)
+                    pacc[r, kk] = T.float32(0)
+            for c in range(D):
+                for r in T.unroll(RT):
+                    for kk in T.vectorized(BK):
+                        sacc[r, kk] = sacc[r, kk] + Qs[ro * RT + r, c] * Kt[c, kk]
+            for c in range(D):
+                for r in T.unroll(RT):
+                    for kk in T.vectorized(BK):
+                        pacc[r, kk] = pacc[r, kk] + dOs[ro * RT + r, c] * Vt[c, kk]
+            for r in range(RT):
+                for kk in T.vectorized(BK):
+                    P[ro * RT + r, kk] = T.Select(
+                        visible(what, ro * RT + r, kk, i0, j0, Tr, res, d, Xp, Xr, Xt, Tn, g0, G, Gp),
+                        exp(sacc[r, kk] * scale - Ls[ro * RT + r]),
+                        T.float32(0),
+                    )
+                    dS[ro * RT + r, kk] = P[ro * RT + r, kk] * (pacc[r, kk] - Ds[ro * RT + r]) * scale
+
     @T.macro
     def key_tile_update(total, weights, rows, tacc, ko):
-        # total[key] += sum over the sub-block's rows r of weights[r, key] * rows[r]: KT keys
-        # of the block at a time (from ko * KT), in the register tile tacc.
+        # total[key] += sum over the staged rows r of weights[r, key] * rows[r]: KT keys of
+        # the block at a time (from ko * KT), in the register tile tacc.
         for kk in T.unroll(KT):
             for c in T.vectorized(D):
                 tacc[kk, c] = total[ko * KT + kk, c]
@@ -87,6 +128,22 @@ def fused_backward(spec: KernelSpec):
         for kk in T.unroll(KT):
             for c in T.vectorized(D):
                 total[ko * KT + kk, c] = tacc[kk, c]
+
+    @T.macro
+    def extra_tile_update(total, weights, rows, tacc, ko, b, h, e0, E):
+        # total[b, h, e] += sum over the staged rows r of weights[r, e - e0] * rows[r] for
+        # KT extras of the chunk at a time (from e0 + ko * KT); e < E alone written.
+        for kk in T.unroll(KT):
+            for c in T.vectorized(D):
+                tacc[kk, c] = total[b, h, T.min(e0 + ko * KT + kk, E - 1), c]
+        for r in range(BQ):
+            for kk in T.unroll(KT):
+                for c in T.vectorized(D):
+                    tacc[kk, c] = tacc[kk, c] + weights[r, ko * KT + kk] * rows[r, c]
+        for kk in T.unroll(KT):
+            if e0 + ko * KT + kk < E:
+                for c in T.vectorized(D):
+                    total[b, h, e0 + ko * KT + kk, c] = tacc[kk, c]
 
     @T.macro
     def dq_rows_update(dq, dS, Krows, tacc, b, h, res, d, i0, Tr):
@@ -106,29 +163,16 @@ def fused_backward(spec: KernelSpec):
                         dq[b, h, at(res, d, i0 + ro * QT + r), c] = tacc[r, c]
 
     @T.macro
-    def extra_tile_update(total, weights, rows, tacc, ko, b, h, e0, E):
-        # total[b, h, e] += sum over the sub-block's rows r of weights[r, e - e0] * rows[r]
-        # for KT extras of the chunk at a time (from e0 + ko * KT); e < E alone written.
-        for kk in T.unroll(KT):
-            for c in T.vectorized(D):
-                tacc[kk, c] = total[b, h, T.min(e0 + ko * KT + kk, E - 1), c]
-        for r in range(BQ):
-            for kk in T.unroll(KT):
-                for c in T.vectorized(D):
-                    tacc[kk, c] = tacc[kk, c] + weights[r, ko * KT + kk] * rows[r, c]
-        for kk in T.unroll(KT):
-            if e0 + ko * KT + kk < E:
-                for c in T.vectorized(D):
-                    total[b, h, e0 + ko * KT + kk, c] = tacc[kk, c]
-
-    @T.macro
-    def head(bh, q, k, v, dil, xidx, dout, lse, delta, scale, dq, dk, dv, dkx, dvx, B, H, Hkv, Tn, E):
+    def head(bh, q, k, v, dil, xidx, dout, lse, delta, scale, qg, gidx, doutg, lseg, deltag, dq, dk, dv, dkx, dvx, dqg,
+             B, H, Hkv, Tn, E, G):
         with T.sblock("head"):
             if spec.extras:
                 T.reads(q[0:B, 0:H, 0:Tn, 0:D], k[0:B, 0:Hkv, 0:Tn, 0:D], v[0:B, 0:Hkv, 0:Tn, 0:D], dil[0:H],
-                        xidx[0:B, 0:E], dout[0:B, 0:H, 0:Tn, 0:D], lse[0:B, 0:H, 0:Tn], delta[0:B, 0:H, 0:Tn])
+                        xidx[0:B, 0:E], dout[0:B, 0:H, 0:Tn, 0:D], lse[0:B, 0:H, 0:Tn], delta[0:B, 0:H, 0:Tn],
+                        qg[0:B, 0:H, 0:G, 0:D], gidx[0:B, 0:G], doutg[0:B, 0:H, 0:G, 0:D], lseg[0:B, 0:H, 0:G],
+                        deltag[0:B, 0:H, 0:G])
                 T.writes(dq[0:B, 0:H, 0:Tn, 0:D], dk[0:B, 0:H, 0:Tn, 0:D], dv[0:B, 0:H, 0:Tn, 0:D],
-                         dkx[0:B, 0:H, 0:E, 0:D], dvx[0:B, 0:H, 0:E, 0:D])
+                         dkx[0:B, 0:H, 0:E, 0:D], dvx[0:B, 0:H, 0:E, 0:D], dqg[0:B, 0:H, 0:G, 0:D])
             else:
                 T.reads(q[0:B, 0:H, 0:Tn, 0:D], k[0:B, 0:Hkv, 0:Tn, 0:D], v[0:B, 0:Hkv, 0:Tn, 0:D], dil[0:H],
                         dout[0:B, 0:H, 0:Tn, 0:D], lse[0:B, 0:H, 0:Tn], delta[0:B, 0:H, 0:Tn])
@@ -149,14 +193,16 @@ def fused_backward(spec: KernelSpec):
             sacc = T.alloc_buffer((RT, BK), "float32", scope="local")
             pacc = T.alloc_buffer((RT, BK), "float32", scope="local")
             tacc = T.alloc_buffer((KT, D), "float32", scope="local")
-            # A chunk of BK extra keys (globals, sinks) as the key block's: position,
-            # residue and residue-space index under the head's dilation.
+            # A chunk of BK extra keys (globals, sinks) staged as a key block, with each
+            # one's position, residue and residue-space index under the head's dilation;
+            # the positions of a chunk of BQ global rows.
             XKt = T.alloc_buffer((D, BK), "float32")
             XVt = T.alloc_buffer((D, BK), "float32")
             XKr = T.alloc_buffer((BK, D), "float32")
             Xp = T.alloc_buffer((BK,), "int64")
             Xr = T.alloc_buffer((BK,), "int64")
             Xt = T.alloc_buffer((BK,), "int64")
+            Gp = T.alloc_buffer((BQ,), "int64")
             b = bh // H
             h = bh % H
             kh = h // (H // Hkv)
@@ -168,6 +214,9 @@ def fused_backward(spec: KernelSpec):
                     for c in T.vectorized(D):
                         dkx[b, h, e, c] = T.float32(0)
                         dvx[b, h, e, c] = T.float32(0)
+                for g in range(G):
+                    for c in T.vectorized(D):
+                        dqg[b, h, g, c] = T.float32(0)
             d = dilation(dil, h)
             for res in range(d):
                 Tr = (Tn - res + (d - 1)) // d  # positions res, res + d, ... below T
@@ -191,31 +240,8 @@ def fused_backward(spec: KernelSpec):
                                 for c in T.vectorized(D):
                                     Qs[r, c] = f32(q[b, h, at(res, d, clamp(i0 + r, Tr)), c])
                                     dOs[r, c] = f32(dout[b, h, at(res, d, clamp(i0 + r, Tr)), c])
-                            for ro in range(BQ // RT):
-                                for r in T.unroll(RT):
-                                    for kk in T.vectorized(BK):
-                                        sacc[r, kk] = T.float32(0)
-                                        pacc[r, kk] = T.float32(0)
-                                for c in range(D):
-                                    for r in T.unroll(RT):
-                                        for kk in T.vectorized(BK):
-                                            sacc[r, kk] = sacc[r, kk] + Qs[ro * RT + r, c] * Kt[c, kk]
-                                for c in range(D):
-                                    for r in T.unroll(RT):
-                                        for kk in T.vectorized(BK):
-                                            pacc[r, kk] = pacc[r, kk] + dOs[ro * RT + r, c] * Vt[c, kk]
-                                for r in range(RT):
-                                    for kk in T.vectorized(BK):
-                                        P[ro * RT + r, kk] = T.Select(
-                                            T.And(
-                                                T.And(i0 + ro * RT + r >= 0, i0 + ro * RT + r < Tr),
-                                                T.And(j0 + kk < Tr, T.And(i0 + ro * RT + r - j0 - kk <= left,
-                                                                          j0 + kk - i0 - ro * RT - r <= right)),
-                                            ),
-                                            exp(sacc[r, kk] * scale - Ls[ro * RT + r]),
-                                            T.float32(0),
-                                        )
-                                        dS[ro * RT + r, kk] = P[ro * RT + r, kk] * (pacc[r, kk] - Ds[ro * RT + r]) * scale
+                            probabilities("window", Qs, dOs, Ls, Ds, Kt, Vt, P, dS, sacc, pacc, scale, i0, j0, Tr, res,
+                                          d, Xp, Xr, Xt, Tn, 0, G, Gp)
                             # dv += Pᵀ dO and dk += dSᵀ Q over the sub-block's rows.
                             for ko in range(BK // KT):
                                 key_tile_update(dVa, P, dOs, tacc, ko)
@@ -238,37 +264,42 @@ def fused_backward(spec: KernelSpec):
                                         for kk in range(BK):
                                             for c in T.vectorized(D):
                                                 XKr[kk, c] = f32(k[b, kh, clamp(Xp[kk], Tn), c])
-                                        for ro in range(BQ // RT):
-                                            for r in T.unroll(RT):
-                                                for kk in T.vectorized(BK):
-                                                    sacc[r, kk] = T.float32(0)
-                                                    pacc[r, kk] = T.float32(0)
-                                            for c in range(D):
-                                                for r in T.unroll(RT):
-                                                    for kk in T.vectorized(BK):
-                                                        sacc[r, kk] = sacc[r, kk] + Qs[ro * RT + r, c] * XKt[c, kk]
-                                            for c in range(D):
-                                                for r in T.unroll(RT):
-                                                    for kk in T.vectorized(BK):
-                                                        pacc[r, kk] = pacc[r, kk] + dOs[ro * RT + r, c] * XVt[c, kk]
-                                            for r in range(RT):
-                                                for kk in T.vectorized(BK):
-                                                    P[ro * RT + r, kk] = T.Select(
-                                                        T.And(
-                                                            T.And(i0 + ro * RT + r >= 0, i0 + ro * RT + r < Tr),
-                                                            extra_visible(left, right, Tn, Xp[kk], Xr[kk], Xt[kk],
-                                                                          at(res, d, i0 + ro * RT + r), i0 + ro * RT + r,
-                                                                          res),
-                                                        ),
-                                                        exp(sacc[r, kk] * scale - Ls[ro * RT + r]),
-                                                        T.float32(0),
-                                                    )
-                                                    dS[ro * RT + r, kk] = (P[ro * RT + r, kk] * (pacc[r, kk] - Ds[ro * RT + r])
-                                                                           * scale)
+                                        probabilities("extras", Qs, dOs, Ls, Ds, XKt, XVt, P, dS, sacc, pacc, scale, i0,
+                                                      j0, Tr, res, d, Xp, Xr, Xt, Tn, 0, G, Gp)
                                         for ko in range(BK // KT):
                                             extra_tile_update(dvx, P, dOs, tacc, ko, b, h, e0, E)
                                             extra_tile_update(dkx, dS, Qs, tacc, ko, b, h, e0, E)
                                         dq_rows_update(dq, dS, XKr, tacc, b, h, res, d, i0, Tr)
+                    if spec.extras:
+                        # The global rows (every key in a causal row's past, or every key),
+                        # BQ at a time, as a sub-block of the key block: their dq rows
+                        # accumulate in dqg across the key blocks.
+                        for gc in range((G + (BQ - 1)) // BQ):
+                            g0 = gc * BQ
+                            for r in range(BQ):
+                                Ls[r] = lseg[b, h, T.min(g0 + r, G - 1)]
+                                Ds[r] = deltag[b, h, T.min(g0 + r, G - 1)]
+                                Gp[r] = T.Cast("int64", gidx[b, T.min(g0 + r, G - 1)])
+                                for c in T.vectorized(D):
+                                    Qs[r, c] = f32(qg[b, h, T.min(g0 + r, G - 1), c])
+                                    dOs[r, c] = f32(doutg[b, h, T.min(g0 + r, G - 1), c])
+                            probabilities("global", Qs, dOs, Ls, Ds, Kt, Vt, P, dS, sacc, pacc, scale, 0, j0, Tr, res,
+                                          d, Xp, Xr, Xt, Tn, g0, G, Gp)
+                            for ko in range(BK // KT):
+                                key_tile_update(dVa, P, dOs, tacc, ko)
+                                key_tile_update(dKa, dS, Qs, tacc, ko)
+                            for ro in range(BQ // QT):
+                                for r in T.unroll(QT):
+                                    for c in T.vectorized(D):
+                                        tacc[r, c] = dqg[b, h, T.min(g0 + ro * QT + r, G - 1), c]
+                                for kk in range(BK):
+                                    for r in T.unroll(QT):
+                                        for c in T.vectorized(D):
+                                            tacc[r, c] = tacc[r, c] + dS[ro * QT + r, kk] * Kr[kk, c]
+                                for r in T.unroll(QT):
+                                    if g0 + ro * QT + r < G:
+                                        for c in T.vectorized(D):
+                                            dqg[b, h, g0 + ro * QT + r, c] = tacc[r, c]
                     for kk in range(BK):
                         if j0 + kk < Tr:
                             for c in T.vectorized(D):
@@ -292,14 +323,16 @@ def fused_backward(spec: KernelSpec):
             dk = T.match_buffer(dk_h, (B, H, Tn, D), "float32")
             dv = T.match_buffer(dv_h, (B, H, Tn, D), "float32")
             for bh in T.parallel(B * H):
-                head(bh, q, k, v, dil, None, dout, lse, delta, scale, dq, dk, dv, None, None, B, H, Hkv, Tn, None)
+                head(bh, q, k, v, dil, None, dout, lse, delta, scale, None, None, None, None, None, dq, dk, dv, None,
+                     None, None, B, H, Hkv, Tn, None, None)
     else:
         @T.prim_func(s_tir=True)
         def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, dil_h: T.handle, x_h: T.handle, do_h: T.handle,
-                   lse_h: T.handle, delta_h: T.handle, scale: T.float32, dq_h: T.handle, dk_h: T.handle,
-                   dv_h: T.handle, dkx_h: T.handle, dvx_h: T.handle):
+                   lse_h: T.handle, delta_h: T.handle, scale: T.float32, qg_h: T.handle, gi_h: T.handle,
+                   dog_h: T.handle, lseg_h: T.handle, deltag_h: T.handle, dq_h: T.handle, dk_h: T.handle,
+                   dv_h: T.handle, dkx_h: T.handle, dvx_h: T.handle, dqg_h: T.handle):
             T.func_attr({"tirx.noalias": True})
-            B, H, Hkv, Tn, E = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+            B, H, Hkv, Tn, E, G = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
             q = T.match_buffer(q_h, (B, H, Tn, D), dt)
             k = T.match_buffer(k_h, (B, Hkv, Tn, D), dt)
             v = T.match_buffer(v_h, (B, Hkv, Tn, D), dt)
@@ -308,13 +341,20 @@ def fused_backward(spec: KernelSpec):
             dout = T.match_buffer(do_h, (B, H, Tn, D), dt)
             lse = T.match_buffer(lse_h, (B, H, Tn), "float32")
             delta = T.match_buffer(delta_h, (B, H, Tn), "float32")
+            qg = T.match_buffer(qg_h, (B, H, G, D), dt)
+            gidx = T.match_buffer(gi_h, (B, G), "int32")
+            doutg = T.match_buffer(dog_h, (B, H, G, D), dt)
+            lseg = T.match_buffer(lseg_h, (B, H, G), "float32")
+            deltag = T.match_buffer(deltag_h, (B, H, G), "float32")
             dq = T.match_buffer(dq_h, (B, H, Tn, D), "float32")
             dk = T.match_buffer(dk_h, (B, H, Tn, D), "float32")
             dv = T.match_buffer(dv_h, (B, H, Tn, D), "float32")
             dkx = T.match_buffer(dkx_h, (B, H, E, D), "float32")
             dvx = T.match_buffer(dvx_h, (B, H, E, D), "float32")
+            dqg = T.match_buffer(dqg_h, (B, H, G, D), "float32")
             for bh in T.parallel(B * H):
-                head(bh, q, k, v, dil, xidx, dout, lse, delta, scale, dq, dk, dv, dkx, dvx, B, H, Hkv, Tn, E)
+                head(bh, q, k, v, dil, xidx, dout, lse, delta, scale, qg, gidx, doutg, lseg, deltag, dq, dk, dv, dkx,
+                     dvx, dqg, B, H, Hkv, Tn, E, G)
 
     return kernel.with_attr("global_symbol", spec.name)
 
