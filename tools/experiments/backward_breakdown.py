@@ -6,11 +6,16 @@ conversions, group sums).
 
     TVM_NUM_THREADS=2 python -m tools.experiments.backward_breakdown
     TVM_NUM_THREADS=2 python -m tools.experiments.backward_breakdown --dtype float32 --T 4096
+    TVM_NUM_THREADS=2 python -m tools.experiments.backward_breakdown --dtype float32 --globals 16 --te-gradients
 
-Prints the forward's median ms, the backward's, and the ops that take at least 0.5% of
-the backward, largest first."""
+Prints the forward's median ms, the backward's, each kernel's median ms per step (the
+forward's kernels included), and the ops that take at least 0.5% of the backward,
+largest first. ``--globals G`` adds G global tokens (benchmarks.forward's positions);
+``--te-gradients`` keeps the TE gradient kernels where the five-product kernel would
+run."""
 
 import argparse
+import collections
 import statistics
 import time
 
@@ -18,6 +23,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import swa_tvm
+from benchmarks.forward import global_positions
+from swa_tvm import eager
 
 
 def main(argv=None) -> None:
@@ -29,7 +36,21 @@ def main(argv=None) -> None:
     ap.add_argument("--D", type=int, default=64)
     ap.add_argument("--window", type=int, nargs=2, default=(511, 0), metavar=("LEFT", "RIGHT"))
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--globals", type=int, default=0, metavar="G", help="global tokens")
+    ap.add_argument("--te-gradients", action="store_true", help="no five-product backward kernel")
     a = ap.parse_args(argv)
+    if a.te_gradients:
+        eager._fused_backward_kernel = lambda *args: None
+    # Each kernel call timed on its own (the eager layer's one entry to the kernels).
+    kernel_ms, launch = collections.defaultdict(list), eager._launch
+
+    def timed_launch(kern, *args):
+        t0 = time.perf_counter()
+        launch(kern, *args)
+        kernel_ms[kern.spec.kind].append((time.perf_counter() - t0) * 1e3)
+
+    eager._launch = timed_launch
+    gi = global_positions(a.T, a.globals) if a.globals else None
     dt = getattr(torch, a.dtype)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(a.B, a.H, a.T, a.D, generator=g).to(dt).requires_grad_() for _ in range(3))
@@ -37,7 +58,7 @@ def main(argv=None) -> None:
     window = tuple(a.window)
 
     def forward():
-        return swa_tvm.sliding_window_attention(q, k, v, window_size=window)
+        return swa_tvm.sliding_window_attention(q, k, v, window_size=window, global_idx=gi)
 
     def backward(out):
         # Gradients replace, not accumulate (as benchmarks.training and an optimizer's
@@ -48,6 +69,7 @@ def main(argv=None) -> None:
 
     for _ in range(2):  # compiles or loads the kernels, warms the caches
         backward(forward())
+    kernel_ms.clear()
     fwd, bwd = [], []
     for _ in range(a.steps):
         with torch.no_grad():
@@ -59,7 +81,9 @@ def main(argv=None) -> None:
         backward(out)
         bwd.append(time.perf_counter() - t0)
     print(f"{a.dtype} B={a.B} H={a.H} T={a.T} D={a.D} window={window}: forward {statistics.median(fwd) * 1e3:.1f} ms, "
-          f"backward {statistics.median(bwd) * 1e3:.1f} ms (medians of {a.steps})")
+          f"backward {statistics.median(bwd) * 1e3:.1f} ms (medians of {a.steps}), {a.globals} global tokens")
+    for kind, ms in kernel_ms.items():  # the forward ran twice per step (timed, then for the backward)
+        print(f"  kernel {kind:12s} {statistics.median(ms):8.1f} ms, {len(ms) / a.steps:.0f} call(s) per step")
 
     outs = [forward() for _ in range(a.steps)]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
