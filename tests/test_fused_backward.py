@@ -170,15 +170,17 @@ def test_spec_names_the_fused_kernel_where_it_serves():
 
 def test_bfloat16_on_a_matrix_engine_keeps_the_te_kernels(fresh_registry, monkeypatch):
     """Compiled on first use, bfloat16 on a CPU with AMX takes the TE gradient kernels
-    (their matrix-engine form); without AMX, and float16 anywhere, the fused kernel. (The
-    compile is stubbed: only the choice is checked, on any CPU.)"""
+    (their matrix-engine form); without AMX, with extra keys (whose TE kernels do not use
+    the engine), and float16 anywhere, the fused kernel. (The compile is stubbed: only the
+    choice is checked, on any CPU.)"""
     monkeypatch.setattr(library, "tvm_pool_threads", lambda: 1)
     monkeypatch.setattr(eager, "_kernel", lambda want, device: want)
     fwd = KernelSpec("local", 16, "bfloat16", 37, 0)
-    for amx, dtype, fused in ((True, "bfloat16", False), (False, "bfloat16", True), (True, "float16", True)):
+    for amx, dtype, extras, fused in ((True, "bfloat16", False, False), (False, "bfloat16", False, True),
+                                      (True, "float16", False, True), (True, "bfloat16", True, True)):
         monkeypatch.setattr(eager, "_host_has_amx_bf16", lambda: amx)
-        got = eager._fused_backward_kernel(dataclasses.replace(fwd, dtype=dtype), "cpu", (37, 0), 8)
-        assert (got is not None and got.kind == "local_bwd") == fused, (amx, dtype, got)
+        got = eager._fused_backward_kernel(dataclasses.replace(fwd, dtype=dtype, extras=extras), "cpu", (37, 0), 8)
+        assert (got is not None and got.kind == "local_bwd") == fused, (amx, dtype, extras, got)
 
 
 def test_cuda_targets_build_no_fused_cpu_kernel():
@@ -249,10 +251,12 @@ def test_fused_half_precision(dtype, fresh_registry, tmp_path, launched, monkeyp
 
 @pytest.mark.slow  # compiles the matrix-engine form
 def test_amx_targets_keep_their_matrix_engine_gradients(tmp_path):
-    """A bfloat16 library for a CPU with AMX holds no five-product kernel (its TE
-    gradients multiply on the matrix engine); a float16 one, which has no AMX form, does."""
+    """A bfloat16 library for a CPU with AMX holds no five-product kernel for a window
+    alone (its TE gradients multiply on the matrix engine), but holds it with global
+    tokens (theirs do not); a float16 one, which has no AMX form, does."""
     target = {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2}
-    for dtype, has in (("bfloat16", False), ("float16", True)):
-        m = swa_tvm.export_library([AttentionSpec(head_dim=32, window=(31, 0), backward=True, dtype=dtype)],
-                                   tmp_path / f"{dtype}.so", target=target, logs=None, warn_untuned=False)  # fmt: skip
-        assert ("local_bwd" in {k["spec"]["kind"] for k in m["kernels"]}) == has, dtype
+    for dtype, globals_, has in (("bfloat16", False, False), ("bfloat16", True, True), ("float16", False, True)):
+        spec = AttentionSpec(head_dim=32, window=(31, 0), backward=True, dtype=dtype, globals=globals_)
+        m = swa_tvm.export_library([spec], tmp_path / f"{dtype}{globals_}.so", target=target, logs=None,
+                                   warn_untuned=False)
+        assert ("local_bwd" in {k["spec"]["kind"] for k in m["kernels"]}) == has, (dtype, globals_)

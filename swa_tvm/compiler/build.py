@@ -208,10 +208,12 @@ def export_library(
     specs = list(dict.fromkeys(specs))
     target = normalize_target(target)
     # The five-product CPU backward is left out where the TE gradient kernels run instead:
-    # on CUDA (fused kernels of their own), and in bfloat16 on a CPU with AMX (their
-    # matrix-engine form), the rule swa_tvm.eager applies to first-use compiles.
+    # on CUDA (fused kernels of their own), and in bfloat16 without extra keys on a CPU
+    # with AMX (their matrix-engine form), the rule swa_tvm.eager applies to first-use
+    # compiles. (With extra keys the fused kernel wins there: the TE kernels of the extra
+    # keys and global rows do not use the engine.)
     specs = [s for s in specs if s.kind not in CPU_ONLY_KINDS
-             or (target.get("kind") == "llvm" and not (s.dtype == "bfloat16" and has_amx(target)))]
+             or (target.get("kind") == "llvm" and not (s.dtype == "bfloat16" and not s.extras and has_amx(target)))]
     records = find_records(specs, target, logs) if logs is not None else {}
     if warn_untuned and logs is not None:  # logs=None asks for default schedules: nothing to warn
         root = default_logs_root() if logs == DEFAULT_LOGS else logs
