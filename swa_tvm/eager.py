@@ -348,9 +348,10 @@ def _host_has_amx_bf16() -> bool:
 def _fused_backward_kernel(fwd: KernelSpec, device: str, written, pairs: int) -> library.Kernel | None:
     """The "local_bwd" kernel for the gradients of ``fwd``, or None where the TE kernels
     run: not a CPU call, a case it does not serve (``KernelSpec.fused_backward``),
-    bfloat16 without extra keys compiled here on a CPU with AMX (the TE kernels, in their
-    matrix-engine form where it serves; export leaves the fused kernel out for such a CPU
-    alike: with extra keys it runs, as their TE kernels do not use the engine), too few
+    bfloat16 compiled here on a CPU with AMX where the fused kernel has no matrix-engine
+    form (``amx_serves``: dilation 1) and there are no extra keys (the TE kernels, in
+    their matrix-engine form; export leaves the fused kernel out for such a CPU alike;
+    with extra keys it runs, as their TE kernels do not use the engine), too few
     (batch, head) pairs for the threads, or loaded libraries without it (exported before
     it existed, without 'backward', or for a CPU with AMX). A loaded library may hold it
     for the window as written (``_kernel_as_written``)."""
@@ -362,7 +363,10 @@ def _fused_backward_kernel(fwd: KernelSpec, device: str, written, pairs: int) ->
     if not wants:
         return None
     if fwd.dtype == "bfloat16" and not fwd.extras and not library.REGISTRY.libraries and _host_has_amx_bf16():
-        return None
+        from swa_tvm.compute.forward import amx_serves  # compiles here anyway: no library loaded
+
+        if not amx_serves(dataclasses.replace(fwd, kind="local_bwd")):
+            return None
     threads = max(1, library.tvm_pool_threads())
     waves = -(-pairs // threads)
     if pairs / (waves * threads) < FUSED_BACKWARD_MIN_OCCUPANCY:

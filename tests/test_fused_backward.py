@@ -168,19 +168,22 @@ def test_spec_names_the_fused_kernel_where_it_serves():
         KernelSpec("local_bwd", 16, "float32", -1, 0)
 
 
-def test_bfloat16_on_a_matrix_engine_keeps_the_te_kernels(fresh_registry, monkeypatch):
-    """Compiled on first use, bfloat16 on a CPU with AMX takes the TE gradient kernels
-    (their matrix-engine form); without AMX, with extra keys (whose TE kernels do not use
-    the engine), and float16 anywhere, the fused kernel. (The compile is stubbed: only the
-    choice is checked, on any CPU.)"""
+def test_bfloat16_on_a_matrix_engine_the_fused_kernel_where_it_has_an_amx_form(fresh_registry, monkeypatch):
+    """Compiled on first use, bfloat16 on a CPU with AMX takes the fused kernel where it
+    has a matrix-engine form (dilation 1, the head dim a multiple of 32) and the TE
+    gradient kernels (theirs) for dilation bounds above 1; without AMX, with extra keys
+    (whose TE kernels do not use the engine), and float16 anywhere, the fused kernel.
+    (The compile is stubbed: only the choice is checked, on any CPU.)"""
     monkeypatch.setattr(library, "tvm_pool_threads", lambda: 1)
     monkeypatch.setattr(eager, "_kernel", lambda want, device: want)
-    fwd = KernelSpec("local", 16, "bfloat16", 37, 0)
-    for amx, dtype, extras, fused in ((True, "bfloat16", False, False), (False, "bfloat16", False, True),
-                                      (True, "float16", False, True), (True, "bfloat16", True, True)):
+    fwd = KernelSpec("local", 32, "bfloat16", 37, 0)
+    for amx, dtype, kw, fused in ((True, "bfloat16", {}, True), (True, "bfloat16", dict(max_dilation=2), False),
+                                  (True, "bfloat16", dict(head_dim=16), False), (False, "bfloat16", {}, True),
+                                  (True, "float16", {}, True), (True, "bfloat16", dict(extras=True), True),
+                                  (False, "bfloat16", dict(max_dilation=2), True)):
         monkeypatch.setattr(eager, "_host_has_amx_bf16", lambda: amx)
-        got = eager._fused_backward_kernel(dataclasses.replace(fwd, dtype=dtype, extras=extras), "cpu", (37, 0), 8)
-        assert (got is not None and got.kind == "local_bwd") == fused, (amx, dtype, extras, got)
+        got = eager._fused_backward_kernel(dataclasses.replace(fwd, dtype=dtype, **kw), "cpu", (37, 0), 8)
+        assert (got is not None and got.kind == "local_bwd") == fused, (amx, dtype, kw, got)
 
 
 def test_cuda_targets_build_no_fused_cpu_kernel():
@@ -250,13 +253,17 @@ def test_fused_half_precision(dtype, fresh_registry, tmp_path, launched, monkeyp
 
 
 @pytest.mark.slow  # compiles the matrix-engine form
-def test_amx_targets_keep_their_matrix_engine_gradients(tmp_path):
-    """A bfloat16 library for a CPU with AMX holds no five-product kernel for a window
-    alone (its TE gradients multiply on the matrix engine), but holds it with global
-    tokens (theirs do not); a float16 one, which has no AMX form, does."""
+def test_amx_targets_take_the_matrix_engine_gradients(tmp_path):
+    """A bfloat16 library for a CPU with AMX holds the five-product kernel in its
+    matrix-engine form for a window of dilation 1; for a dilation bound of 2 none (the TE
+    gradients multiply on the engine there); with global tokens the float32-product one
+    (the extra keys' TE kernels do not use the engine), as a float16 library (no AMX
+    form) does."""
     target = {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2}
-    for dtype, globals_, has in (("bfloat16", False, False), ("bfloat16", True, True), ("float16", False, True)):
-        spec = AttentionSpec(head_dim=32, window=(31, 0), backward=True, dtype=dtype, globals=globals_)
-        m = swa_tvm.export_library([spec], tmp_path / f"{dtype}{globals_}.so", target=target, logs=None,
+    for dtype, kw, schedule in (("bfloat16", {}, "amx"), ("bfloat16", dict(max_dilation=2), None),
+                                ("bfloat16", dict(globals=True), "cpu_flash_bwd"), ("float16", {}, "cpu_flash_bwd")):
+        spec = AttentionSpec(head_dim=32, window=(31, 0), backward=True, dtype=dtype, **kw)
+        m = swa_tvm.export_library([spec], tmp_path / f"{dtype}{len(kw)}.so", target=target, logs=None,
                                    warn_untuned=False)
-        assert ("local_bwd" in {k["spec"]["kind"] for k in m["kernels"]}) == has, (dtype, globals_)
+        got = {k["spec"]["kind"]: k["schedule"] for k in m["kernels"]}.get("local_bwd")
+        assert got == schedule, (dtype, kw, got)

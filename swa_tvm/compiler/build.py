@@ -38,7 +38,7 @@ from swa_tvm.compute import prim_func
 from swa_tvm.runtime import library
 from swa_tvm.runtime.library import AMX_FORMAT, FUSED_BACKWARD_FORMAT, MANIFEST_FORMATS, sha256_file
 from swa_tvm.schedules import cpu as cpu_schedules
-from swa_tvm.schedules import cpu_flash_bwd
+from swa_tvm.schedules import cpu_flash_bwd, cpu_flash_bwd_amx
 from swa_tvm.schedules import cuda as cuda_schedules
 from swa_tvm.spec import CPU_ONLY_KINDS, KernelSpec
 
@@ -65,7 +65,8 @@ def schedule_spec(spec: KernelSpec, tvm_target, record=None, tiles=None):
     if spec.kind in CPU_ONLY_KINDS:
         if kind != "llvm":
             raise ValueError(f"{spec.name}: kind {spec.kind!r} is a CPU kernel; {kind} targets have none")
-        return cpu_flash_bwd.fused_backward(spec)
+        return (cpu_flash_bwd_amx.fused_backward_amx(spec) if uses_amx(spec, tvm_target)
+                else cpu_flash_bwd.fused_backward(spec))
     if uses_amx(spec, tvm_target):
         sch = s_tir.Schedule(tvm.IRModule({spec.name: prim_func(spec, amx=True)}))
         sch.work_on(spec.name)
@@ -208,12 +209,13 @@ def export_library(
     specs = list(dict.fromkeys(specs))
     target = normalize_target(target)
     # The five-product CPU backward is left out where the TE gradient kernels run instead:
-    # on CUDA (fused kernels of their own), and in bfloat16 without extra keys on a CPU
-    # with AMX (their matrix-engine form), the rule swa_tvm.eager applies to first-use
+    # on CUDA (fused kernels of their own), and in bfloat16 on a CPU with AMX where it has
+    # no matrix-engine form of its own and there are no extra keys (the TE kernels' form
+    # serves dilation bounds up to 4), the rule swa_tvm.eager applies to first-use
     # compiles. (With extra keys the fused kernel wins there: the TE kernels of the extra
     # keys and global rows do not use the engine.)
-    specs = [s for s in specs if s.kind not in CPU_ONLY_KINDS
-             or (target.get("kind") == "llvm" and not (s.dtype == "bfloat16" and not s.extras and has_amx(target)))]
+    specs = [s for s in specs if s.kind not in CPU_ONLY_KINDS or (target.get("kind") == "llvm" and not (
+        s.dtype == "bfloat16" and not s.extras and has_amx(target) and not uses_amx(s, target)))]
     records = find_records(specs, target, logs) if logs is not None else {}
     if warn_untuned and logs is not None:  # logs=None asks for default schedules: nothing to warn
         root = default_logs_root() if logs == DEFAULT_LOGS else logs

@@ -523,7 +523,12 @@ def amx_serves(spec: KernelSpec) -> bool:
     """Whether ``spec`` has a matrix-engine (AMX) form: a local forward or window gradient
     (AMX_KINDS) of a bounded window in bfloat16, the head dim a whole number of tile
     rows, its items a whole number of result tiles, a dilation bound of at most
-    AMX_MAX_DILATION. The nonfinite variant keeps its guarded products."""
+    AMX_MAX_DILATION. The nonfinite variant keeps its guarded products. The five-product
+    backward ("local_bwd", schedules/cpu_flash_bwd_amx.py) has one for dilation 1 without
+    extra keys, the head dim a whole number of product depths."""
+    if spec.kind == "local_bwd":
+        return (spec.fused_backward and spec.dtype == "bfloat16" and spec.max_dilation == 1 and not spec.extras
+                and spec.head_dim % MATRIX_K == 0)
     return (spec.kind in AMX_KINDS and spec.dtype == "bfloat16" and not spec.nonfinite and spec.left >= 0
             and spec.right >= 0 and spec.head_dim % MATRIX_K == 0 and amx_block(spec) % MATRIX_TILE == 0
             and spec.max_dilation <= AMX_MAX_DILATION)
