@@ -245,8 +245,9 @@ def test_library_records_amx_and_refuses_a_cpu_without_it(tmp_path, monkeypatch)
 def test_matrix_form_builds_for_an_amx_class(tmp_path, dilation):
     """On any x86 machine, the matrix form of the local forward and both window
     gradients builds for an AMX class with every product tensorized: at dilation bound
-    1 the tile loads read the residue copies in place, at 2 each item copies its band.
-    (Where the CPU has AMX, the accuracy tests above run both.)"""
+    1 the tile loads read the residue copies in place, at 2 each item copies its band;
+    at 1 the five-product backward's form builds too. (Where the CPU has AMX, the
+    accuracy tests above run them.)"""
     from swa_tvm.spec import AttentionSpec
 
     text = "head_dim=64,window=20:3,backward,dtype=bfloat16" + (f",dilation={dilation}" if dilation > 1 else "")
@@ -256,6 +257,8 @@ def test_matrix_form_builds_for_an_amx_class(tmp_path, dilation):
     schedules = {e["spec"]["kind"]: e["schedule"] for e in manifest["kernels"]}
     assert all(e["spec"]["max_dilation"] == dilation for e in manifest["kernels"])
     assert [schedules[kind] for kind in ("local", "local_dq", "local_dkv")] == ["amx"] * 3, schedules
+    # The five-product backward's own matrix-engine form serves dilation 1 alone.
+    assert schedules.get("local_bwd") == ("amx" if dilation == 1 else None), schedules
     assert _has_tdpbf16ps(path.read_bytes()), "no TDPBF16PS instruction in the compiled library"
 
 

@@ -13,7 +13,7 @@ import torch
 import swa_tvm
 from swa_tvm.compiler import records
 from swa_tvm.compiler.targets import host_target
-from swa_tvm.spec import AttentionSpec
+from swa_tvm.spec import CPU_ONLY_KINDS, AttentionSpec
 from swa_tvm.tuning import validate as V
 
 from conftest import check_against_reference, run_cli
@@ -219,7 +219,7 @@ def test_every_validated_kind_gets_its_arguments():
     kinds = set()
     for k in spec.kernels():
         if k.kind not in V.VALIDATED_KINDS:
-            assert k.kind.startswith("cache")
+            assert k.kind.startswith("cache") or k.kind in CPU_ONLY_KINDS  # not validated; hand-written: no records
             continue
         kinds.add(k.kind)
         for shape in V.validation_shapes(k):

@@ -79,8 +79,9 @@ def fused_backward_amx(spec: KernelSpec):
         # The 32 rows of x from i0 (zeros past T): as bfloat16 rows (when rows_u16 is
         # given), as pair words transposed [D/2, 32] (cols_w), as row-pair words [16, D]
         # (pairs_w).
-        for r, c in T.grid(BQ, D):
-            rows_u16[r, c] = T.Select(i0 + r < Tn, bits(x[b, hx, T.min(i0 + r, Tn - 1), c]), T.uint16(0))
+        for r in range(BQ):
+            for c in T.vectorized(D):
+                rows_u16[r, c] = T.Select(i0 + r < Tn, bits(x[b, hx, T.min(i0 + r, Tn - 1), c]), T.uint16(0))
         if cols_w is not None:
             for c2, r in T.grid(D // 2, BQ):
                 cols_w[slot, c2, r] = word(rows_u16[r, 2 * c2], rows_u16[r, 2 * c2 + 1])
@@ -88,6 +89,21 @@ def fused_backward_amx(spec: KernelSpec):
             for r2 in range(BQ // 2):
                 for c in T.vectorized(D):
                     pairs_w[slot, r2, c] = word(rows_u16[2 * r2, c], rows_u16[2 * r2 + 1, c])
+
+    @T.macro
+    def probabilities(St, dPt, Pt, dSt, Ls, Ds, slot, scale, i0, j0, Tn, masked):
+        for kk in range(BK):
+            for r in T.vectorized(BQ):
+                if masked:
+                    St[kk, r] = T.Select(
+                        T.And(T.And(i0 + r - j0 - kk <= left, j0 + kk - i0 - r <= right), j0 + kk < Tn),
+                        _exp(St[kk, r] * scale - Ls[slot, r], "float32", coeffs=SHORT_EXP),
+                        T.float32(0),
+                    )
+                else:
+                    St[kk, r] = _exp(St[kk, r] * scale - Ls[slot, r], "float32", coeffs=SHORT_EXP)
+                Pt[kk, r] = rounded(St[kk, r])
+                dSt[kk, r] = rounded(St[kk, r] * (dPt[kk, r] - Ds[slot, r]) * scale)
 
     @T.macro
     def head(bh, q, k, v, dil, dout, lse, delta, scale, dq, dk, dv, B, H, Hkv, Tn):
@@ -188,16 +204,12 @@ def fused_backward_amx(spec: KernelSpec):
                         store(1, T.address_of(St[st * TILE, TILE]), BQ * 4)
                         store(2, T.address_of(dPt[st * TILE, 0]), BQ * 4)
                         store(3, T.address_of(dPt[st * TILE, TILE]), BQ * 4)
-                    # Pᵀ and dSᵀ = scale Pᵀ (dPᵀ - delta), in float32, rounded to bfloat16.
-                    for kk in range(BK):
-                        for r in T.vectorized(BQ):
-                            St[kk, r] = T.Select(
-                                T.And(T.And(i0 + r - j0 - kk <= left, j0 + kk - i0 - r <= right), j0 + kk < Tn),
-                                _exp(St[kk, r] * scale - Ls[slot, r], "float32", coeffs=SHORT_EXP),
-                                T.float32(0),
-                            )
-                            Pt[kk, r] = rounded(St[kk, r])
-                            dSt[kk, r] = rounded(St[kk, r] * (dPt[kk, r] - Ds[slot, r]) * scale)
+                    # Pᵀ and dSᵀ = scale Pᵀ (dPᵀ - delta), in float32, rounded to bfloat16; the
+                    # mask only where some pair of the visit is outside the window or T.
+                    if T.And(T.And(i0 + BQ - 1 - j0 <= left, j0 + BK - 1 - i0 <= right), j0 + BK <= Tn):
+                        probabilities(St, dPt, Pt, dSt, Ls, Ds, slot, scale, i0, j0, Tn, False)
+                    else:
+                        probabilities(St, dPt, Pt, dSt, Ls, Ds, slot, scale, i0, j0, Tn, True)
                     for k2 in range(BK // 2):
                         for r in T.vectorized(BQ):
                             dSw[k2, r] = word(dSt[2 * k2, r], dSt[2 * k2 + 1, r])
