@@ -448,7 +448,10 @@ def _backward(
     # in its key blocks, and it returns their dq (global_bwd's work).
     fold_globals = fused is not None and G > 0 and k_global is None and v_global is None
     if fused is not None:  # also the extra keys' dk and dv (local_dx's)
-        dq32 = dq if dq.dtype == acc else torch.empty(B, H, T, D, dtype=acc, device=q.device)
+        # dq in the accumulation dtype, where the kernel sums it in place (not its
+        # matrix-engine form, which rounds its own sums to q's dtype once).
+        dq32 = dq if dq.dtype == acc or fused.schedule == "amx" else torch.empty(B, H, T, D, dtype=acc,
+                                                                                device=q.device)
         rows = []
         if fold_globals:
             qg = _dense(q_global) if q_global is not None else _global_rows(q, gi)[0]

@@ -161,7 +161,7 @@ def fused_backward_amx(spec: KernelSpec):
                         for r in range(BQ):
                             if held[slot] * BQ + r < Tn:
                                 for c in T.vectorized(D):
-                                    dq[b, h, held[slot] * BQ + r, c] = dQt[slot, c, r]
+                                    dq[b, h, held[slot] * BQ + r, c] = T.reinterpret("bfloat16", rounded(dQt[slot, c, r]))
                     held[slot] = m
                     for r in range(BQ):
                         Ls[slot, r] = T.Select(m * BQ + r < Tn, lse[b, h, T.min(m * BQ + r, Tn - 1)],
@@ -253,7 +253,7 @@ def fused_backward_amx(spec: KernelSpec):
                     for r in range(BQ):
                         if held[s] * BQ + r < Tn:
                             for c in T.vectorized(D):
-                                dq[b, h, held[s] * BQ + r, c] = dQt[s, c, r]
+                                dq[b, h, held[s] * BQ + r, c] = T.reinterpret("bfloat16", rounded(dQt[s, c, r]))
 
     @T.prim_func(s_tir=True)
     def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, dil_h: T.handle, do_h: T.handle, lse_h: T.handle,
@@ -267,7 +267,7 @@ def fused_backward_amx(spec: KernelSpec):
         dout = T.match_buffer(do_h, (B, H, Tn, D), "bfloat16")
         lse = T.match_buffer(lse_h, (B, H, Tn), "float32")
         delta = T.match_buffer(delta_h, (B, H, Tn), "float32")
-        dq = T.match_buffer(dq_h, (B, H, Tn, D), "float32")
+        dq = T.match_buffer(dq_h, (B, H, Tn, D), "bfloat16")
         dk = T.match_buffer(dk_h, (B, H, Tn, D), "float32")
         dv = T.match_buffer(dv_h, (B, H, Tn, D), "float32")
         for bh in T.parallel(B * H):
