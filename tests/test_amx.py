@@ -294,6 +294,13 @@ def test_which_specs_have_the_form():
     assert not amx_serves(KernelSpec("local", 48, "bfloat16", 8, 0))
     assert amx_serves(KernelSpec("local_dq", 64, "bfloat16", 8, 0)) and amx_serves(KernelSpec("local_dkv", 64, "bfloat16", 8, 0))
     assert not amx_serves(KernelSpec("local_dx", 64, "bfloat16", 8, 0, extras=True))
+    # The five-product backward's form: dilation 1, no extra keys, a window of at most
+    # AMX_FUSED_MAX_SPAN keys.
+    assert amx_serves(KernelSpec("local_bwd", 64, "bfloat16", 4095, 0))
+    for other in (KernelSpec("local_bwd", 64, "bfloat16", 4095, 0, 2), KernelSpec("local_bwd", 64, "bfloat16", 8, 0,
+                  extras=True), KernelSpec("local_bwd", 64, "float16", 8, 0), KernelSpec("local_bwd", 64, "bfloat16",
+                  8192, 1)):
+        assert not amx_serves(other), other
     assert not amx_serves(KernelSpec("global", 64, "bfloat16", 0, 0))
     assert amx_block(KernelSpec("local", 64, "bfloat16", 8, 0, block_q=32)) == 64
     spec = KernelSpec("local", 64, "bfloat16", 8, 0)

@@ -518,6 +518,11 @@ AMX_KINDS = ("local", "local_dq", "local_dkv")
 # per position (ResidueCopies). Larger bounds keep the float32-product form.
 AMX_MAX_DILATION = 4
 
+# The widest window (left + right) of the five-product backward's matrix-engine form:
+# each task holds about (left + right) / 32 + 2 query sub-blocks of staged operands, 24 KB
+# each at D = 64 (6 MB here). Wider windows keep the TE gradient kernels' form.
+AMX_FUSED_MAX_SPAN = 8192
+
 
 def amx_serves(spec: KernelSpec) -> bool:
     """Whether ``spec`` has a matrix-engine (AMX) form: a local forward or window gradient
@@ -525,10 +530,11 @@ def amx_serves(spec: KernelSpec) -> bool:
     rows, its items a whole number of result tiles, a dilation bound of at most
     AMX_MAX_DILATION. The nonfinite variant keeps its guarded products. The five-product
     backward ("local_bwd", schedules/cpu_flash_bwd_amx.py) has one for dilation 1 without
-    extra keys, the head dim a whole number of product depths."""
+    extra keys, the head dim a whole number of product depths, a window of at most
+    AMX_FUSED_MAX_SPAN keys (its ring of query sub-blocks grows with the window)."""
     if spec.kind == "local_bwd":
         return (spec.fused_backward and spec.dtype == "bfloat16" and spec.max_dilation == 1 and not spec.extras
-                and spec.head_dim % MATRIX_K == 0)
+                and spec.head_dim % MATRIX_K == 0 and spec.left + spec.right <= AMX_FUSED_MAX_SPAN)
     return (spec.kind in AMX_KINDS and spec.dtype == "bfloat16" and not spec.nonfinite and spec.left >= 0
             and spec.right >= 0 and spec.head_dim % MATRIX_K == 0 and amx_block(spec) % MATRIX_TILE == 0
             and spec.max_dilation <= AMX_MAX_DILATION)
