@@ -349,12 +349,13 @@ def _fused_backward_kernel(fwd: KernelSpec, device: str, written, pairs: int) ->
     """The "local_bwd" kernel for the gradients of ``fwd``, or None where the TE kernels
     run: not a CPU call, a case it does not serve (``KernelSpec.fused_backward``),
     bfloat16 compiled here on a CPU with AMX where the fused kernel has no matrix-engine
-    form (``amx_serves``: dilation 1) and there are no extra keys (the TE kernels, in
-    their matrix-engine form; export leaves the fused kernel out for such a CPU alike;
-    with extra keys it runs, as their TE kernels do not use the engine), too few
-    (batch, head) pairs for the threads, or loaded libraries without it (exported before
-    it existed, without 'backward', or for a CPU with AMX). A loaded library may hold it
-    for the window as written (``_kernel_as_written``)."""
+    form (``amx_serves``: a window wider than AMX_FUSED_MAX_SPAN, a head dim not a
+    multiple of 32) and there are no extra keys (the TE kernels, in their matrix-engine
+    form; export leaves the fused kernel out of such a library alike; with extra keys it
+    runs, as their TE kernels do not use the engine), too few (batch, head) pairs for the
+    threads, or loaded libraries without it (exported before it existed, without
+    'backward', or for such a case on a CPU with AMX). A loaded library may hold it for
+    the window as written (``_kernel_as_written``)."""
     if device != "cpu":
         return None
     as_written = dataclasses.replace(fwd, left=written[0], right=written[1])

@@ -93,6 +93,8 @@ GRAD_CASES = {
     "causal": dict(shape=(2, 4, 2, 230, 64), window_size=(20, 0)),
     "symmetric": dict(shape=(1, 4, 4, 200, 64), window_size=(64, 64)),
     "dilation 2": dict(shape=(1, 2, 2, 250, 64), window_size=(100, 0), dilation=2),
+    "dilation 3, symmetric": dict(shape=(1, 2, 1, 250, 64), window_size=(30, 7), dilation=3),
+    "wide, both sides": dict(shape=(1, 2, 2, 301, 64), window_size=(100, 70)),
     "head dim 128, right side": dict(shape=(1, 2, 1, 150, 128), window_size=(30, 5)),
     "globals and sinks": dict(shape=(1, 2, 2, 260, 64), window_size=(60, 3), global_idx=[[0, 100]], num_sinks=2),
     "right side only, head dim 32": dict(shape=(1, 2, 2, 77, 32), window_size=(0, 9)),
@@ -106,17 +108,20 @@ def test_gradients_within_torch_bfloat16_sdpa(case, monkeypatch):
     """dq, dk, dv of the matrix-engine gradients (P and dS rounded to bfloat16 for their
     products, as FlashAttention's backward does) are as close to float64 autograd as
     torch's bfloat16 SDPA's are; the kernels that ran are the AMX ones, and no call
-    needed the guarded kernels. Dilation 1 without extra keys takes the five-product
-    kernel's matrix-engine form (schedules/cpu_flash_bwd_amx.py) where the (batch, head)
-    pairs fill the threads, as here; the TE gradient kernels' form is held to the same
-    bound with it turned off (symmetric), and serves dilation 2; with global tokens and
-    sinks the five-product kernel converts to float32 (turned off here too)."""
+    needed the guarded kernels. Without extra keys the five-product kernel's
+    matrix-engine form (schedules/cpu_flash_bwd_amx.py) runs where the (batch, head)
+    pairs fill the threads, as here; the TE gradient kernels' form, which runs where they
+    do not, is held to the same bound with it turned off (symmetric: operands read in
+    place; dilation 2: per-item band copies); with global tokens and sinks the
+    five-product kernel converts to float32 (turned off here too)."""
     from swa_tvm import eager
 
-    cfg = GRAD_CASES[case]
-    fused = "dilation" not in cfg and "global_idx" not in cfg and case != "symmetric"
-    if case in ("symmetric", "globals and sinks"):
+    te_cases = ("symmetric", "dilation 2", "globals and sinks")
+    if case in te_cases:
         monkeypatch.setattr(eager, "_fused_backward_kernel", lambda *args: None)
+    else:  # one thread in the eager layer's count, so any (batch, head) count takes it
+        monkeypatch.setattr(library, "tvm_pool_threads", lambda: 1)
+    fused = case not in te_cases
     _check_gradients(case, monkeypatch, "amx", fused="amx" if fused else None)
 
 
@@ -246,8 +251,8 @@ def test_matrix_form_builds_for_an_amx_class(tmp_path, dilation):
     """On any x86 machine, the matrix form of the local forward and both window
     gradients builds for an AMX class with every product tensorized: at dilation bound
     1 the tile loads read the residue copies in place, at 2 each item copies its band;
-    at 1 the five-product backward's form builds too. (Where the CPU has AMX, the
-    accuracy tests above run them.)"""
+    the five-product backward's form builds too. (Where the CPU has AMX, the accuracy
+    tests above run them.)"""
     from swa_tvm.spec import AttentionSpec
 
     text = "head_dim=64,window=20:3,backward,dtype=bfloat16" + (f",dilation={dilation}" if dilation > 1 else "")
@@ -257,8 +262,8 @@ def test_matrix_form_builds_for_an_amx_class(tmp_path, dilation):
     schedules = {e["spec"]["kind"]: e["schedule"] for e in manifest["kernels"]}
     assert all(e["spec"]["max_dilation"] == dilation for e in manifest["kernels"])
     assert [schedules[kind] for kind in ("local", "local_dq", "local_dkv")] == ["amx"] * 3, schedules
-    # The five-product backward's own matrix-engine form serves dilation 1 alone.
-    assert schedules.get("local_bwd") == ("amx" if dilation == 1 else None), schedules
+    # The five-product backward's own matrix-engine form, each residue in turn.
+    assert schedules.get("local_bwd") == "amx", schedules
     assert _has_tdpbf16ps(path.read_bytes()), "no TDPBF16PS instruction in the compiled library"
 
 
@@ -297,9 +302,9 @@ def test_which_specs_have_the_form():
     # The five-product backward's form: dilation 1, no extra keys, a window of at most
     # AMX_FUSED_MAX_SPAN keys.
     assert amx_serves(KernelSpec("local_bwd", 64, "bfloat16", 4095, 0))
-    for other in (KernelSpec("local_bwd", 64, "bfloat16", 4095, 0, 2), KernelSpec("local_bwd", 64, "bfloat16", 8, 0,
-                  extras=True), KernelSpec("local_bwd", 64, "float16", 8, 0), KernelSpec("local_bwd", 64, "bfloat16",
-                  8192, 1)):
+    assert amx_serves(KernelSpec("local_bwd", 64, "bfloat16", 4095, 0, 8))
+    for other in (KernelSpec("local_bwd", 64, "bfloat16", 8, 0, extras=True), KernelSpec("local_bwd", 64, "float16", 8, 0),
+                  KernelSpec("local_bwd", 64, "bfloat16", 8192, 1), KernelSpec("local_bwd", 48, "bfloat16", 8, 0)):
         assert not amx_serves(other), other
     assert not amx_serves(KernelSpec("global", 64, "bfloat16", 0, 0))
     assert amx_block(KernelSpec("local", 64, "bfloat16", 8, 0, block_q=32)) == 64

@@ -76,6 +76,8 @@ CASES = {
 GLOBALS = torch.tensor([[3, 40, 77, 150, 199], [0, 64, 65, 120, 121]], dtype=torch.int32)
 EXTRA_CASES = {
     "globals_causal": ((2, 4, 2, 200, 16, (37, 0), False, 1), dict(global_idx=GLOBALS)),
+    # T = 193: the last key block's sub-blocks past it take their extras there.
+    "globals_symmetric": ((1, 2, 2, 193, 16, (20, 17), False, 1), dict(global_idx=GLOBALS[:1, :4])),
     "globals_symmetric_dilation_per_head": ((2, 4, 4, 200, 16, (20, 17), False, PER_HEAD), dict(global_idx=GLOBALS)),
     "many_globals": ((1, 2, 2, 300, 16, (37, 0), False, 1),
                      dict(global_idx=torch.arange(5, 300, 7, dtype=torch.int32)[None])),
@@ -98,8 +100,8 @@ def test_fused_gradients_match_reference(name, launched, monkeypatch):
         assert e < 2e-6, f"{which}: relative error {e:.2e}"
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n != "globals_causal" else n
-                                  for n in EXTRA_CASES])
+@pytest.mark.parametrize("name", [n if n in ("globals_causal", "globals_symmetric") else
+                                  pytest.param(n, marks=pytest.mark.slow) for n in EXTRA_CASES])
 def test_fused_gradients_with_extra_keys(name, launched, monkeypatch):
     monkeypatch.setattr(library, "tvm_pool_threads", lambda: 1)
     (*shape, window, slog, dilation), extra = EXTRA_CASES[name]
@@ -170,14 +172,15 @@ def test_spec_names_the_fused_kernel_where_it_serves():
 
 def test_bfloat16_on_a_matrix_engine_the_fused_kernel_where_it_has_an_amx_form(fresh_registry, monkeypatch):
     """Compiled on first use, bfloat16 on a CPU with AMX takes the fused kernel where it
-    has a matrix-engine form (dilation 1, the head dim a multiple of 32) and the TE
-    gradient kernels (theirs) for dilation bounds above 1; without AMX, with extra keys
-    (whose TE kernels do not use the engine), and float16 anywhere, the fused kernel.
-    (The compile is stubbed: only the choice is checked, on any CPU.)"""
+    has a matrix-engine form (the head dim a multiple of 32, a window of at most
+    AMX_FUSED_MAX_SPAN keys) and the TE gradient kernels (theirs) elsewhere; without AMX,
+    with extra keys (whose TE kernels do not use the engine), and float16 anywhere, the
+    fused kernel. (The compile is stubbed: only the choice is checked, on any CPU.)"""
     monkeypatch.setattr(library, "tvm_pool_threads", lambda: 1)
     monkeypatch.setattr(eager, "_kernel", lambda want, device: want)
     fwd = KernelSpec("local", 32, "bfloat16", 37, 0)
-    for amx, dtype, kw, fused in ((True, "bfloat16", {}, True), (True, "bfloat16", dict(max_dilation=2), False),
+    for amx, dtype, kw, fused in ((True, "bfloat16", {}, True), (True, "bfloat16", dict(max_dilation=2), True),
+                                  (True, "bfloat16", dict(left=8192, right=1), False),
                                   (True, "bfloat16", dict(head_dim=16), False), (False, "bfloat16", {}, True),
                                   (True, "float16", {}, True), (True, "bfloat16", dict(extras=True), True),
                                   (False, "bfloat16", dict(max_dilation=2), True)):
@@ -255,14 +258,15 @@ def test_fused_half_precision(dtype, fresh_registry, tmp_path, launched, monkeyp
 @pytest.mark.slow  # compiles the matrix-engine form
 def test_amx_targets_take_the_matrix_engine_gradients(tmp_path):
     """A bfloat16 library for a CPU with AMX holds the five-product kernel in its
-    matrix-engine form for a window of dilation 1; for a dilation bound of 2 none (the TE
-    gradients multiply on the engine there); with global tokens the float32-product one
-    (the extra keys' TE kernels do not use the engine), as a float16 library (no AMX
+    matrix-engine form (any dilation bound); for a window wider than it serves, none (the
+    TE gradients multiply on the engine there); with global tokens the float32-product
+    one (the extra keys' TE kernels do not use the engine), as a float16 library (no AMX
     form) does."""
     target = {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2}
-    for dtype, kw, schedule in (("bfloat16", {}, "amx"), ("bfloat16", dict(max_dilation=2), None),
+    for dtype, kw, schedule in (("bfloat16", {}, "amx"), ("bfloat16", dict(max_dilation=2), "amx"),
+                                ("bfloat16", dict(window=(8192, 1)), None),
                                 ("bfloat16", dict(globals=True), "cpu_flash_bwd"), ("float16", {}, "cpu_flash_bwd")):
-        spec = AttentionSpec(head_dim=32, window=(31, 0), backward=True, dtype=dtype, **kw)
+        spec = AttentionSpec(head_dim=32, backward=True, dtype=dtype, **{"window": (31, 0), **kw})
         m = swa_tvm.export_library([spec], tmp_path / f"{dtype}{len(kw)}.so", target=target, logs=None,
                                    warn_untuned=False)
         got = {k["spec"]["kind"]: k["schedule"] for k in m["kernels"]}.get("local_bwd")

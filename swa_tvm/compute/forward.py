@@ -529,11 +529,12 @@ def amx_serves(spec: KernelSpec) -> bool:
     (AMX_KINDS) of a bounded window in bfloat16, the head dim a whole number of tile
     rows, its items a whole number of result tiles, a dilation bound of at most
     AMX_MAX_DILATION. The nonfinite variant keeps its guarded products. The five-product
-    backward ("local_bwd", schedules/cpu_flash_bwd_amx.py) has one for dilation 1 without
-    extra keys, the head dim a whole number of product depths, a window of at most
-    AMX_FUSED_MAX_SPAN keys (its ring of query sub-blocks grows with the window)."""
+    backward ("local_bwd", schedules/cpu_flash_bwd_amx.py) has one without extra keys
+    (any dilation: it runs each residue in turn), the head dim a whole number of product
+    depths, a window of at most AMX_FUSED_MAX_SPAN keys (its ring of query sub-blocks
+    grows with the window)."""
     if spec.kind == "local_bwd":
-        return (spec.fused_backward and spec.dtype == "bfloat16" and spec.max_dilation == 1 and not spec.extras
+        return (spec.fused_backward and spec.dtype == "bfloat16" and not spec.extras
                 and spec.head_dim % MATRIX_K == 0 and spec.left + spec.right <= AMX_FUSED_MAX_SPAN)
     return (spec.kind in AMX_KINDS and spec.dtype == "bfloat16" and not spec.nonfinite and spec.left >= 0
             and spec.right >= 0 and spec.head_dim % MATRIX_K == 0 and amx_block(spec) % MATRIX_TILE == 0

@@ -13,19 +13,26 @@ plain window of their own: the task runs the same loops over each residue in tur
 units of d.
 
 It serves float32, bfloat16 and float16 (converted to float32 as they are staged, once
-per key block or query sub-block) with a bounded window, no extra keys and finite
-inputs (``KernelSpec.fused_backward``); every other case keeps the TE kernels,
-and so do a call with too few (batch, head) pairs to occupy the threads and bfloat16
-on a CPU with the matrix engine, whose TE kernels multiply on it (``swa_tvm.eager``).
-Probabilities use the forward's exp (``compute.forward._exp``), and dq, dk and dv sum
-in the TE kernels' key and row order; the scale is applied to dS before the sums, not
-after them (the same values for a power-of-two scale).
+per key block or query sub-block) with a bounded window and finite inputs
+(``KernelSpec.fused_backward``). With extra keys (globals, sinks) each query sub-block
+also scores them once, adding their dS·K to its dq rows and their Pᵀ·dO and dSᵀ·Q to the
+extras' dk/dv rows (``local_dx``'s work); the global rows that attend to k and v join
+every key block as one more sub-block, their dq summed across key blocks
+(``global_bwd``'s work). The TE kernels run where the (batch, head) pairs are too few
+to occupy the threads, and bfloat16 on a CPU with AMX takes ``cpu_flash_bwd_amx``
+without extra keys (``swa_tvm.eager``). Probabilities use the forward's exp
+(``compute.forward._exp``), and dq, dk and dv sum in the TE kernels' key and row order;
+the scale is applied to dS before the sums, not after them (the same values for a
+power-of-two scale).
 
-Arguments, as the TE kernels': q [B,H,T,D], k/v [B,Hkv,T,D], dilation [H],
-dout [B,H,T,D] (in the spec's dtype), lse [B,H,T] (+inf: a row whose probabilities are
-all 0), delta [B,H,T], scale, then the results, all float32: dq [B,H,T,D] (accumulated
-in place; the caller rounds it to q's dtype), dk/dv [B,H,T,D] per query head (the
-caller sums a GQA group).
+Arguments, as the TE kernels': q [B,H,T,D], k/v [B,Hkv,T,D], dilation [H], [extra_idx
+[B,E] int32 (-1: padding)], dout [B,H,T,D] (in the spec's dtype), lse [B,H,T] (+inf: a
+row whose probabilities are all 0, such as a global row's), delta [B,H,T], scale;
+with extra keys then the global rows: their queries [B,H,G,D], positions [B,G] int32,
+dout [B,H,G,D], lse and delta [B,H,G] (G = 0: none); then the results, all float32: dq
+[B,H,T,D] (accumulated in place; the caller rounds it to q's dtype), dk/dv [B,H,T,D]
+per query head (the caller sums a GQA group), and with extra keys dk/dv of the extras
+[B,H,E,D] and dq of the global rows [B,H,G,D].
 """
 
 from __future__ import annotations

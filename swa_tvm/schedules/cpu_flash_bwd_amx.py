@@ -1,9 +1,10 @@
 """The five-product CPU backward on the matrix engine (AMX): kind "local_bwd" in
-bfloat16 on a CPU with AMX, for a window of dilation 1 without extra keys.
+bfloat16 on a CPU with AMX, without extra keys (``compute.forward.amx_serves``).
 
 The plan is ``cpu_flash_bwd``'s (one task per (batch, head); key blocks of 32 in order;
 each recomputes the scores and dP of the query rows that see it; dk/dv in a local tile;
-dq accumulated across key blocks), with the five products on AMX tiles (bfloat16
+dq accumulated across key blocks; each residue of the head's dilation in turn, as a
+plain window of its own), with the five products on AMX tiles (bfloat16
 operands, float32 sums; ``schedules.amx`` gives the tile conventions) and the softmax
 between them in float32 vectors, P and dS rounded to bfloat16 for their products, as
 the TE kernels' matrix-engine form and FlashAttention's backward do.
@@ -18,34 +19,27 @@ starts, into a ring of slots that holds every sub-block a key block sees. A sub-
 dQᵀ accumulates in its slot and is written to dq when the slot is reused, or at the end.
 Positions past T stage as zeros (keys masked; rows with lse = +inf).
 
-Arguments, as ``cpu_flash_bwd``'s: q [B,H,T,D], k/v [B,Hkv,T,D], dilation [H] (unused:
-every dilation is 1), dout [B,H,T,D] (bfloat16), lse [B,H,T] (+inf: a row whose
-probabilities are all 0), delta [B,H,T], scale, then dq, dk, dv [B,H,T,D] float32 (dk/dv
-per query head).
+Arguments, as ``cpu_flash_bwd``'s: q [B,H,T,D], k/v [B,Hkv,T,D], dilation [H], dout
+[B,H,T,D] (bfloat16), lse [B,H,T] (+inf: a row whose probabilities are all 0), delta
+[B,H,T], scale, then the results: dq [B,H,T,D] in bfloat16 (its float32 sums rounded
+once, as its slot is written; ``cpu_flash_bwd`` sums dq in place, so in float32), dk and
+dv [B,H,T,D] in float32 per query head (the caller sums a GQA group).
 """
 
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from swa_tvm.compute.forward import SHORT_EXP, _exp, bf16_round_bits, pair_word
+from swa_tvm.compute.forward import SHORT_EXP, _exp, amx_serves, bf16_round_bits, pair_word
 from swa_tvm.spec import KernelSpec
 
 BK = BQ = 32  # keys per key block, query rows per sub-block (one tile product's depth)
 TILE = 16  # rows and float32 columns of a tile
 
 
-def serves(spec: KernelSpec) -> bool:
-    """Whether this form computes ``spec``'s gradients (on a CPU with AMX): bfloat16, a
-    bounded window of dilation 1, no extra keys, finite inputs, a head dim that is a
-    multiple of 32 (a product's depth)."""
-    return (spec.fused_backward and spec.dtype == "bfloat16" and spec.max_dilation == 1 and not spec.extras
-            and spec.head_dim % 32 == 0)
-
-
 def fused_backward_amx(spec: KernelSpec):
     """The PrimFunc of a "local_bwd" spec this form serves (symbolic B, H, Hkv and T)."""
-    assert spec.kind == "local_bwd" and serves(spec), spec.name
+    assert spec.kind == "local_bwd" and amx_serves(spec), spec.name
     D, left, right = spec.head_dim, spec.left, spec.right
     NT = D // TILE  # result tiles across the features
     KC = D // 32  # depth chunks of the score products
@@ -65,6 +59,13 @@ def fused_backward_amx(spec: KernelSpec):
     def zero(t):
         return T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilezero", T.int8(t)))
 
+    def at(res, d, x):  # the position of index x of residue res (dilation d)
+        return res + d * x
+
+    def dilation(dil, h):
+        # Dilation 1 alone: the constant 1, so the code is the plain window's.
+        return T.int64(1) if spec.max_dilation == 1 else T.Cast("int64", dil[h])
+
     def bits(x):
         return T.reinterpret(u16, x)
 
@@ -75,13 +76,14 @@ def fused_backward_amx(spec: KernelSpec):
         return T.Cast(u16, bf16_round_bits(x))
 
     @T.macro
-    def stage_rows(x, b, hx, i0, Tn, rows_u16, cols_w, pairs_w, slot):
-        # The 32 rows of x from i0 (zeros past T): as bfloat16 rows (when rows_u16 is
-        # given), as pair words transposed [D/2, 32] (cols_w), as row-pair words [16, D]
-        # (pairs_w).
+    def stage_rows(x, b, hx, i0, Tr, res, d, rows_u16, cols_w, pairs_w, slot):
+        # The 32 rows of x from index i0 of residue res (zeros past its Tr positions): as
+        # bfloat16 rows, as pair words transposed [D/2, 32] (cols_w, where given), as
+        # row-pair words [16, D] (pairs_w, where given).
         for r in range(BQ):
             for c in T.vectorized(D):
-                rows_u16[r, c] = T.Select(i0 + r < Tn, bits(x[b, hx, T.min(i0 + r, Tn - 1), c]), T.uint16(0))
+                rows_u16[r, c] = T.Select(i0 + r < Tr, bits(x[b, hx, at(res, d, T.min(i0 + r, Tr - 1)), c]),
+                                          T.uint16(0))
         if cols_w is not None:
             for c2, r in T.grid(D // 2, BQ):
                 cols_w[slot, c2, r] = word(rows_u16[r, 2 * c2], rows_u16[r, 2 * c2 + 1])
@@ -91,12 +93,12 @@ def fused_backward_amx(spec: KernelSpec):
                     pairs_w[slot, r2, c] = word(rows_u16[2 * r2, c], rows_u16[2 * r2 + 1, c])
 
     @T.macro
-    def probabilities(St, dPt, Pt, dSt, Ls, Ds, slot, scale, i0, j0, Tn, masked):
+    def probabilities(St, dPt, Pt, dSt, Ls, Ds, slot, scale, i0, j0, Tr, masked):
         for kk in range(BK):
             for r in T.vectorized(BQ):
                 if masked:
                     St[kk, r] = T.Select(
-                        T.And(T.And(i0 + r - j0 - kk <= left, j0 + kk - i0 - r <= right), j0 + kk < Tn),
+                        T.And(T.And(i0 + r - j0 - kk <= left, j0 + kk - i0 - r <= right), j0 + kk < Tr),
                         _exp(St[kk, r] * scale - Ls[slot, r], "float32", coeffs=SHORT_EXP),
                         T.float32(0),
                     )
@@ -146,114 +148,120 @@ def fused_backward_amx(spec: KernelSpec):
                 cfg[16 + 2 * t] = T.uint8(64)
                 cfg[48 + t] = T.uint8(16)
             T.evaluate(T.call_llvm_intrin("void", "llvm.x86.ldtilecfg", T.address_of(cfg[0])))
-            for s in range(R):
-                held[s] = T.int64(-1)
-            hi[0] = T.int64(-1)
-            nmb = (Tn + (BQ - 1)) // BQ
-            for kb in range(nmb):
-                j0 = kb * BK
-                m_lo = T.max(T.floordiv(j0 - right, BQ), T.int64(0))
-                m_hi = T.min((j0 + BK - 1 + left) // BQ, nmb - 1)
-                # Stage the sub-blocks this key block is the first to see.
-                for m in range(hi[0] + 1, m_hi + 1):
-                    slot = T.floormod(m, R)
-                    if held[slot] >= 0:
+            d = dilation(dil, h)
+            for res in range(d):
+                Tr = (Tn - res + (d - 1)) // d  # positions res, res + d, ... below T
+                for s in range(R):
+                    held[s] = T.int64(-1)
+                hi[0] = T.int64(-1)
+                nmb = (Tr + (BQ - 1)) // BQ
+                for kb in range(nmb):
+                    j0 = kb * BK
+                    m_lo = T.max(T.floordiv(j0 - right, BQ), T.int64(0))
+                    m_hi = T.min((j0 + BK - 1 + left) // BQ, nmb - 1)
+                    # Stage the sub-blocks this key block is the first to see.
+                    for m in range(hi[0] + 1, m_hi + 1):
+                        slot = T.floormod(m, R)
+                        if held[slot] >= 0:
+                            for r in range(BQ):
+                                if held[slot] * BQ + r < Tr:
+                                    for c in T.vectorized(D):
+                                        dq[b, h, at(res, d, held[slot] * BQ + r), c] = T.reinterpret(
+                                            "bfloat16", rounded(dQt[slot, c, r]))
+                        held[slot] = m
                         for r in range(BQ):
-                            if held[slot] * BQ + r < Tn:
-                                for c in T.vectorized(D):
-                                    dq[b, h, held[slot] * BQ + r, c] = T.reinterpret("bfloat16", rounded(dQt[slot, c, r]))
-                    held[slot] = m
-                    for r in range(BQ):
-                        Ls[slot, r] = T.Select(m * BQ + r < Tn, lse[b, h, T.min(m * BQ + r, Tn - 1)],
-                                               T.float32(float("inf")))
-                        Ds[slot, r] = T.Select(m * BQ + r < Tn, delta[b, h, T.min(m * BQ + r, Tn - 1)], T.float32(0))
-                    stage_rows(q, b, h, m * BQ, Tn, rows, Qc, Qp, slot)
-                    stage_rows(dout, b, h, m * BQ, Tn, rows, dOc, dOp, slot)
-                    for c, r in T.grid(D, BQ):
-                        dQt[slot, c, r] = T.float32(0)
-                hi[0] = T.max(hi[0], m_hi)
-                stage_rows(k, b, kh, j0, Tn, Kr, None, None, 0)
-                stage_rows(v, b, kh, j0, Tn, Vr, None, None, 0)
-                for c, kk in T.grid(D, BK):
-                    Kt[c, kk] = Kr[kk, c]
-                for kk in range(BK):
-                    for c in T.vectorized(D):
-                        dKa[kk, c] = T.float32(0)
-                        dVa[kk, c] = T.float32(0)
-                for m in range(m_lo, m_hi + 1):
-                    slot = T.floormod(m, R)
-                    i0 = m * BQ
-                    # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, a strip of 16 keys at a time.
-                    for st in range(BK // TILE):
-                        zero(0)
-                        zero(1)
-                        zero(2)
-                        zero(3)
-                        for kc in range(KC):
-                            load(4, T.address_of(Kr[st * TILE, kc * 32]), D * 2)
-                            load(5, T.address_of(Qc[slot, kc * TILE, 0]), BQ * 4)
-                            dot(0, 4, 5)
-                            load(6, T.address_of(Qc[slot, kc * TILE, TILE]), BQ * 4)
-                            dot(1, 4, 6)
-                            load(4, T.address_of(Vr[st * TILE, kc * 32]), D * 2)
-                            load(5, T.address_of(dOc[slot, kc * TILE, 0]), BQ * 4)
-                            dot(2, 4, 5)
-                            load(6, T.address_of(dOc[slot, kc * TILE, TILE]), BQ * 4)
-                            dot(3, 4, 6)
-                        store(0, T.address_of(St[st * TILE, 0]), BQ * 4)
-                        store(1, T.address_of(St[st * TILE, TILE]), BQ * 4)
-                        store(2, T.address_of(dPt[st * TILE, 0]), BQ * 4)
-                        store(3, T.address_of(dPt[st * TILE, TILE]), BQ * 4)
-                    # Pᵀ and dSᵀ = scale Pᵀ (dPᵀ - delta), in float32, rounded to bfloat16; the
-                    # mask only where some pair of the visit is outside the window or T.
-                    if T.And(T.And(i0 + BQ - 1 - j0 <= left, j0 + BK - 1 - i0 <= right), j0 + BK <= Tn):
-                        probabilities(St, dPt, Pt, dSt, Ls, Ds, slot, scale, i0, j0, Tn, False)
-                    else:
-                        probabilities(St, dPt, Pt, dSt, Ls, Ds, slot, scale, i0, j0, Tn, True)
-                    for k2 in range(BK // 2):
-                        for r in T.vectorized(BQ):
-                            dSw[k2, r] = word(dSt[2 * k2, r], dSt[2 * k2 + 1, r])
-                    # dV += Pᵀ dO and dK += dSᵀ Q: [16 keys, group tiles of 16 features] at a time.
-                    for st in range(BK // TILE):
-                        for g in range(NT // group):
-                            for t in T.unroll(group):
-                                load(t, T.address_of(dVa[st * TILE, (g * group + t) * TILE]), D * 4)
-                            load(4, T.address_of(Pt[st * TILE, 0]), BQ * 2)
-                            for t in T.unroll(group):
-                                load(5 + t % 2, T.address_of(dOp[slot, 0, (g * group + t) * TILE]), D * 4)
-                                dot(t, 4, 5 + t % 2)
-                            for t in T.unroll(group):
-                                store(t, T.address_of(dVa[st * TILE, (g * group + t) * TILE]), D * 4)
-                            for t in T.unroll(group):
-                                load(t, T.address_of(dKa[st * TILE, (g * group + t) * TILE]), D * 4)
-                            load(4, T.address_of(dSt[st * TILE, 0]), BQ * 2)
-                            for t in T.unroll(group):
-                                load(5 + t % 2, T.address_of(Qp[slot, 0, (g * group + t) * TILE]), D * 4)
-                                dot(t, 4, 5 + t % 2)
-                            for t in T.unroll(group):
-                                store(t, T.address_of(dKa[st * TILE, (g * group + t) * TILE]), D * 4)
-                    # dQᵀ += Kᵀ dSᵀ: [16 features, 32 rows] at a time.
-                    load(5, T.address_of(dSw[0, 0]), BQ * 4)
-                    load(6, T.address_of(dSw[0, TILE]), BQ * 4)
-                    for st in range(NT):
-                        load(0, T.address_of(dQt[slot, st * TILE, 0]), BQ * 4)
-                        load(1, T.address_of(dQt[slot, st * TILE, TILE]), BQ * 4)
-                        load(4, T.address_of(Kt[st * TILE, 0]), BK * 2)
-                        dot(0, 4, 5)
-                        dot(1, 4, 6)
-                        store(0, T.address_of(dQt[slot, st * TILE, 0]), BQ * 4)
-                        store(1, T.address_of(dQt[slot, st * TILE, TILE]), BQ * 4)
-                for kk in range(BK):
-                    if j0 + kk < Tn:
+                            Ls[slot, r] = T.Select(m * BQ + r < Tr, lse[b, h, at(res, d, T.min(m * BQ + r, Tr - 1))],
+                                                   T.float32(float("inf")))
+                            Ds[slot, r] = T.Select(m * BQ + r < Tr, delta[b, h, at(res, d, T.min(m * BQ + r, Tr - 1))],
+                                                   T.float32(0))
+                        stage_rows(q, b, h, m * BQ, Tr, res, d, rows, Qc, Qp, slot)
+                        stage_rows(dout, b, h, m * BQ, Tr, res, d, rows, dOc, dOp, slot)
+                        for c, r in T.grid(D, BQ):
+                            dQt[slot, c, r] = T.float32(0)
+                    hi[0] = T.max(hi[0], m_hi)
+                    stage_rows(k, b, kh, j0, Tr, res, d, Kr, None, None, 0)
+                    stage_rows(v, b, kh, j0, Tr, res, d, Vr, None, None, 0)
+                    for c, kk in T.grid(D, BK):
+                        Kt[c, kk] = Kr[kk, c]
+                    for kk in range(BK):
                         for c in T.vectorized(D):
-                            dk[b, h, j0 + kk, c] = dKa[kk, c]
-                            dv[b, h, j0 + kk, c] = dVa[kk, c]
-            for s in range(R):
-                if held[s] >= 0:
-                    for r in range(BQ):
-                        if held[s] * BQ + r < Tn:
+                            dKa[kk, c] = T.float32(0)
+                            dVa[kk, c] = T.float32(0)
+                    for m in range(m_lo, m_hi + 1):
+                        slot = T.floormod(m, R)
+                        i0 = m * BQ
+                        # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, a strip of 16 keys at a time.
+                        for st in range(BK // TILE):
+                            zero(0)
+                            zero(1)
+                            zero(2)
+                            zero(3)
+                            for kc in range(KC):
+                                load(4, T.address_of(Kr[st * TILE, kc * 32]), D * 2)
+                                load(5, T.address_of(Qc[slot, kc * TILE, 0]), BQ * 4)
+                                dot(0, 4, 5)
+                                load(6, T.address_of(Qc[slot, kc * TILE, TILE]), BQ * 4)
+                                dot(1, 4, 6)
+                                load(4, T.address_of(Vr[st * TILE, kc * 32]), D * 2)
+                                load(5, T.address_of(dOc[slot, kc * TILE, 0]), BQ * 4)
+                                dot(2, 4, 5)
+                                load(6, T.address_of(dOc[slot, kc * TILE, TILE]), BQ * 4)
+                                dot(3, 4, 6)
+                            store(0, T.address_of(St[st * TILE, 0]), BQ * 4)
+                            store(1, T.address_of(St[st * TILE, TILE]), BQ * 4)
+                            store(2, T.address_of(dPt[st * TILE, 0]), BQ * 4)
+                            store(3, T.address_of(dPt[st * TILE, TILE]), BQ * 4)
+                        # Pᵀ and dSᵀ = scale Pᵀ (dPᵀ - delta), in float32, rounded to bfloat16; the
+                        # mask only where some pair of the visit is outside the window or T.
+                        if T.And(T.And(i0 + BQ - 1 - j0 <= left, j0 + BK - 1 - i0 <= right), j0 + BK <= Tr):
+                            probabilities(St, dPt, Pt, dSt, Ls, Ds, slot, scale, i0, j0, Tr, False)
+                        else:
+                            probabilities(St, dPt, Pt, dSt, Ls, Ds, slot, scale, i0, j0, Tr, True)
+                        for k2 in range(BK // 2):
+                            for r in T.vectorized(BQ):
+                                dSw[k2, r] = word(dSt[2 * k2, r], dSt[2 * k2 + 1, r])
+                        # dV += Pᵀ dO and dK += dSᵀ Q: [16 keys, group tiles of 16 features] at a time.
+                        for st in range(BK // TILE):
+                            for g in range(NT // group):
+                                for t in T.unroll(group):
+                                    load(t, T.address_of(dVa[st * TILE, (g * group + t) * TILE]), D * 4)
+                                load(4, T.address_of(Pt[st * TILE, 0]), BQ * 2)
+                                for t in T.unroll(group):
+                                    load(5 + t % 2, T.address_of(dOp[slot, 0, (g * group + t) * TILE]), D * 4)
+                                    dot(t, 4, 5 + t % 2)
+                                for t in T.unroll(group):
+                                    store(t, T.address_of(dVa[st * TILE, (g * group + t) * TILE]), D * 4)
+                                for t in T.unroll(group):
+                                    load(t, T.address_of(dKa[st * TILE, (g * group + t) * TILE]), D * 4)
+                                load(4, T.address_of(dSt[st * TILE, 0]), BQ * 2)
+                                for t in T.unroll(group):
+                                    load(5 + t % 2, T.address_of(Qp[slot, 0, (g * group + t) * TILE]), D * 4)
+                                    dot(t, 4, 5 + t % 2)
+                                for t in T.unroll(group):
+                                    store(t, T.address_of(dKa[st * TILE, (g * group + t) * TILE]), D * 4)
+                        # dQᵀ += Kᵀ dSᵀ: [16 features, 32 rows] at a time.
+                        load(5, T.address_of(dSw[0, 0]), BQ * 4)
+                        load(6, T.address_of(dSw[0, TILE]), BQ * 4)
+                        for st in range(NT):
+                            load(0, T.address_of(dQt[slot, st * TILE, 0]), BQ * 4)
+                            load(1, T.address_of(dQt[slot, st * TILE, TILE]), BQ * 4)
+                            load(4, T.address_of(Kt[st * TILE, 0]), BK * 2)
+                            dot(0, 4, 5)
+                            dot(1, 4, 6)
+                            store(0, T.address_of(dQt[slot, st * TILE, 0]), BQ * 4)
+                            store(1, T.address_of(dQt[slot, st * TILE, TILE]), BQ * 4)
+                    for kk in range(BK):
+                        if j0 + kk < Tr:
                             for c in T.vectorized(D):
-                                dq[b, h, held[s] * BQ + r, c] = T.reinterpret("bfloat16", rounded(dQt[s, c, r]))
+                                dk[b, h, at(res, d, j0 + kk), c] = dKa[kk, c]
+                                dv[b, h, at(res, d, j0 + kk), c] = dVa[kk, c]
+                for s in range(R):
+                    if held[s] >= 0:
+                        for r in range(BQ):
+                            if held[s] * BQ + r < Tr:
+                                for c in T.vectorized(D):
+                                    dq[b, h, at(res, d, held[s] * BQ + r), c] = T.reinterpret("bfloat16",
+                                                                                         rounded(dQt[s, c, r]))
 
     @T.prim_func(s_tir=True)
     def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, dil_h: T.handle, do_h: T.handle, lse_h: T.handle,
@@ -276,4 +284,4 @@ def fused_backward_amx(spec: KernelSpec):
     return kernel.with_attr("global_symbol", spec.name)
 
 
-__all__ = ["fused_backward_amx", "serves", "BK", "BQ"]
+__all__ = ["fused_backward_amx", "BK", "BQ"]
