@@ -76,8 +76,9 @@ CASES = {
 GLOBALS = torch.tensor([[3, 40, 77, 150, 199], [0, 64, 65, 120, 121]], dtype=torch.int32)
 EXTRA_CASES = {
     "globals_causal": ((2, 4, 2, 200, 16, (37, 0), False, 1), dict(global_idx=GLOBALS)),
-    # T = 193: the last key block's sub-blocks past it take their extras there.
-    "globals_symmetric": ((1, 2, 2, 193, 16, (20, 17), False, 1), dict(global_idx=GLOBALS[:1, :4])),
+    # T = 210 (14 short of 7 key blocks, fewer than the window's right side): the last key
+    # block's sub-blocks past it take their extras there.
+    "globals_symmetric": ((1, 2, 2, 210, 16, (20, 17), False, 1), dict(global_idx=GLOBALS[:1, :4])),
     "globals_symmetric_dilation_per_head": ((2, 4, 4, 200, 16, (20, 17), False, PER_HEAD), dict(global_idx=GLOBALS)),
     "many_globals": ((1, 2, 2, 300, 16, (37, 0), False, 1),
                      dict(global_idx=torch.arange(5, 300, 7, dtype=torch.int32)[None])),
