@@ -93,6 +93,19 @@ def fused_backward_amx(spec: KernelSpec):
                     pairs_w[slot, r2, c] = word(rows_u16[2 * r2, c], rows_u16[2 * r2 + 1, c])
 
     @T.macro
+    def key_tiles_update(total, weights_t, rows_w, slot, st, g):
+        # total[16 keys from st, group tiles of 16 features from g] += weights_tᵀ-strip
+        # (16 keys x 32 rows, bfloat16) x rows_w[slot] (the rows' pair words).
+        for t in T.unroll(group):
+            load(t, T.address_of(total[st * TILE, (g * group + t) * TILE]), D * 4)
+        load(4, T.address_of(weights_t[st * TILE, 0]), BQ * 2)
+        for t in T.unroll(group):
+            load(5 + t % 2, T.address_of(rows_w[slot, 0, (g * group + t) * TILE]), D * 4)
+            dot(t, 4, 5 + t % 2)
+        for t in T.unroll(group):
+            store(t, T.address_of(total[st * TILE, (g * group + t) * TILE]), D * 4)
+
+    @T.macro
     def probabilities(St, dPt, Pt, dSt, Ls, Ds, slot, scale, i0, j0, Tr, masked):
         for kk in range(BK):
             for r in T.vectorized(BQ):
@@ -223,22 +236,8 @@ def fused_backward_amx(spec: KernelSpec):
                         # dV += Pᵀ dO and dK += dSᵀ Q: [16 keys, group tiles of 16 features] at a time.
                         for st in range(BK // TILE):
                             for g in range(NT // group):
-                                for t in T.unroll(group):
-                                    load(t, T.address_of(dVa[st * TILE, (g * group + t) * TILE]), D * 4)
-                                load(4, T.address_of(Pt[st * TILE, 0]), BQ * 2)
-                                for t in T.unroll(group):
-                                    load(5 + t % 2, T.address_of(dOp[slot, 0, (g * group + t) * TILE]), D * 4)
-                                    dot(t, 4, 5 + t % 2)
-                                for t in T.unroll(group):
-                                    store(t, T.address_of(dVa[st * TILE, (g * group + t) * TILE]), D * 4)
-                                for t in T.unroll(group):
-                                    load(t, T.address_of(dKa[st * TILE, (g * group + t) * TILE]), D * 4)
-                                load(4, T.address_of(dSt[st * TILE, 0]), BQ * 2)
-                                for t in T.unroll(group):
-                                    load(5 + t % 2, T.address_of(Qp[slot, 0, (g * group + t) * TILE]), D * 4)
-                                    dot(t, 4, 5 + t % 2)
-                                for t in T.unroll(group):
-                                    store(t, T.address_of(dKa[st * TILE, (g * group + t) * TILE]), D * 4)
+                                key_tiles_update(dVa, Pt, dOp, slot, st, g)
+                                key_tiles_update(dKa, dSt, Qp, slot, st, g)
                         # dQᵀ += Kᵀ dSᵀ: [16 features, 32 rows] at a time.
                         load(5, T.address_of(dSw[0, 0]), BQ * 4)
                         load(6, T.address_of(dSw[0, TILE]), BQ * 4)
