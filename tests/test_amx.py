@@ -102,8 +102,13 @@ GRAD_CASES = {
 }
 
 
+# The quick tier runs one case of each form and pattern; these add shapes, in the full suite.
+SLOW_GRAD_CASES = ("dilation 3, symmetric", "wide, both sides", "right side only, head dim 32", "shorter than a block")
+
+
 @needs_amx
-@pytest.mark.parametrize("case", list(GRAD_CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_GRAD_CASES else c
+                                  for c in GRAD_CASES])
 def test_gradients_within_torch_bfloat16_sdpa(case, monkeypatch):
     """dq, dk, dv of the matrix-engine gradients (P and dS rounded to bfloat16 for their
     products, as FlashAttention's backward does) are as close to float64 autograd as
