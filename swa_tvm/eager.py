@@ -461,10 +461,10 @@ def _backward(
             rows = [_no_rows(q, (B, H, 0, D)), _no_rows(extra, (B, 0)), _no_rows(q, (B, H, 0, D)),
                     _no_rows(lse, (B, H, 0)), _no_rows(lse, (B, H, 0))]
         if extra is not None:
-            dqg32 = _no_rows(dk, (B, H, 0, D)) if not fold_globals else torch.empty(B, H, G, D, dtype=acc, device=q.device)
+            dqg32 = torch.empty(B, H, G, D, dtype=acc, device=q.device) if fold_globals else _no_rows(dk, (B, H, 0, D))
         _launch(fused, q.device, *common, *rows, dq32, dk, dv, *((dkx, dvx, dqg32) if extra is not None else ()))
         if fold_globals and q_global is None:
-            dq32.scatter_add_(2, idx4, dqg32)
+            dq32.scatter_add_(2, idx4, dqg32.to(dq32.dtype))
         if dq32 is not dq:
             dq.copy_(dq32)
     else:
