@@ -348,14 +348,12 @@ def _host_has_amx_bf16() -> bool:
 def _fused_backward_kernel(fwd: KernelSpec, device: str, written, pairs: int) -> library.Kernel | None:
     """The "local_bwd" kernel for the gradients of ``fwd``, or None where the TE kernels
     run: not a CPU call, a case it does not serve (``KernelSpec.fused_backward``),
-    bfloat16 compiled here on a CPU with AMX where the fused kernel has no matrix-engine
-    form (``amx_serves``: a window wider than AMX_FUSED_MAX_SPAN, a head dim not a
-    multiple of 32) and there are no extra keys (the TE kernels, in their matrix-engine
-    form; export leaves the fused kernel out of such a library alike; with extra keys it
-    runs, as their TE kernels do not use the engine), too few (batch, head) pairs for the
-    threads, or loaded libraries without it (exported before it existed, without
-    'backward', or for such a case on a CPU with AMX). A loaded library may hold it for
-    the window as written (``_kernel_as_written``)."""
+    a compile here on a CPU with AMX where ``compute.forward.fused_backward_on_amx`` says
+    no (the TE kernels, in their matrix-engine form; export leaves the fused kernel out of
+    such a library alike), too few (batch, head) pairs for the threads, or loaded
+    libraries without it (exported before it existed, without 'backward', or for such a
+    case on a CPU with AMX). A loaded library may hold it for the window as written
+    (``_kernel_as_written``)."""
     if device != "cpu":
         return None
     as_written = dataclasses.replace(fwd, left=written[0], right=written[1])
@@ -363,10 +361,10 @@ def _fused_backward_kernel(fwd: KernelSpec, device: str, written, pairs: int) ->
              if min(s.left, s.right) >= 0 and max(s.left, s.right) <= MAX_SPEC_INT and s.fused_backward]
     if not wants:
         return None
-    if fwd.dtype == "bfloat16" and not fwd.extras and not library.REGISTRY.libraries and _host_has_amx_bf16():
-        from swa_tvm.compute.forward import amx_serves  # compiles here anyway: no library loaded
+    if not library.REGISTRY.libraries and _host_has_amx_bf16():
+        from swa_tvm.compute.forward import fused_backward_on_amx  # compiles here anyway: no library loaded
 
-        if not amx_serves(dataclasses.replace(fwd, kind="local_bwd")):
+        if not fused_backward_on_amx(dataclasses.replace(fwd, kind="local_bwd")):
             return None
     threads = max(1, library.tvm_pool_threads())
     waves = -(-pairs // threads)

@@ -35,6 +35,7 @@ from swa_tvm.compiler.targets import (
     uses_amx,
 )
 from swa_tvm.compute import prim_func
+from swa_tvm.compute.forward import fused_backward_on_amx
 from swa_tvm.runtime import library
 from swa_tvm.runtime.library import AMX_FORMAT, FUSED_BACKWARD_FORMAT, MANIFEST_FORMATS, sha256_file
 from swa_tvm.schedules import cpu as cpu_schedules
@@ -209,13 +210,10 @@ def export_library(
     specs = list(dict.fromkeys(specs))
     target = normalize_target(target)
     # The five-product CPU backward is left out where the TE gradient kernels run instead:
-    # on CUDA (fused kernels of their own), and in bfloat16 on a CPU with AMX where it has
-    # no matrix-engine form of its own and there are no extra keys (the TE kernels' form
-    # serves dilation bounds up to 4), the rule swa_tvm.eager applies to first-use
-    # compiles. (With extra keys the fused kernel wins there: the TE kernels of the extra
-    # keys and global rows do not use the engine.)
-    specs = [s for s in specs if s.kind not in CPU_ONLY_KINDS or (target.get("kind") == "llvm" and not (
-        s.dtype == "bfloat16" and not s.extras and has_amx(target) and not uses_amx(s, target)))]
+    # on CUDA (fused kernels of their own), and on a CPU with AMX where
+    # ``fused_backward_on_amx`` says so.
+    specs = [s for s in specs if s.kind not in CPU_ONLY_KINDS
+             or (target.get("kind") == "llvm" and (not has_amx(target) or fused_backward_on_amx(s)))]
     records = find_records(specs, target, logs) if logs is not None else {}
     if warn_untuned and logs is not None:  # logs=None asks for default schedules: nothing to warn
         root = default_logs_root() if logs == DEFAULT_LOGS else logs

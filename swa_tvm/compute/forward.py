@@ -541,6 +541,14 @@ def amx_serves(spec: KernelSpec) -> bool:
             and spec.max_dilation <= AMX_MAX_DILATION)
 
 
+def fused_backward_on_amx(spec: KernelSpec) -> bool:
+    """Whether the five-product backward (a "local_bwd" ``spec``) runs on a CPU with AMX:
+    in its matrix-engine form, or with extra keys (whose TE kernels do not use the
+    engine), or in a dtype without such a form. Elsewhere, bfloat16 takes the TE gradient
+    kernels' matrix-engine form. The rule of export and of first-use compiles alike."""
+    return spec.dtype != "bfloat16" or spec.extras or amx_serves(spec)
+
+
 # Rows per work item of the matrix-engine form, at least. `python -m
 # tools.experiments.amx_blocks` (causal W=512 at T=16384, 2 Emerald Rapids cores,
 # 2026-12-06): 35.2 ms at 64 rows, 36.2 at 32, 36.6 at 128.
