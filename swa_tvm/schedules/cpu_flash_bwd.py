@@ -295,18 +295,8 @@ def fused_backward(spec: KernelSpec):
                             for ko in range(BK // KT):
                                 key_tile_update(dVa, P, dOs, tacc, ko)
                                 key_tile_update(dKa, dS, Qs, tacc, ko)
-                            for ro in range(BQ // QT):
-                                for r in T.unroll(QT):
-                                    for c in T.vectorized(D):
-                                        tacc[r, c] = dqg[b, h, T.min(g0 + ro * QT + r, G - 1), c]
-                                for kk in range(BK):
-                                    for r in T.unroll(QT):
-                                        for c in T.vectorized(D):
-                                            tacc[r, c] = tacc[r, c] + dS[ro * QT + r, kk] * Kr[kk, c]
-                                for r in T.unroll(QT):
-                                    if g0 + ro * QT + r < G:
-                                        for c in T.vectorized(D):
-                                            dqg[b, h, g0 + ro * QT + r, c] = tacc[r, c]
+                            # dqg rows from g0 += dS K: its G rows as a residue 0 of dilation 1.
+                            dq_rows_update(dqg, dS, Kr, tacc, b, h, 0, T.int64(1), g0, G)
                     for kk in range(BK):
                         if j0 + kk < Tr:
                             for c in T.vectorized(D):
