@@ -93,6 +93,16 @@ def fused_backward_amx(spec: KernelSpec):
                     pairs_w[slot, r2, c] = word(rows_u16[2 * r2, c], rows_u16[2 * r2 + 1, c])
 
     @T.macro
+    def write_dq(dq, dQt, held, slot, b, h, res, d, Tr):
+        # The rows of the sub-block a slot holds (if any), from its dQᵀ sums, rounded once.
+        if held[slot] >= 0:
+            for r in range(BQ):
+                if held[slot] * BQ + r < Tr:
+                    for c in T.vectorized(D):
+                        dq[b, h, at(res, d, held[slot] * BQ + r), c] = T.reinterpret("bfloat16",
+                                                                                     rounded(dQt[slot, c, r]))
+
+    @T.macro
     def key_tiles_update(total, weights_t, rows_w, slot, st, g):
         # total[16 keys from st, group tiles of 16 features from g] += weights_tᵀ-strip
         # (16 keys x 32 rows, bfloat16) x rows_w[slot] (the rows' pair words).
@@ -175,12 +185,7 @@ def fused_backward_amx(spec: KernelSpec):
                     # Stage the sub-blocks this key block is the first to see.
                     for m in range(hi[0] + 1, m_hi + 1):
                         slot = T.floormod(m, R)
-                        if held[slot] >= 0:
-                            for r in range(BQ):
-                                if held[slot] * BQ + r < Tr:
-                                    for c in T.vectorized(D):
-                                        dq[b, h, at(res, d, held[slot] * BQ + r), c] = T.reinterpret(
-                                            "bfloat16", rounded(dQt[slot, c, r]))
+                        write_dq(dq, dQt, held, slot, b, h, res, d, Tr)
                         held[slot] = m
                         for r in range(BQ):
                             Ls[slot, r] = T.Select(m * BQ + r < Tr, lse[b, h, at(res, d, T.min(m * BQ + r, Tr - 1))],
@@ -255,12 +260,7 @@ def fused_backward_amx(spec: KernelSpec):
                                 dk[b, h, at(res, d, j0 + kk), c] = dKa[kk, c]
                                 dv[b, h, at(res, d, j0 + kk), c] = dVa[kk, c]
                 for s in range(R):
-                    if held[s] >= 0:
-                        for r in range(BQ):
-                            if held[s] * BQ + r < Tr:
-                                for c in T.vectorized(D):
-                                    dq[b, h, at(res, d, held[s] * BQ + r), c] = T.reinterpret("bfloat16",
-                                                                                         rounded(dQt[s, c, r]))
+                    write_dq(dq, dQt, held, s, b, h, res, d, Tr)
 
     @T.prim_func(s_tir=True)
     def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, dil_h: T.handle, do_h: T.handle, lse_h: T.handle,
