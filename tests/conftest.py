@@ -37,6 +37,34 @@ def check_against_reference(q, k, v, tol=1e-5, **kw):
     return out, lse
 
 
+def grads_against_reference(B, H, Hkv, T, D, window, slog=False, dilation=1, seed=0, projections=(),
+                            dtype=torch.float32, **extra):
+    """Relative errors of dq, dk, dv (the sink logits', then the global rows' own
+    ``projections``: names of q_global, k_global, v_global) of <out, R1> + <lse, R2>
+    against autograd through the float64 dense reference (of the same ``dtype`` inputs).
+    ``extra``: global_idx, num_sinks."""
+    import swa_tvm
+
+    g = torch.Generator().manual_seed(seed)
+    leaf = lambda *s: torch.randn(*s, generator=g).to(dtype).requires_grad_()  # noqa: E731
+    q, k, v = leaf(B, H, T, D), leaf(B, Hkv, T, D), leaf(B, Hkv, T, D)
+    kw = dict(window_size=window, dilation=dilation, **extra)
+    if slog:
+        kw["sink_logits"] = leaf(H)
+    for name in projections:
+        kw[name] = leaf(B, H, extra["global_idx"].shape[1], D) if name == "q_global" else leaf(B, Hkv, T, D)
+    names = (["sink_logits"] if slog else []) + list(projections)
+    leaves = [q, k, v] + [kw[n] for n in names]
+    out, lse = swa_tvm.sliding_window_attention(q, k, v, return_lse=True, **kw)
+    d_out, d_lse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
+    got = torch.autograd.grad((out * d_out).sum() + (lse * d_lse).sum(), leaves)
+    wide = [x.detach().double().requires_grad_() for x in leaves]
+    r_kw = dict(kw, **dict(zip(names, wide[3:])))
+    r_out, r_lse = sliding_window_attention_ref(*wide[:3], **r_kw)
+    want = torch.autograd.grad((r_out * d_out.double()).sum() + (r_lse * d_lse.double()).sum(), wide)
+    return [rel_err(a, b) for a, b in zip(got, want)]
+
+
 def run_cli(capsys, *argv):
     """``swa-tvm ARGV`` in this process (cli.main is what the console script runs; a
     subprocess costs ~9 s of imports here): rc, stdout, stderr."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import swa_tvm
-from conftest import rand
+from conftest import grads_against_reference, rand
 from swa_tvm.compiler import build
 from swa_tvm.compiler.targets import uses_amx
 from swa_tvm.compute.forward import amx_block, amx_serves
@@ -97,13 +97,19 @@ GRAD_CASES = {
     "wide, both sides": dict(shape=(1, 2, 2, 301, 64), window_size=(100, 70)),
     "head dim 128, right side": dict(shape=(1, 2, 1, 150, 128), window_size=(30, 5)),
     "globals and sinks": dict(shape=(1, 2, 2, 260, 64), window_size=(60, 3), global_idx=[[0, 100]], num_sinks=2),
+    # Two chunks of extra keys and of global rows (32 each).
+    "40 globals, causal": dict(shape=(1, 2, 2, 300, 64), window_size=(40, 0), global_idx=[list(range(3, 283, 7))]),
+    "globals and a sink, dilation 2": dict(shape=(1, 2, 1, 261, 64), window_size=(50, 0), dilation=2,
+                                           global_idx=[[3, 77, 150]], num_sinks=1),
+    "globals, symmetric": dict(shape=(1, 4, 2, 220, 64), window_size=(30, 30), global_idx=[[5, 100, 219]]),
     "right side only, head dim 32": dict(shape=(1, 2, 2, 77, 32), window_size=(0, 9)),
     "shorter than a block": dict(shape=(1, 2, 1, 13, 64), window_size=(5, 3)),
 }
 
 
 # The quick tier runs one case of each form and pattern; these add shapes, in the full suite.
-SLOW_GRAD_CASES = ("dilation 3, symmetric", "wide, both sides", "right side only, head dim 32", "shorter than a block")
+SLOW_GRAD_CASES = ("dilation 3, symmetric", "wide, both sides", "right side only, head dim 32", "shorter than a block",
+                   "40 globals, causal", "globals, symmetric")
 
 
 @needs_amx
@@ -113,12 +119,12 @@ def test_gradients_within_torch_bfloat16_sdpa(case, monkeypatch):
     """dq, dk, dv of the matrix-engine gradients (P and dS rounded to bfloat16 for their
     products, as FlashAttention's backward does) are as close to float64 autograd as
     torch's bfloat16 SDPA's are; the kernels that ran are the AMX ones, and no call
-    needed the guarded kernels. Without extra keys the five-product kernel's
-    matrix-engine form (schedules/cpu_flash_bwd_amx.py) runs where the (batch, head)
-    pairs fill the threads, as here; the TE gradient kernels' form, which runs where they
-    do not, is held to the same bound with it turned off (symmetric: operands read in
-    place; dilation 2: per-item band copies); with global tokens and sinks the
-    five-product kernel converts to float32 (turned off here too)."""
+    needed the guarded kernels. The five-product kernel's matrix-engine form
+    (schedules/cpu_flash_bwd_amx.py) runs where the (batch, head) pairs fill the threads,
+    as here, with or without extra keys and global rows; the TE gradient kernels' form,
+    which runs where they do not, is held to the same bound with it turned off
+    (symmetric: operands read in place; dilation 2: per-item band copies; globals and
+    sinks: the extra keys' kernel, which converts to float32)."""
     from swa_tvm import eager
 
     te_cases = ("symmetric", "dilation 2", "globals and sinks")
@@ -156,6 +162,45 @@ def test_converted_form_within_torch_bfloat16_sdpa(case, monkeypatch, tmp_path):
     swa_tvm.load_library(path)
     monkeypatch.setattr(library, "tvm_pool_threads", lambda: 1)
     _check_gradients(case, monkeypatch, "default", fused="cpu_flash_bwd")
+
+
+# Global positions that differ by batch row, some inside a row's window, and per-head
+# dilation (an extra key's residue differs by head).
+GLOBALS = torch.tensor([[3, 40, 77, 150, 199], [0, 64, 65, 120, 121]], dtype=torch.int32)
+PER_HEAD = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
+# Rounding the exact gradients to bfloat16 alone is about 2e-3 relative (2^-9 per element).
+BF16_GRAD_TOLERANCE = 6e-3
+
+
+@needs_amx
+@pytest.mark.parametrize("case", ["q's rows", "q_global", "k_global and v_global",
+                                  pytest.param("symmetric, dilation per head", marks=pytest.mark.slow),
+                                  pytest.param("sinks with logits, dilation 2", marks=pytest.mark.slow)])
+def test_matrix_engine_gradients_with_extra_keys_and_global_rows(case, monkeypatch):
+    """The five-product kernel's matrix-engine form with extra keys: dq, dk, dv (the global
+    rows' own q_global, k_global, v_global where given) against autograd through the
+    float64 reference, within 3x bfloat16's rounding; it takes the global rows that attend
+    to k and v (global_bwd runs only for k_global / v_global of their own)."""
+    from swa_tvm import eager
+
+    monkeypatch.setattr(library, "tvm_pool_threads", lambda: 1)
+    launched, launch = [], eager._launch
+    monkeypatch.setattr(eager, "_launch", lambda kern, *a: launched.append(kern) or launch(kern, *a))
+    args = {"q's rows": ((2, 4, 2, 200, 64, (37, 0)), dict(global_idx=GLOBALS)),
+            "q_global": ((2, 4, 2, 200, 64, (37, 0)), dict(global_idx=GLOBALS, projections=("q_global",))),
+            "k_global and v_global": ((2, 4, 2, 200, 64, (37, 0)),
+                                      dict(global_idx=GLOBALS, projections=("k_global", "v_global"))),
+            "symmetric, dilation per head": ((2, 4, 4, 200, 64, (20, 17)), dict(global_idx=GLOBALS, dilation=PER_HEAD)),
+            "sinks with logits, dilation 2": ((1, 2, 1, 150, 64, (37, 0)), dict(num_sinks=4, slog=True, dilation=2)),
+            }[case]
+    errors = grads_against_reference(*args[0], dtype=torch.bfloat16, **args[1])
+    kinds = {kern.spec.kind: kern.schedule for kern in launched}
+    assert kinds.get("local_bwd") == "amx" and not {"local_dq", "local_dkv", "local_dx"} & set(kinds), kinds
+    assert ("global_bwd" in kinds) == ("k_global" in args[1].get("projections", ())), kinds
+    names = ("dq", "dk", "dv") + (("dsink",) if args[1].get("slog") else ()) + args[1].get("projections", ())
+    for name, e in zip(names, errors):
+        if name != "dsink":  # a sum over every row of a rounded output: torch's work, not the kernel's
+            assert e < BF16_GRAD_TOLERANCE, f"{case} {name}: relative error {e:.2e}"
 
 
 def _check_gradients(case, monkeypatch, schedule: str, fused: str | None = None):

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import swa_tvm
-from conftest import rel_err
-from swa_tvm import eager
+from conftest import grads_against_reference, rel_err
 from swa_tvm.reference import sliding_window_attention_ref as ref
+from swa_tvm import eager
 from swa_tvm.runtime import library
 from swa_tvm.spec import AttentionSpec, KernelSpec
 
@@ -27,30 +27,6 @@ def launched(monkeypatch):
 
     monkeypatch.setattr(eager, "_launch", spy)
     return kinds
-
-
-def grads_against_reference(B, H, Hkv, T, D, window, slog=False, dilation=1, seed=0, projections=(), **extra):
-    """Relative errors of dq, dk, dv (the sink logits', then the global rows' own
-    ``projections``: names of q_global, k_global, v_global) of <out, R1> + <lse, R2>.
-    ``extra``: global_idx, num_sinks."""
-    g = torch.Generator().manual_seed(seed)
-    leaf = lambda *s: torch.randn(*s, generator=g).requires_grad_()  # noqa: E731
-    q, k, v = leaf(B, H, T, D), leaf(B, Hkv, T, D), leaf(B, Hkv, T, D)
-    kw = dict(window_size=window, dilation=dilation, **extra)
-    if slog:
-        kw["sink_logits"] = leaf(H)
-    for name in projections:
-        kw[name] = leaf(B, H, extra["global_idx"].shape[1], D) if name == "q_global" else leaf(B, Hkv, T, D)
-    names = (["sink_logits"] if slog else []) + list(projections)
-    leaves = [q, k, v] + [kw[n] for n in names]
-    out, lse = swa_tvm.sliding_window_attention(q, k, v, return_lse=True, **kw)
-    d_out, d_lse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
-    got = torch.autograd.grad((out * d_out).sum() + (lse * d_lse).sum(), leaves)
-    wide = [x.detach().double().requires_grad_() for x in leaves]
-    r_kw = dict(kw, **dict(zip(names, wide[3:])))
-    r_out, r_lse = ref(*wide[:3], **r_kw)
-    want = torch.autograd.grad((r_out * d_out.double()).sum() + (r_lse * d_lse.double()).sum(), wide)
-    return [rel_err(a, b) for a, b in zip(got, want)]
 
 
 # (B, H, Hkv, T, D, window, learned sink logits, dilation): several key blocks of 32 and
@@ -175,8 +151,9 @@ def test_bfloat16_on_a_matrix_engine_the_fused_kernel_where_it_has_an_amx_form(f
     """Compiled on first use, bfloat16 on a CPU with AMX takes the fused kernel where it
     has a matrix-engine form (the head dim a multiple of 32, a window of at most
     AMX_FUSED_MAX_SPAN keys) and the TE gradient kernels (theirs) elsewhere; without AMX,
-    with extra keys (whose TE kernels do not use the engine), and float16 anywhere, the
-    fused kernel. (The compile is stubbed: only the choice is checked, on any CPU.)"""
+    with extra keys (its matrix-engine form, or where that does not serve the
+    float32-product form: the extra keys' TE kernels do not use the engine), and float16
+    anywhere, the fused kernel. (The compile is stubbed: only the choice is checked, on any CPU.)"""
     monkeypatch.setattr(library, "tvm_pool_threads", lambda: 1)
     monkeypatch.setattr(eager, "_kernel", lambda want, device: want)
     fwd = KernelSpec("local", 32, "bfloat16", 37, 0)
@@ -184,6 +161,7 @@ def test_bfloat16_on_a_matrix_engine_the_fused_kernel_where_it_has_an_amx_form(f
                                   (True, "bfloat16", dict(left=8192, right=1), False),
                                   (True, "bfloat16", dict(head_dim=16), False), (False, "bfloat16", {}, True),
                                   (True, "float16", {}, True), (True, "bfloat16", dict(extras=True), True),
+                                  (True, "bfloat16", dict(extras=True, head_dim=16), True),
                                   (False, "bfloat16", dict(max_dilation=2), True)):
         monkeypatch.setattr(eager, "_host_has_amx_bf16", lambda: amx)
         got = eager._fused_backward_kernel(dataclasses.replace(fwd, dtype=dtype, **kw), "cpu", (37, 0), 8)
@@ -259,15 +237,16 @@ def test_fused_half_precision(dtype, fresh_registry, tmp_path, launched, monkeyp
 @pytest.mark.slow  # compiles the matrix-engine form
 def test_amx_targets_take_the_matrix_engine_gradients(tmp_path):
     """A bfloat16 library for a CPU with AMX holds the five-product kernel in its
-    matrix-engine form (any dilation bound); for a window wider than it serves, none (the
-    TE gradients multiply on the engine there); with global tokens the float32-product
-    one (the extra keys' TE kernels do not use the engine), as a float16 library (no AMX
-    form) does."""
+    matrix-engine form (any dilation bound, global tokens); for a window wider than it
+    serves, none (the TE gradients multiply on the engine there); with global tokens and
+    a head dim it does not serve, the float32-product one (the extra keys' TE kernels do
+    not use the engine), as a float16 library (no AMX form) does."""
     target = {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2}
     for dtype, kw, schedule in (("bfloat16", {}, "amx"), ("bfloat16", dict(max_dilation=2), "amx"),
-                                ("bfloat16", dict(window=(8192, 1)), None),
-                                ("bfloat16", dict(globals=True), "cpu_flash_bwd"), ("float16", {}, "cpu_flash_bwd")):
-        spec = AttentionSpec(head_dim=32, backward=True, dtype=dtype, **{"window": (31, 0), **kw})
+                                ("bfloat16", dict(window=(8192, 1)), None), ("bfloat16", dict(globals=True), "amx"),
+                                ("bfloat16", dict(globals=True, head_dim=16), "cpu_flash_bwd"),
+                                ("float16", {}, "cpu_flash_bwd")):
+        spec = AttentionSpec(**{"head_dim": 32, "backward": True, "dtype": dtype, "window": (31, 0), **kw})
         m = swa_tvm.export_library([spec], tmp_path / f"{dtype}{len(kw)}.so", target=target, logs=None,
                                    warn_untuned=False)
         got = {k["spec"]["kind"]: k["schedule"] for k in m["kernels"]}.get("local_bwd")

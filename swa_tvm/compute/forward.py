@@ -529,13 +529,13 @@ def amx_serves(spec: KernelSpec) -> bool:
     (AMX_KINDS) of a bounded window in bfloat16, the head dim a whole number of tile
     rows, its items a whole number of result tiles, a dilation bound of at most
     AMX_MAX_DILATION. The nonfinite variant keeps its guarded products. The five-product
-    backward ("local_bwd", schedules/cpu_flash_bwd_amx.py) has one without extra keys
-    (any dilation: it runs each residue in turn), the head dim a whole number of product
+    backward ("local_bwd", schedules/cpu_flash_bwd_amx.py) has one for any dilation (it
+    runs each residue in turn) and extra keys, the head dim a whole number of product
     depths, a window of at most AMX_FUSED_MAX_SPAN keys (its ring of query sub-blocks
     grows with the window)."""
     if spec.kind == "local_bwd":
-        return (spec.fused_backward and spec.dtype == "bfloat16" and not spec.extras
-                and spec.head_dim % MATRIX_K == 0 and spec.left + spec.right <= AMX_FUSED_MAX_SPAN)
+        return (spec.fused_backward and spec.dtype == "bfloat16" and spec.head_dim % MATRIX_K == 0
+                and spec.left + spec.right <= AMX_FUSED_MAX_SPAN)
     return (spec.kind in AMX_KINDS and spec.dtype == "bfloat16" and not spec.nonfinite and spec.left >= 0
             and spec.right >= 0 and spec.head_dim % MATRIX_K == 0 and amx_block(spec) % MATRIX_TILE == 0
             and spec.max_dilation <= AMX_MAX_DILATION)
@@ -543,8 +543,8 @@ def amx_serves(spec: KernelSpec) -> bool:
 
 def fused_backward_on_amx(spec: KernelSpec) -> bool:
     """Whether the five-product backward (a "local_bwd" ``spec``) runs on a CPU with AMX:
-    in its matrix-engine form, or with extra keys (whose TE kernels do not use the
-    engine), or in a dtype without such a form. Elsewhere, bfloat16 takes the TE gradient
+    in its matrix-engine form, or with extra keys where that does not serve (the extra
+    keys' TE kernels do not use the engine either), or in a dtype without such a form. Elsewhere, bfloat16 takes the TE gradient
     kernels' matrix-engine form. The rule of export and of first-use compiles alike."""
     return spec.dtype != "bfloat16" or spec.extras or amx_serves(spec)
 

@@ -20,7 +20,7 @@ extras' dk/dv rows (``local_dx``'s work); the global rows that attend to k and v
 every key block as one more sub-block, their dq summed across key blocks
 (``global_bwd``'s work). The TE kernels run where the (batch, head) pairs are too few
 to occupy the threads, and bfloat16 on a CPU with AMX takes ``cpu_flash_bwd_amx``
-without extra keys (``swa_tvm.eager``). Probabilities use the forward's exp
+where it serves (``compute.forward.amx_serves``; ``swa_tvm.eager``). Probabilities use the forward's exp
 (``compute.forward._exp``), and dq, dk and dv sum in the TE kernels' key and row order;
 the scale is applied to dS before the sums, not after them (the same values for a
 power-of-two scale).
