@@ -444,11 +444,14 @@ def _backward(
     fwd = _local_spec(q, left, right, dil, extra, nonfinite)
     common = [q, k, v, dil] + ([extra] if extra is not None else []) + [dout, _dense(lse_l), _dense(delta_l), float(scale)]
     dq = torch.empty_like(q)
-    # Key gradients per query head come in the accumulation dtype: a GQA group and the
-    # extra and global terms are summed before the one rounding to k's dtype.
-    dk = torch.empty(B, H, T, D, dtype=acc, device=q.device)
-    dv = torch.empty_like(dk)
     fused = _fused_backward_kernel(fwd, device, written, B * H)
+    # Key gradients per query head come in the accumulation dtype: a GQA group and the
+    # extra and global terms are summed before the one rounding to k's dtype. The
+    # matrix-engine form rounds its own sums per query head (a GQA group then sums
+    # bfloat16 terms, as FlashAttention's interface does): no float32 [B, H, T, D] pass.
+    dk = torch.empty(B, H, T, D, dtype=k.dtype if fused is not None and fused.schedule == "amx" else acc,
+                     device=q.device)
+    dv = torch.empty_like(dk)
     if extra is not None:
         E = extra.shape[1]
         dkx = torch.empty(B, H, E, D, dtype=acc, device=q.device)
@@ -470,7 +473,7 @@ def _backward(
             rows = [_no_rows(q, (B, H, 0, D)), _no_rows(extra, (B, 0)), _no_rows(q, (B, H, 0, D)),
                     _no_rows(lse, (B, H, 0)), _no_rows(lse, (B, H, 0))]
         if extra is not None:
-            dqg32 = torch.empty(B, H, G, D, dtype=acc, device=q.device) if fold_globals else _no_rows(dk, (B, H, 0, D))
+            dqg32 = torch.empty(B, H, G, D, dtype=acc, device=q.device) if fold_globals else _no_rows(dkx, (B, H, 0, D))
         _launch(fused, q.device, *common, *rows, dq32, dk, dv, *((dkx, dvx, dqg32) if extra is not None else ()))
         if fold_globals and q_global is None:
             _put_rows(dq32, gi, dqg32.to(dq32.dtype), accumulate=True)
@@ -483,8 +486,8 @@ def _backward(
     if extra is not None:
         # Padding entries (-1) have zero gradient; send them to row 0 harmlessly.
         xi = extra.long().clamp_min(0)
-        _put_rows(dk, xi, dkx, accumulate=True)
-        _put_rows(dv, xi, dvx, accumulate=True)
+        _put_rows(dk, xi, dkx.to(dk.dtype), accumulate=True)
+        _put_rows(dv, xi, dvx.to(dv.dtype), accumulate=True)
     dk, dv = _group_sum(dk, Hkv), _group_sum(dv, Hkv)
 
     dqg, dkg, dvg = none(), none(), none()

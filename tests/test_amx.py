@@ -349,11 +349,12 @@ def test_which_specs_have_the_form():
     assert not amx_serves(KernelSpec("local", 48, "bfloat16", 8, 0))
     assert amx_serves(KernelSpec("local_dq", 64, "bfloat16", 8, 0)) and amx_serves(KernelSpec("local_dkv", 64, "bfloat16", 8, 0))
     assert not amx_serves(KernelSpec("local_dx", 64, "bfloat16", 8, 0, extras=True))
-    # The five-product backward's form: dilation 1, no extra keys, a window of at most
-    # AMX_FUSED_MAX_SPAN keys.
+    # The five-product backward's form: any dilation bound, extra keys, a window of at
+    # most AMX_FUSED_MAX_SPAN keys, the head dim a multiple of 32.
     assert amx_serves(KernelSpec("local_bwd", 64, "bfloat16", 4095, 0))
     assert amx_serves(KernelSpec("local_bwd", 64, "bfloat16", 4095, 0, 8))
-    for other in (KernelSpec("local_bwd", 64, "bfloat16", 8, 0, extras=True), KernelSpec("local_bwd", 64, "float16", 8, 0),
+    assert amx_serves(KernelSpec("local_bwd", 64, "bfloat16", 8, 0, extras=True))
+    for other in (KernelSpec("local_bwd", 48, "bfloat16", 8, 0, extras=True), KernelSpec("local_bwd", 64, "float16", 8, 0),
                   KernelSpec("local_bwd", 64, "bfloat16", 8192, 1), KernelSpec("local_bwd", 48, "bfloat16", 8, 0)):
         assert not amx_serves(other), other
     assert not amx_serves(KernelSpec("global", 64, "bfloat16", 0, 0))

@@ -32,8 +32,10 @@ Arguments, as ``cpu_flash_bwd``'s (with extra keys its longer list): q [B,H,T,D]
 (+inf: a row whose probabilities are all 0), delta [B,H,T], scale, [the global rows'
 queries, positions, dout, lse, delta], then the results: dq [B,H,T,D] in bfloat16 (its
 float32 sums rounded once, as its slot is written; ``cpu_flash_bwd`` sums dq in place,
-so in float32), dk and dv [B,H,T,D] in float32 per query head (the caller sums a GQA
-group), [the extras' dk/dv [B,H,E,D] and the global rows' dq [B,H,G,D], float32].
+so in float32), dk and dv [B,H,T,D] in bfloat16 per query head (each key block's
+float32 sums rounded once; the caller sums a GQA group, as FlashAttention's interface
+sums its per-head bfloat16 dk and dv), [the extras' dk/dv [B,H,E,D] and the global
+rows' dq [B,H,G,D], float32].
 """
 
 from __future__ import annotations
@@ -400,8 +402,8 @@ def fused_backward_amx(spec: KernelSpec):
                     for kk in range(BK):
                         if j0 + kk < Tr:
                             for c in T.vectorized(D):
-                                dk[b, h, at(res, d, j0 + kk), c] = dKa[kk, c]
-                                dv[b, h, at(res, d, j0 + kk), c] = dVa[kk, c]
+                                dk[b, h, at(res, d, j0 + kk), c] = T.reinterpret("bfloat16", rounded(dKa[kk, c]))
+                                dv[b, h, at(res, d, j0 + kk), c] = T.reinterpret("bfloat16", rounded(dVa[kk, c]))
                 for s in range(R):
                     write_dq(dq, dQt, held, s, b, h, res, d, Tr)
                 if spec.extras:
@@ -422,8 +424,8 @@ def fused_backward_amx(spec: KernelSpec):
             lse = T.match_buffer(lse_h, (B, H, Tn), "float32")
             delta = T.match_buffer(delta_h, (B, H, Tn), "float32")
             dq = T.match_buffer(dq_h, (B, H, Tn, D), "bfloat16")
-            dk = T.match_buffer(dk_h, (B, H, Tn, D), "float32")
-            dv = T.match_buffer(dv_h, (B, H, Tn, D), "float32")
+            dk = T.match_buffer(dk_h, (B, H, Tn, D), "bfloat16")
+            dv = T.match_buffer(dv_h, (B, H, Tn, D), "bfloat16")
             for bh in T.parallel(B * H):
                 head(bh, q, k, v, dil, None, dout, lse, delta, scale, None, None, None, None, None, dq, dk, dv, None,
                      None, None, B, H, Hkv, Tn, None, None)
@@ -449,8 +451,8 @@ def fused_backward_amx(spec: KernelSpec):
             lseg = T.match_buffer(lseg_h, (B, H, G), "float32")
             deltag = T.match_buffer(deltag_h, (B, H, G), "float32")
             dq = T.match_buffer(dq_h, (B, H, Tn, D), "bfloat16")
-            dk = T.match_buffer(dk_h, (B, H, Tn, D), "float32")
-            dv = T.match_buffer(dv_h, (B, H, Tn, D), "float32")
+            dk = T.match_buffer(dk_h, (B, H, Tn, D), "bfloat16")
+            dv = T.match_buffer(dv_h, (B, H, Tn, D), "bfloat16")
             dkx = T.match_buffer(dkx_h, (B, H, E, D), "float32")
             dvx = T.match_buffer(dvx_h, (B, H, E, D), "float32")
             dqg = T.match_buffer(dqg_h, (B, H, G, D), "float32")
