@@ -448,7 +448,8 @@ def _backward(
     # Key gradients per query head come in the accumulation dtype: a GQA group and the
     # extra and global terms are summed before the one rounding to k's dtype. The
     # matrix-engine form rounds its own sums per query head (a GQA group then sums
-    # bfloat16 terms, as FlashAttention's interface does): no float32 [B, H, T, D] pass.
+    # bfloat16 terms, as FlashAttention's interface does, and the extra keys' and
+    # global rows' terms are added in bfloat16): no float32 [B, H, T, D] pass.
     dk = torch.empty(B, H, T, D, dtype=k.dtype if fused is not None and fused.schedule == "amx" else acc,
                      device=q.device)
     dv = torch.empty_like(dk)

@@ -12,8 +12,8 @@ the TE kernels' matrix-engine form and FlashAttention's backward do.
 The products run transposed: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, so each score row is one key
 and its vector runs along 32 query rows, whose lse and delta load as vectors; Pᵀ and
 dSᵀ, as rounded, are then the first operands of dV += Pᵀ·dO and dK += dSᵀ·Q, and dSᵀ in
-pair words (two keys per word) the second of dQᵀ += Kᵀ·dSᵀ. Every operand is staged
-once per task in the engine's layouts: each key block's rows and transpose as the block
+pair words (two keys per word) the second of dQᵀ += Kᵀ·dSᵀ. Every operand of the
+window is staged once per residue in the engine's layouts: each key block's rows and transpose as the block
 starts, each query sub-block's (aligned to 32 rows) as the first key block that sees it
 starts, into a ring of slots that holds every sub-block a key block sees. A sub-block's
 dQᵀ accumulates in its slot and is written to dq when the slot is reused, or at the end.
