@@ -561,6 +561,13 @@ def amx_block(spec: KernelSpec) -> int:
     return max(spec.block_q, AMX_MIN_BLOCK)
 
 
+def convert_once(spec: KernelSpec, native_exp: bool) -> bool:
+    """Whether the local forward's float32-product form converts 16-bit k and v to
+    float32 once per call (CPU targets, whose exp is not native; a bounded window: an
+    unbounded one reads its rows in place)."""
+    return (spec.dtype in ("bfloat16", "float16") and not native_exp and spec.left >= 0 and spec.right >= 0)
+
+
 def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = False, amx: bool = False):
     """TE for the local (window + extra keys) kernel.
 
@@ -622,14 +629,22 @@ def local_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
         qword = block_words(q, H, Bq, nitems, lambda h, beta, i: clamp(row_of(h, beta, i)), "qword")
         score = matrix_product(kband, qword, "score")
     else:
+        # 16-bit keys and values of a bounded window on the CPU are converted to float32
+        # once per call (kconv, vconv), which the bands then read in place as float32
+        # inputs are: converted per item instead, every key row took the conversion once
+        # per item whose band holds it (about (left + right) / block times).
+        kin, vin = k, v
+        if convert_once(spec, native_exp):
+            kin = te.compute(k.shape, lambda *i: k(*i).astype(acc), name="kconv")
+            vin = te.compute(v.shape, lambda *i: v(*i).astype(acc), name="vconv")
         kband = te.compute(
             (B, H, nitems, kw, D),
-            lambda b, h, beta, kj, cc: k[b, div_nonneg(h, group), clamp(key_of(h, beta, kj)), cc],
+            lambda b, h, beta, kj, cc: kin[b, div_nonneg(h, group), clamp(key_of(h, beta, kj)), cc],
             name="kband",
         )
         vband = te.compute(
             (B, H, nitems, kw, D),
-            lambda b, h, beta, kj, cc: v[b, div_nonneg(h, group), clamp(key_of(h, beta, kj)), cc],
+            lambda b, h, beta, kj, cc: vin[b, div_nonneg(h, group), clamp(key_of(h, beta, kj)), cc],
             name="vband",
         )
         c = te.reduce_axis((0, D), name="c")

@@ -230,13 +230,32 @@ def _inline_unless(sch, names, keep: bool) -> list[str]:
 def _band_rows(sch, spec: KernelSpec, names) -> list[str]:
     """The band gathers ``names`` (rows of the inputs that a product reads many times)
     that are computed per item: none for float32, whose products read the rows straight
-    from the inputs (they are inlined here); all for 16-bit inputs of a bounded window,
-    converted to float32 once per item into a buffer of the item. Read in place, every
-    use of a 16-bit value took its own conversion: three extra instructions per
-    broadcast key, which made bfloat16 slower than float32 on CPUs without a matrix
-    engine. An unbounded window's band is the whole sequence, so it stays in place."""
+    from the inputs (they are inlined here), nor for the local forward, which reads
+    float32 copies of 16-bit k and v made once per call (``kconv``, ``vconv``); all for
+    the gradients' 16-bit inputs of a bounded window, converted to float32 once per item
+    into a buffer of the item. Read in place, every use of a 16-bit value took its own
+    conversion: three extra instructions per broadcast key, which made bfloat16 slower
+    than float32 on CPUs without a matrix engine. An unbounded window's band is the
+    whole sequence, so it stays in place."""
     converts = spec.dtype in ("bfloat16", "float16") and spec.left >= 0 and spec.right >= 0
-    return _inline_unless(sch, names, converts)
+    # The local forward converts k and v once per call instead (compute.forward.convert_once).
+    return _inline_unless(sch, names, converts and not _has(sch, "kconv"))
+
+
+# Rows per run of the parallel loop of a whole-tensor conversion (kconv, vconv).
+CONVERT_RUN = 64
+
+
+def _converted_copies(sch, names, spec: KernelSpec, vector_lanes: int) -> None:
+    """The whole-tensor float32 copies ``names`` (compute.forward.convert_once), each its
+    own parallel loop over runs of rows, vectorized along the head dim."""
+    for name in names:
+        if not _has(sch, name):
+            continue
+        b, h, t, c = sch.get_loops(sch.get_sblock(name))
+        to, _ = sch.split(t, factors=[None, CONVERT_RUN])
+        sch.parallel(sch.fuse(b, h, to))
+        _vectorize_inner(sch, c, _largest_divisor_upto(spec.head_dim, vector_lanes))
 
 
 def _vectorize_rows(sch, names, spec: KernelSpec, vector_lanes: int) -> None:
@@ -308,6 +327,7 @@ def schedule_local(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8,
     bands = _band_rows(sch, spec, ("kband", "vband"))
     _stages_at(sch, item, order + bands, knobs)
     _vectorize_rows(sch, bands, spec, vector_lanes)
+    _converted_copies(sch, ("kconv", "vconv"), spec, vector_lanes)
 
     rows_vec = spec.block_q % vector_lanes == 0
     # Query block, transposed: walk rows outside and features inside (contiguous loads).
