@@ -109,7 +109,7 @@ GRAD_CASES = {
 
 # The quick tier runs one case of each form and pattern; these add shapes, in the full suite.
 SLOW_GRAD_CASES = ("dilation 3, symmetric", "wide, both sides", "right side only, head dim 32", "shorter than a block",
-                   "40 globals, causal", "globals, symmetric")
+                   "40 globals, causal", "globals, symmetric", "globals and a sink, dilation 2")
 
 
 @needs_amx
