@@ -229,10 +229,10 @@ def _no_rows(like: torch.Tensor, shape) -> torch.Tensor:
 
 def _put_rows(x, idx, rows, accumulate=False):
     """x[b, :, idx[b, j]] = rows[b, :, j] (+= with ``accumulate``, repeats summed), in
-    place, for x [B, H, T, ...] and rows [B, H, J, ...]. torch's scatter_ and
-    scatter_add_ with an expanded index took about 10 ms for 16 rows of a bfloat16
-    [1, 8, 16384, 64] on the CPU (the whole tensor's time); index_put_ on a [B, T, H, ...]
-    view touches the J rows alone."""
+    place, for x [B, H, T, ...] and rows [B, H, J, ...]. torch's CPU scatter_ with an
+    expanded index takes the whole tensor's time for a bfloat16 tensor (8 ms for 16 rows
+    of [1, 8, 16384, 64]: tools/experiments/row_writes.py); index_put_ on a
+    [B, T, H, ...] view touches the J rows alone."""
     b = torch.arange(x.shape[0], device=x.device)[:, None].expand(idx.shape)
     x.transpose(1, 2).index_put_((b, idx.long()), rows.transpose(1, 2), accumulate=accumulate)
 

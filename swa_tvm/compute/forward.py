@@ -544,8 +544,9 @@ def amx_serves(spec: KernelSpec) -> bool:
 def fused_backward_on_amx(spec: KernelSpec) -> bool:
     """Whether the five-product backward (a "local_bwd" ``spec``) runs on a CPU with AMX:
     in its matrix-engine form, or with extra keys where that does not serve (the extra
-    keys' TE kernels do not use the engine either), or in a dtype without such a form. Elsewhere, bfloat16 takes the TE gradient
-    kernels' matrix-engine form. The rule of export and of first-use compiles alike."""
+    keys' TE kernels do not use the engine either), or in a dtype without such a form.
+    Elsewhere, bfloat16 takes the TE gradient kernels' matrix-engine form. The rule of
+    export and of first-use compiles alike."""
     return spec.dtype != "bfloat16" or spec.extras or amx_serves(spec)
 
 

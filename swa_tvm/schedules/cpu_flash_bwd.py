@@ -18,12 +18,12 @@ per key block or query sub-block) with a bounded window and finite inputs
 also scores them once, adding their dS·K to its dq rows and their Pᵀ·dO and dSᵀ·Q to the
 extras' dk/dv rows (``local_dx``'s work); the global rows that attend to k and v join
 every key block as one more sub-block, their dq summed across key blocks
-(``global_bwd``'s work). The TE kernels run where the (batch, head) pairs are too few
-to occupy the threads, and bfloat16 on a CPU with AMX takes ``cpu_flash_bwd_amx``
-where it serves (``compute.forward.amx_serves``; ``swa_tvm.eager``). Probabilities use the forward's exp
-(``compute.forward._exp``), and dq, dk and dv sum in the TE kernels' key and row order;
-the scale is applied to dS before the sums, not after them (the same values for a
-power-of-two scale).
+(``global_bwd``'s work). The TE kernels run where the (batch, head) pairs are too few to
+occupy the threads, and bfloat16 on a CPU with AMX takes ``cpu_flash_bwd_amx`` where it
+serves (``compute.forward.amx_serves``; ``swa_tvm.eager``). Probabilities use the
+forward's exp (``compute.forward._exp``), and dq, dk and dv sum in the TE kernels' key
+and row order; the scale is applied to dS before the sums, not after them (the same
+values for a power-of-two scale).
 
 Arguments, as the TE kernels': q [B,H,T,D], k/v [B,Hkv,T,D], dilation [H], [extra_idx
 [B,E] int32 (-1: padding)], dout [B,H,T,D] (in the spec's dtype), lse [B,H,T] (+inf: a

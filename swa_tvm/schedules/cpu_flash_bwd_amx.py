@@ -9,15 +9,15 @@ operands, float32 sums; ``schedules.amx`` gives the tile conventions) and the so
 between them in float32 vectors, P and dS rounded to bfloat16 for their products, as
 the TE kernels' matrix-engine form and FlashAttention's backward do.
 
-The products run transposed: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, so each score row is one key
-and its vector runs along 32 query rows, whose lse and delta load as vectors; Pᵀ and
-dSᵀ, as rounded, are then the first operands of dV += Pᵀ·dO and dK += dSᵀ·Q, and dSᵀ in
-pair words (two keys per word) the second of dQᵀ += Kᵀ·dSᵀ. Every operand of the
-window is staged once per residue in the engine's layouts: each key block's rows and transpose as the block
-starts, each query sub-block's (aligned to 32 rows) as the first key block that sees it
-starts, into a ring of slots that holds every sub-block a key block sees. A sub-block's
-dQᵀ accumulates in its slot and is written to dq when the slot is reused, or at the end.
-Positions past T stage as zeros (keys masked; rows with lse = +inf).
+The products run transposed: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, so each score row is one key and
+its vector runs along 32 query rows, whose lse and delta load as vectors; Pᵀ and dSᵀ, as
+rounded, are then the first operands of dV += Pᵀ·dO and dK += dSᵀ·Q, and dSᵀ in pair
+words (two keys per word) the second of dQᵀ += Kᵀ·dSᵀ. Every operand of the window is
+staged once per residue in the engine's layouts: each key block's rows and transpose as
+the block starts, each query sub-block's (aligned to 32 rows) as the first key block
+that sees it starts, into a ring of slots that holds every sub-block a key block sees. A
+sub-block's dQᵀ accumulates in its slot and is written to dq when the slot is reused, or
+at the end. Positions past T stage as zeros (keys masked; rows with lse = +inf).
 
 With extra keys (globals, sinks), each sub-block scores them as it is staged, a chunk
 of 32 staged as a key block (once per residue where they fit one chunk), under the
@@ -391,8 +391,8 @@ def fused_backward_amx(spec: KernelSpec):
                                 flush_globals(dqg, dQt, staged, b, h, G)
                                 staged[1] = gc
                                 for r in range(BQ):
-                                    Gp[r] = T.Select(gc * BQ + r < G, T.Cast("int64", gidx[b, T.min(gc * BQ + r, G - 1)]),
-                                                     T.int64(-1))
+                                    Gp[r] = T.Select(gc * BQ + r < G,
+                                                     T.Cast("int64", gidx[b, T.min(gc * BQ + r, G - 1)]), T.int64(-1))
                                 stage_slot(qg, doutg, lseg, deltag, b, h, gc * BQ, G, 0, T.int64(1), rows, Qc, dOc, Qp,
                                            dOp, Ls, Ds, dQt, GS)
                             score_products(Kr, Vr, Qc, dOc, St, dPt, GS)
