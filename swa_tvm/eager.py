@@ -242,7 +242,7 @@ def _global_rows(x, gi):
     idx = gi[:, None, :].expand(x.shape[0], x.shape[1], gi.shape[1])
     if x.dim() == 4:
         idx = idx[..., None].expand(*idx.shape, x.shape[3])
-    return torch.gather(x, 2, idx), idx
+    return torch.gather(x, 2, idx)
 
 
 def attention_forward(
@@ -283,7 +283,7 @@ def _forward(
     if G:
         gkern = _kernel(_global_spec(q, right, nonfinite), device)
         gi = global_idx.long()
-        qg = _dense(q_global) if q_global is not None else _global_rows(q, gi)[0]
+        qg = _dense(q_global) if q_global is not None else _global_rows(q, gi)
         kg = _dense(k_global) if k_global is not None else k
         vg = _dense(v_global) if v_global is not None else v
         gout = torch.empty(B, H, G, D, dtype=q.dtype, device=q.device)
@@ -430,9 +430,9 @@ def _backward(
     lse_l, delta_l = lse, delta
     if G:
         gi = global_idx.long()
-        dout_g = _global_rows(dout, gi)[0]
-        lse_g = _global_rows(lse, gi)[0]
-        delta_g = _global_rows(delta, gi)[0]
+        dout_g = _global_rows(dout, gi)
+        lse_g = _global_rows(lse, gi)
+        delta_g = _global_rows(delta, gi)
         # Global rows are the global kernel's: the local kernels see them with lse = +inf,
         # so every one of their probabilities is exactly 0 and so is each term p * (...)
         # they add (dout stays as it is: zeroing it would copy [B, H, T, D] for nothing).
@@ -468,7 +468,7 @@ def _backward(
                                                                                 device=q.device)
         rows = []
         if fold_globals:
-            qg = _dense(q_global) if q_global is not None else _global_rows(q, gi)[0]
+            qg = _dense(q_global) if q_global is not None else _global_rows(q, gi)
             rows = [qg, _dense(global_idx), dout_g, _dense(lse_g), _dense(delta_g)]
         elif extra is not None:  # no global rows for it
             rows = [_no_rows(q, (B, H, 0, D)), _no_rows(extra, (B, 0)), _no_rows(q, (B, H, 0, D)),
@@ -497,7 +497,7 @@ def _backward(
             dqg = dqg32.to(q_global.dtype)
     elif G:
         gkern = _kernel(_global_spec(q, right, nonfinite).backward_kernels()[0], device)
-        qg = _dense(q_global) if q_global is not None else _global_rows(q, gi)[0]
+        qg = _dense(q_global) if q_global is not None else _global_rows(q, gi)
         kg = _dense(k_global) if k_global is not None else k
         vg = _dense(v_global) if v_global is not None else v
         g_dq = torch.empty(B, H, G, D, dtype=q.dtype, device=q.device)
