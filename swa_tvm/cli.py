@@ -82,6 +82,7 @@ def _ptxas_text(r: dict) -> str:
 # What `info` says of each fused CUDA kernel (compiler/kernels.py's table).
 FUSED_TEXT = {k.name: k.description for k in FUSED_KERNELS}
 FUSED_TEXT["amx"] = "matrix-engine (AMX) schedule"
+FUSED_TEXT["bf16_dot"] = "matrix-engine schedule on AVX-512 BF16 dot products"
 FUSED_TEXT["cpu_flash_bwd"] = "five-product CPU backward (schedules/cpu_flash_bwd.py)"
 
 

@@ -1,6 +1,8 @@
-"""bfloat16 on the CPU's matrix engine (AMX): the local forward's products as tile
-instructions (swa_tvm.schedules.amx), against the float64 reference and torch's own
-bfloat16 SDPA, and the library's AMX contract (manifest, loader)."""
+"""bfloat16 on the CPU's matrix engine: the local forward's and window gradients' products
+as AMX tile instructions (swa_tvm.schedules.amx) or, on CPUs with AVX-512 BF16 but no
+AMX, register tiles of dot products (swa_tvm.schedules.bf16_dot), against the float64
+reference and torch's own bfloat16 SDPA, and the library's contract for each (manifest,
+loader). The accuracy tests run the engine this CPU's kernels are built for."""
 
 import json
 import platform
@@ -12,7 +14,7 @@ import torch
 import swa_tvm
 from conftest import grads_against_reference, rand
 from swa_tvm.compiler import build
-from swa_tvm.compiler.targets import uses_amx
+from swa_tvm.compiler.targets import host_target, matrix_form, uses_amx
 from swa_tvm.compute.forward import amx_block, amx_serves
 from swa_tvm.reference import attention_mask, sliding_window_attention_ref
 from swa_tvm.runtime import library
@@ -21,9 +23,19 @@ from swa_tvm.spec import KernelSpec
 AMX_FLAGS = {"amx_tile", "amx_bf16"}
 HAS_AMX = AMX_FLAGS <= library.host_cpu_flags()
 needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU lacks AMX bfloat16 (amx_tile, amx_bf16)")
+HAS_BF16_DOT = "avx512_bf16" in library.host_cpu_flags()
+needs_bf16_dot = pytest.mark.skipif(not HAS_BF16_DOT, reason="this CPU lacks AVX-512 BF16 (avx512_bf16)")
+# The engine this CPU's bfloat16 kernels are built on (compiler.targets.matrix_form).
+HOST_ENGINE = "amx" if HAS_AMX else "bf16_dot" if HAS_BF16_DOT else None
+needs_engine = pytest.mark.skipif(HOST_ENGINE is None, reason="this CPU lacks AMX bfloat16 (amx_tile, amx_bf16) and "
+                                  "AVX-512 BF16 (avx512_bf16)")
+# The five-product backward's schedule on this CPU: its own AMX form, else float32 products.
+HOST_FUSED = "amx" if HAS_AMX else "cpu_flash_bwd"
 x86 = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="AMX is x86-64 only")
 # A CPU class LLVM knows with AMX: libraries for it build on any x86 machine.
 AMX_TARGET = {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2}
+# One with AVX-512 BF16 and no AMX.
+DOT_TARGET = {"kind": "llvm", "mcpu": "cooperlake", "num-cores": 2}
 
 
 def _errors(q, k, v, **kw):
@@ -66,7 +78,7 @@ CASES = {
 }
 
 
-@needs_amx
+@needs_engine
 @pytest.mark.parametrize("case", list(CASES))
 def test_accuracy_within_torch_bfloat16_sdpa(case):
     """Ours is as close to float64 as torch's bfloat16 SDPA is (P rounded to bfloat16
@@ -112,16 +124,17 @@ SLOW_GRAD_CASES = ("dilation 3, symmetric", "wide, both sides", "right side only
                    "40 globals, causal", "globals, symmetric", "globals and a sink, dilation 2")
 
 
-@needs_amx
+@needs_engine
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_GRAD_CASES else c
                                   for c in GRAD_CASES])
 def test_gradients_within_torch_bfloat16_sdpa(case, monkeypatch):
     """dq, dk, dv of the matrix-engine gradients (P and dS rounded to bfloat16 for their
     products, as FlashAttention's backward does) are as close to float64 autograd as
-    torch's bfloat16 SDPA's are; the kernels that ran are the AMX ones, and no call
-    needed the guarded kernels. The five-product kernel's matrix-engine form
-    (schedules/cpu_flash_bwd_amx.py) runs where the (batch, head) pairs fill the threads,
-    as here, with or without extra keys and global rows; the TE gradient kernels' form,
+    torch's bfloat16 SDPA's are; the kernels that ran are this CPU's engine's, and no
+    call needed the guarded kernels. The five-product kernel runs where the (batch, head)
+    pairs fill the threads, as here, with or without extra keys and global rows: with
+    AMX in its matrix-engine form (schedules/cpu_flash_bwd_amx.py), else in float32
+    products. The TE gradient kernels' matrix-engine form,
     which runs where they do not, is held to the same bound with it turned off
     (symmetric: operands read in place; dilation 2: per-item band copies; globals and
     sinks: the extra keys' kernel, which converts to float32)."""
@@ -133,20 +146,19 @@ def test_gradients_within_torch_bfloat16_sdpa(case, monkeypatch):
     else:  # one thread in the eager layer's count, so any (batch, head) count takes it
         monkeypatch.setattr(library, "tvm_pool_threads", lambda: 1)
     fused = case not in te_cases
-    _check_gradients(case, monkeypatch, "amx", fused="amx" if fused else None)
+    _check_gradients(case, monkeypatch, HOST_ENGINE, fused=HOST_FUSED if fused else None)
 
 
 @x86
 @pytest.mark.slow  # exports a library of every kernel of the pattern
 @pytest.mark.parametrize("case", ["causal", "dilation 2", "globals and sinks"])
 def test_converted_form_within_torch_bfloat16_sdpa(case, monkeypatch, tmp_path):
-    """What a CPU without the matrix engine runs (a target without AMX, on any x86
-    machine): bfloat16 converted to float32 (each item's band once, into a buffer of the
+    """What a CPU without the matrix engine runs (a target without AMX and AVX-512 BF16,
+    on any x86 machine): bfloat16 converted to float32 (each item's band once, into a buffer of the
     item), products in float32. Its forward and dq, dk, dv are as close to float64 as
     torch's bfloat16 SDPA's are. The window's and extra keys' gradients come from the
     five-product backward (the eager layer told of one thread, so any (batch, head) count
     fills it)."""
-    from swa_tvm.compiler.targets import host_target
     from swa_tvm.runtime import library
     from swa_tvm.spec import AttentionSpec
 
@@ -155,10 +167,10 @@ def test_converted_form_within_torch_bfloat16_sdpa(case, monkeypatch, tmp_path):
     text = f"head_dim={cfg['shape'][-1]},window={left}:{right},backward,dtype=bfloat16"
     text += f",dilation={cfg['dilation']}" if "dilation" in cfg else ""
     text += ",globals,sinks" if "global_idx" in cfg else ""
-    target = dict(host_target(), mattr=["-amx-tile", "-amx-bf16"])
+    target = dict(host_target(), mattr=["-amx-tile", "-amx-bf16", "-avx512bf16"])
     path = str(tmp_path / "converted.so")
     manifest = swa_tvm.export_library([AttentionSpec.parse(text)], path, target=target, logs=None, warn_untuned=False)
-    assert all(k["schedule"] != "amx" for k in manifest["kernels"])
+    assert all(k["schedule"] not in ("amx", "bf16_dot") for k in manifest["kernels"])
     swa_tvm.load_library(path)
     monkeypatch.setattr(library, "tvm_pool_threads", lambda: 1)
     _check_gradients(case, monkeypatch, "default", fused="cpu_flash_bwd")
@@ -251,19 +263,23 @@ def _check_gradients(case, monkeypatch, schedule: str, fused: str | None = None)
         assert e_ours <= 1.25 * e_peer, f"{case} {name}: relative error {e_ours:.2e} against SDPA's {e_peer:.2e}"
 
 
-@needs_amx
+@needs_engine
 def test_the_jit_builds_the_matrix_engine_form(tmp_path, monkeypatch):
-    """A bfloat16 call on this CPU compiles the AMX form: the cached manifest says so,
-    and the library's code holds tile instructions."""
+    """A bfloat16 call on this CPU compiles the matrix-engine form on its engine: the
+    cached manifest says so, and the library's code holds the engine's instructions
+    (TDPBF16PS on AMX, VDPBF16PS on AVX-512 BF16)."""
     monkeypatch.setenv("SWA_TVM_CACHE", str(tmp_path))
     q, k, v = (rand(1, 2, 70, 64).bfloat16() for _ in range(3))
     swa_tvm.sliding_window_attention(q, k, v, window_size=(13, 0))
     manifests = list(tmp_path.rglob("*.so.json"))
     assert manifests, "the call compiled nothing into the cache"
     entries = [e for m in manifests for e in json.loads(m.read_text())["kernels"]]
-    assert [e["schedule"] for e in entries if e["spec"]["dtype"] == "bfloat16"] == ["amx"]
+    assert [e["schedule"] for e in entries if e["spec"]["dtype"] == "bfloat16"] == [HOST_ENGINE]
     code = b"".join(m.with_suffix("").read_bytes() for m in manifests)
-    assert _has_tdpbf16ps(code), "no TDPBF16PS instruction in the compiled library"
+    if HOST_ENGINE == "amx":
+        assert _has_tdpbf16ps(code), "no TDPBF16PS instruction in the compiled library"
+    else:
+        assert _has_vdpbf16ps(code), "no VDPBF16PS instruction in the compiled library"
 
 
 def _has_tdpbf16ps(code: bytes) -> bool:
@@ -271,6 +287,17 @@ def _has_tdpbf16ps(code: bytes) -> bool:
     opcode byte 0x5C after a three-byte VEX prefix whose map is 0F38 and pp = F3."""
     for i in range(len(code) - 4):
         if code[i] == 0xC4 and (code[i + 1] & 0x1F) == 0x02 and (code[i + 2] & 0x83) == 0x02 and code[i + 3] == 0x5C:
+            return True
+    return False
+
+
+def _has_vdpbf16ps(code: bytes) -> bool:
+    """VDPBF16PS zmm is EVEX.512.F3.0F38.W0 52 /r: the EVEX byte 0x62, P0's map field
+    0F38 (2), P1 with W = 0, its fixed bit set and pp = F3 (0b10), P2 with L'L = 512,
+    then the opcode 0x52."""
+    for i in range(len(code) - 5):
+        if (code[i] == 0x62 and (code[i + 1] & 0x07) == 0x02 and (code[i + 2] & 0x87) == 0x06
+                and (code[i + 3] & 0x60) == 0x40 and code[i + 4] == 0x52):
             return True
     return False
 
@@ -291,6 +318,22 @@ def test_library_records_amx_and_refuses_a_cpu_without_it(tmp_path, monkeypatch)
     assert not AMX_FLAGS & set(alone["cpu_features"]) and alone["format"] == 2
     monkeypatch.setattr(library, "host_cpu_flags", lambda: set(manifest["cpu_features"]) - AMX_FLAGS)
     with pytest.raises(library.LibraryError, match="amx_bf16, amx_tile"):
+        swa_tvm.load_library(path)
+
+
+@x86
+def test_library_records_bf16_dot_and_refuses_a_cpu_without_it(tmp_path, monkeypatch):
+    """A library built for a class with AVX-512 BF16 and no AMX (cooperlake) builds its
+    bfloat16 forward on dot products, says so in its manifest, needs no AMX, and
+    refuses, by feature name, to load on a CPU without AVX-512 BF16."""
+    spec = KernelSpec("local", 64, "bfloat16", 15, 0)
+    path = tmp_path / "dot.so"
+    manifest = build.export_library([spec], path, target=DOT_TARGET, logs=None)
+    assert "avx512_bf16" in manifest["cpu_features"] and not AMX_FLAGS & set(manifest["cpu_features"])
+    assert [e["schedule"] for e in manifest["kernels"]] == ["bf16_dot"]
+    assert _has_vdpbf16ps(path.read_bytes()) and not _has_tdpbf16ps(path.read_bytes())
+    monkeypatch.setattr(library, "host_cpu_flags", lambda: set(manifest["cpu_features"]) - {"avx512_bf16"})
+    with pytest.raises(library.LibraryError, match="avx512_bf16"):
         swa_tvm.load_library(path)
 
 
@@ -363,9 +406,20 @@ def test_which_specs_have_the_form():
     assert uses_amx(spec, AMX_TARGET)
     assert not uses_amx(spec, {"kind": "llvm", "mcpu": "znver3"})
     assert not uses_amx(spec, {"kind": "cuda", "arch": "sm_90"})
+    # The engine: AMX where the class has it, else AVX-512 BF16's dot products for the
+    # TE kernels of the form (the five-product backward's form is written in AMX tiles).
+    fused = KernelSpec("local_bwd", 64, "bfloat16", 8, 0)
+    assert matrix_form(spec, AMX_TARGET) == "amx" and matrix_form(fused, AMX_TARGET) == "amx"
+    for t in (DOT_TARGET, {"kind": "llvm", "mcpu": "znver4"}, dict(AMX_TARGET, mattr=["-amx-tile", "-amx-bf16"])):
+        assert matrix_form(spec, t) == "bf16_dot" and matrix_form(fused, t) is None, t
+        assert matrix_form(KernelSpec("local_dkv", 64, "bfloat16", 8, 0), t) == "bf16_dot"
+    for t in ({"kind": "llvm", "mcpu": "znver3"}, {"kind": "llvm", "mcpu": "rocketlake"},
+              dict(DOT_TARGET, mattr=["-avx512bf16"]), {"kind": "cuda", "arch": "sm_90"}):
+        assert matrix_form(spec, t) is None, t
+    assert matrix_form(KernelSpec("local", 64, "float32", 8, 0), DOT_TARGET) is None
 
 
-@needs_amx
+@needs_engine
 @pytest.mark.parametrize("where", ["k", "v"])
 def test_nan_beyond_the_window_reaches_no_row(where):
     """The NaN rule in the matrix-engine form: a NaN in the key or value at position 40,
@@ -383,18 +437,21 @@ def test_nan_beyond_the_window_reaches_no_row(where):
     assert (out[:, :, ~seen].double() - ref[:, :, ~seen]).abs().max() < 2e-2
 
 
-@needs_amx
-def test_the_intrinsic_is_a_matmul():
-    """The tensor intrinsic alone, tensorized into a TE matmul of pair words: equals
-    A @ B in float32 (bfloat16 products are exact in float32; only the sums round)."""
+@pytest.mark.parametrize("engine", [pytest.param("amx", marks=needs_amx), pytest.param("bf16_dot", marks=needs_bf16_dot)])
+@pytest.mark.parametrize("shape", [(48, 64, 96), (16, 48, 32)])
+def test_the_intrinsic_is_a_matmul(engine, shape):
+    """Each engine's tensor intrinsic alone, tensorized into a TE matmul of pair words:
+    equals A @ B in float32 (bfloat16 products are exact in float32; only the sums
+    round). 16 x 48 leaves the dot products' register tile one row by three columns."""
     import tvm
     from tvm import s_tir, te
 
     from swa_tvm.compute.forward import bf16_bits, bf16_value, pair_word, word_half
-    from swa_tvm.schedules import amx
+    from swa_tvm.schedules import amx, bf16_dot
 
-    library.request_amx("test")
-    M, N, K = 48, 64, 96
+    if engine == "amx":
+        library.request_amx("test")
+    M, N, K = shape
     a_bits = te.placeholder((M, K), "uint16", name="a")
     b = te.placeholder((K, N), "bfloat16", name="b")
     words = te.compute((K // 2, N), lambda k2, j: pair_word(bf16_bits(b[2 * k2, j]), bf16_bits(b[2 * k2 + 1, j])), name="w")
@@ -402,12 +459,47 @@ def test_the_intrinsic_is_a_matmul():
     c = te.compute((M, N), lambda i, j: te.sum(bf16_value(a_bits[i, 2 * k2 + e]) * word_half(words[k2, j], e), axis=[k2, e]),
                    name="c")
     sch = s_tir.Schedule(te.create_prim_func([a_bits, b, c]))
-    sch.tensorize(sch.get_loops(sch.get_sblock("c"))[0], amx.register(M, N, K))
-    mod = tvm.compile(sch.mod, target=tvm.target.Target(AMX_TARGET))
+    sch.tensorize(sch.get_loops(sch.get_sblock("c"))[0], {"amx": amx, "bf16_dot": bf16_dot}[engine].register(M, N, K))
+    target = AMX_TARGET if engine == "amx" else dict(host_target(), mattr=["-amx-tile", "-amx-bf16"])
+    mod = tvm.compile(sch.mod, target=tvm.target.Target(target))
     A, Bm = rand(M, K).bfloat16(), rand(K, N).bfloat16()
     C = torch.zeros(M, N)
     mod(tvm.runtime.from_dlpack(A.view(torch.uint16)), tvm.runtime.from_dlpack(Bm), tvm.runtime.from_dlpack(C))
     torch.testing.assert_close(C, A.float() @ Bm.float(), rtol=1e-5, atol=1e-5)
+
+
+@needs_bf16_dot
+@pytest.mark.skipif(not HAS_AMX, reason="this CPU's own kernels take AVX-512 BF16 already (the tests above)")
+@pytest.mark.slow  # compiles two forwards
+@pytest.mark.parametrize("case", ["causal", "dilation 3", "symmetric"])
+def test_dot_product_form_on_a_cpu_with_amx(case, tmp_path):
+    """On a CPU with AMX, whose own kernels use the tiles, the dot-product form (a target
+    with AMX turned off) still runs here: its forward, called from its library, is as
+    close to float64 as torch's bfloat16 SDPA is (the bound of the accuracy tests)."""
+    import tvm
+
+    cfg = dict(CASES[case])
+    B, H, Hkv, T, D = cfg.pop("shape")
+    left, right = cfg["window_size"]
+    dil = cfg.get("dilation", 1)
+    spec = KernelSpec("local", D, "bfloat16", left, right, max_dilation=dil)
+    target = dict(host_target(), mattr=["-amx-tile", "-amx-bf16"])
+    manifest = build.export_library([spec], tmp_path / "dot.so", target=target, logs=None)
+    assert [e["schedule"] for e in manifest["kernels"]] == ["bf16_dot"]
+    kernel = tvm.runtime.load_module(str(tmp_path / "dot.so"))[spec.name]
+    torch.manual_seed(zlib.crc32(case.encode()))
+    q, k, v = rand(B, H, T, D).bfloat16(), rand(B, Hkv, T, D).bfloat16(), rand(B, Hkv, T, D).bfloat16()
+    out, lse = torch.empty_like(q), torch.empty(B, H, T)
+    kernel(q, k, v, torch.full((H,), dil, dtype=torch.int32), torch.full((H,), float("-inf")), D**-0.5, out, lse)
+    kw = dict(window_size=(left, right), dilation=dil)
+    ref, ref_lse = sliding_window_attention_ref(q, k, v, **kw)
+    mask, _ = attention_mask(T, H, (left, right), dil)
+    rep = H // Hkv
+    peer = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask.expand(B, H, T, T))
+    ours, theirs = (out.double() - ref), (peer.double() - ref)
+    assert ours.abs().max() <= 1.5 * theirs.abs().max() + 1e-3 and ours.norm() <= 1.2 * theirs.norm()
+    assert (lse.double() - ref_lse).abs().max() < 1e-4
 
 
 @x86

@@ -30,6 +30,7 @@ from swa_tvm.compiler.targets import (
     _cpu_features,
     _vector_lanes,
     has_amx,
+    matrix_form,
     normalize_target,
     target_key,
     uses_amx,
@@ -68,10 +69,11 @@ def schedule_spec(spec: KernelSpec, tvm_target, record=None, tiles=None):
             raise ValueError(f"{spec.name}: kind {spec.kind!r} is a CPU kernel; {kind} targets have none")
         return (cpu_flash_bwd_amx.fused_backward_amx(spec) if uses_amx(spec, tvm_target)
                 else cpu_flash_bwd.fused_backward(spec))
-    if uses_amx(spec, tvm_target):
+    engine = matrix_form(spec, tvm_target)
+    if engine is not None:
         sch = s_tir.Schedule(tvm.IRModule({spec.name: prim_func(spec, amx=True)}))
         sch.work_on(spec.name)
-        cpu_schedules.schedule(sch, spec, vector_lanes=_vector_lanes(tvm_target), amx=True)
+        cpu_schedules.schedule(sch, spec, vector_lanes=_vector_lanes(tvm_target), matrix=engine)
         func = cpu_schedules.drop_fused_bound_predicates(sch.mod[spec.name])
         return cpu_schedules.drop_init(func, cpu_schedules.AMX_PRODUCTS[spec.kind])
     if record is not None and record.trace is not None:
@@ -128,7 +130,7 @@ def find_records(specs: Iterable[KernelSpec], target: dict, logs: str | None = D
     found = best_records(specs, target, root)  # reads the log folder once
     for s in specs:
         rec = found[s.name]
-        if uses_amx(s, target):
+        if matrix_form(s, target) is not None:
             # Records are searched over the float32-product form; the matrix-engine form
             # is built with its own schedule.
             found[s.name] = None
@@ -219,8 +221,8 @@ def export_library(
         root = default_logs_root() if logs == DEFAULT_LOGS else logs
         where = log_dir(root, target) if root else "(no tuning logs configured)"
         for s in specs:
-            # The AMX form has no search yet; the hand-written CPU backward has none at all.
-            if records.get(s.name) is None and not uses_amx(s, target) and s.kind not in CPU_ONLY_KINDS:
+            # The matrix-engine form has no search yet; the hand-written CPU backward has none at all.
+            if records.get(s.name) is None and matrix_form(s, target) is None and s.kind not in CPU_ONLY_KINDS:
                 warnings.warn(
                     f"kernel {s.name}: no tuning record for {target_key(target)} in {where}; "
                     "using the default schedule",
@@ -248,8 +250,10 @@ def export_library(
             "tuned": rec is not None,
             "schedule": "tuned" if rec is not None and rec.trace is not None else default_schedule(s, target["kind"]),
         }
-        if uses_amx(s, target):
-            entry["schedule"] = "amx"  # the matrix-engine form: the loader asks the OS for tile state
+        engine = matrix_form(s, target)
+        if engine is not None:
+            # The matrix-engine form: "amx" (the loader asks the OS for tile state) or "bf16_dot".
+            entry["schedule"] = engine
         used = fused_tiles(s, entry["schedule"], tiles.get(s.name))
         if used is not None:
             entry["tiles"] = used

@@ -22,7 +22,7 @@ import filelock
 
 from swa_tvm import compute, schedules
 from swa_tvm import spec as spec_module
-from swa_tvm.compiler import build, cuda_pack, kernels
+from swa_tvm.compiler import build, cuda_pack, kernels, targets
 from swa_tvm.compiler.build import export_library, find_records, find_tiles
 from swa_tvm.compiler.targets import normalize_target, target_key
 from swa_tvm.runtime import library
@@ -41,8 +41,9 @@ _JIT_LOCK = threading.Lock()
 
 def kernel_code_files() -> list[str]:
     """The sources that decide what a kernel computes and how it is built: the TE, every
-    schedule, the spec's parameters, this build and nvcc's packing."""
-    files = [m.__file__ for m in (build, cuda_pack, kernels, spec_module)]
+    schedule, the spec's parameters, the target's choice of form, this build and nvcc's
+    packing."""
+    files = [m.__file__ for m in (build, cuda_pack, kernels, targets, spec_module)]
     for package in (compute, schedules):
         folder = os.path.dirname(package.__file__)
         files += sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".py"))

@@ -119,29 +119,54 @@ def target_key(target: dict) -> str:
     return f"{target.get('kind')}-{target.get('arch', 'unknown')}"
 
 
-def uses_amx(spec, target) -> bool:
-    """Whether ``spec`` is built in its matrix-engine form for ``target`` (a dict or a
-    tvm Target): an llvm target whose CPU has AMX with bfloat16 (amx-tile, amx-bf16), and
-    a spec that has such a form (``compute.forward.amx_serves``). The form follows the
-    target class, as tuning records and caches do."""
-    from swa_tvm.compute.forward import amx_serves
+def matrix_form(spec, target) -> str | None:
+    """The engine ``spec``'s matrix-engine form is built on for ``target`` (a dict or a
+    tvm Target), or None where it keeps its float32 products: "amx" on an llvm target
+    whose CPU has AMX with bfloat16 (amx-tile, amx-bf16); "bf16_dot", AVX-512 BF16 dot
+    products, on one that has those (avx512bf16) but no AMX, for the TE kernels of the
+    form (``compute.forward.AMX_KINDS``; the five-product backward's form is written in
+    AMX tiles). The spec must have such a form (``compute.forward.amx_serves``). The form
+    follows the target class, as tuning records and caches do."""
+    from swa_tvm.compute.forward import AMX_KINDS, amx_serves
 
-    return amx_serves(spec) and has_amx(target)
+    if not amx_serves(spec):
+        return None
+    if has_amx(target):
+        return "amx"
+    if spec.kind in AMX_KINDS and has_bf16_dot(target):
+        return "bf16_dot"
+    return None
+
+
+def uses_amx(spec, target) -> bool:
+    """Whether ``spec`` is built in its matrix-engine form on AMX tiles for ``target``
+    (``matrix_form``): the loader then asks the OS for tile state."""
+    return matrix_form(spec, target) == "amx"
 
 
 def has_amx(target) -> bool:
     """Whether an llvm ``target`` (a dict or a tvm Target) has AMX with bfloat16."""
+    return "amx-tile" in _llvm_features(target) and "amx-bf16" in _llvm_features(target)
+
+
+def has_bf16_dot(target) -> bool:
+    """Whether an llvm ``target`` (a dict or a tvm Target) has AVX-512 BF16's dot product."""
+    return "avx512bf16" in _llvm_features(target)
+
+
+def _llvm_features(target) -> frozenset:
     kind = target.get("kind") if isinstance(target, dict) else target.kind.name
-    return kind == "llvm" and _has_amx(json.dumps(target, sort_keys=True) if isinstance(target, dict) else str(target))
+    if kind != "llvm":
+        return frozenset()
+    return _features(json.dumps(target, sort_keys=True) if isinstance(target, dict) else str(target))
 
 
 @functools.lru_cache(maxsize=None)
-def _has_amx(target: str) -> bool:
+def _features(target: str) -> frozenset:
     import tvm
 
     tvm_target = tvm.target.Target(json.loads(target) if target.startswith("{") else target)
-    feats = tvm.target.codegen.llvm_get_cpu_features(tvm_target)
-    return "amx-tile" in feats and "amx-bf16" in feats
+    return frozenset(str(f) for f in tvm.target.codegen.llvm_get_cpu_features(tvm_target))
 
 
 def _vector_lanes(tvm_target) -> int:

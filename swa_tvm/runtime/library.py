@@ -295,7 +295,8 @@ class Kernel:
     # The manifest's "schedule": "default"/"tuned" (the TE compute, schedules/cpu.py or
     # schedules/cuda.py, or a record replayed on it), "amx" (the matrix-engine form,
     # schedules/cpu.py; for "local_bwd" schedules/cpu_flash_bwd_amx.py, whose dq, dk and
-    # dv come in bfloat16) or a fused kernel's module name.
+    # dv come in bfloat16), "bf16_dot" (the matrix-engine form on AVX-512 BF16 dot
+    # products) or a fused kernel's module name.
     schedule: str | None = None
 
 

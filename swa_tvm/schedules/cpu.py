@@ -42,7 +42,7 @@ from swa_tvm.compute.forward import (
     item_key_span,
     unit_band,
 )
-from swa_tvm.schedules import amx
+from swa_tvm.schedules import amx, bf16_dot
 from swa_tvm.spec import KernelSpec
 
 # Candidate values of the categorical knobs. Unroll steps feed
@@ -401,16 +401,17 @@ def _amx_bands(sch, spec: KernelSpec, names) -> list[str]:
     return _inline_unless(sch, names, not unit_band(spec, amx=True))
 
 
-def _amx_item_stages(sch, spec: KernelSpec, products, band_rows, band_cols, words, elementwise, vector_lanes) -> None:
+def _amx_item_stages(sch, spec: KernelSpec, products, band_rows, band_cols, words, elementwise, vector_lanes,
+                     engine: str) -> None:
     """An item's matrix-engine stages, once they are at the item loop: each product of
-    ``products`` tensorized whole into one intrinsic call (schedules.amx; the shapes are
-    the stages' own); the band copies that are made (``_amx_bands``) vectorized along
-    their rows; the block pair words walked rows outside; the elementwise stages two
+    ``products`` tensorized whole into one intrinsic call of ``engine`` (MATRIX_ENGINES;
+    the shapes are the stages' own); the band copies that are made (``_amx_bands``)
+    vectorized along their rows; the block pair words walked rows outside; the elementwise stages two
     vectors at a time along the block."""
     for name in products:
         blk = sch.get_sblock(name)
         m, n, k2 = (int(iv.dom.extent) for iv in sch.get(blk).iter_vars[-4:-1])  # [.., M, N, K/2, 2]
-        sch.tensorize(sch.get_loops(blk)[-4], amx.register(m, n, 2 * k2))
+        sch.tensorize(sch.get_loops(blk)[-4], MATRIX_ENGINES[engine](m, n, 2 * k2))
     for name in band_rows:
         if _has(sch, name):
             _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1], min(spec.head_dim, 32))
@@ -425,7 +426,8 @@ def _amx_item_stages(sch, spec: KernelSpec, products, band_rows, band_cols, word
             _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1], 2 * vector_lanes)
 
 
-def schedule_local_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 16, knobs=None) -> None:
+def schedule_local_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 16, knobs=None,
+                       engine: str = "amx") -> None:
     """The matrix-engine form of the local kernel (``compute.forward``, ``amx=True``):
     the plan of ``schedule_local``, with each item's two products tensorized whole into
     one call of an AMX intrinsic (``schedules.amx``): the scores [band, block] over the
@@ -447,7 +449,7 @@ def schedule_local_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int 
     for prod, red in (("masked", "wmax"), ("wprob", "wsum")):
         sch.reverse_compute_at(sch.get_sblock(red), sch.get_loops(sch.get_sblock(prod))[-2])
     _amx_item_stages(sch, spec, AMX_PRODUCTS["local"], ["kband"], ["vband_t"], ["qword"],
-                     ["masked", "wprob", "pword", "xmasked", "xprob", "wmax", "wsum"], vector_lanes)
+                     ["masked", "wprob", "pword", "xmasked", "xprob", "wmax", "wsum"], vector_lanes, engine)
     for name in ("xmax", "xsum"):
         if _has(sch, name):
             _vertical_reduce(sch, name, vector_lanes, True)
@@ -459,7 +461,8 @@ def schedule_local_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int 
         _prob_value_product(sch, "xacc", block, spec.head_dim, vector_lanes, Defaults(), None)
 
 
-def schedule_local_dq_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 16, knobs=None) -> None:
+def schedule_local_dq_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 16, knobs=None,
+                          engine: str = "amx") -> None:
     """The matrix-engine form of dq (``compute.backward.local_dq``, ``amx=True``): the
     plan of ``schedule_local_dq`` with its three products tensorized (scores and dP
     [band, block] over the head dim, dQ^T [D, block] over the band)."""
@@ -471,7 +474,7 @@ def schedule_local_dq_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: i
     _items(sch, ["dq_blk"], per_item, knobs)
     _vectorize_inner(sch, sch.get_loops(sch.get_sblock("dq_blk"))[-1], vector_lanes)
     _amx_item_stages(sch, spec, AMX_PRODUCTS["local_dq"], ["kband", "vband"], ["kband_t"], ["qword", "dword"],
-                     ["arg", "ds", "dsword", "xarg", "xds"], vector_lanes)
+                     ["arg", "ds", "dsword", "xarg", "xds"], vector_lanes, engine)
     if _has(sch, "dqx"):
         _block_feature_product(sch, "dqx", dataclasses.replace(spec, block_q=amx_block(spec)), vector_lanes, knobs)
         for name in ("xscore", "xdp"):
@@ -480,7 +483,8 @@ def schedule_local_dq_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: i
             sch.reorder(c, qi)
 
 
-def schedule_local_dkv_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 16, knobs=None) -> None:
+def schedule_local_dkv_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 16, knobs=None,
+                           engine: str = "amx") -> None:
     """The matrix-engine form of dk, dv (``compute.backward.local_dkv``, ``amx=True``): the
     plan of ``schedule_local_dkv`` with its four products tensorized (scores and dP
     [band, block] over the head dim, dV^T and dK^T [D, block] over the band)."""
@@ -491,9 +495,12 @@ def schedule_local_dkv_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: 
     per_item += _amx_bands(sch, spec, ["qband", "qband_t", "dband", "dband_t"])
     _items(sch, ["dk_t", "dv_t"], per_item, knobs)  # program order: the TE makes dk_t first
     _amx_item_stages(sch, spec, AMX_PRODUCTS["local_dkv"], ["qband", "dband"], ["qband_t", "dband_t"],
-                     ["kword", "vword"], ["arg", "prob", "ds", "pword", "dsword"], vector_lanes)
+                     ["kword", "vword"], ["arg", "prob", "ds", "pword", "dsword"], vector_lanes, engine)
 
 
+# The engines of the matrix-engine form's products, each a registry of tensor intrinsics
+# of the same descriptions: AMX tiles, or AVX-512 BF16 dot products in registers.
+MATRIX_ENGINES = {"amx": amx.register, "bf16_dot": bf16_dot.register}
 AMX_SCHEDULES = {"local": schedule_local_amx, "local_dq": schedule_local_dq_amx, "local_dkv": schedule_local_dkv_amx}
 # The products each matrix-engine kernel tensorizes (compute.forward.matrix_product stages).
 AMX_PRODUCTS = {"local": ("score", "wacc_t"), "local_dq": ("score", "dp", "dq_t"),
@@ -930,11 +937,13 @@ SCHEDULES = {
 }
 
 
-def schedule(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8, knobs=None, amx: bool = False) -> None:
+def schedule(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8, knobs=None,
+             matrix: str | None = None) -> None:
     """Apply the schedule for ``spec`` to ``sch`` (working on spec.name): the default
     one, or with ``knobs=Sampled()`` one point of the MetaSchedule search space.
-    ``amx``: the PrimFunc is the matrix-engine form (``compute.prim_func(amx=True)``)."""
-    if amx:
-        AMX_SCHEDULES[spec.kind](sch, spec, vector_lanes, knobs)
+    ``matrix``: the PrimFunc is the matrix-engine form (``compute.prim_func(amx=True)``),
+    its products on this engine of MATRIX_ENGINES."""
+    if matrix is not None:
+        AMX_SCHEDULES[spec.kind](sch, spec, vector_lanes, knobs, matrix)
     else:
         SCHEDULES[spec.kind](sch, spec, vector_lanes, knobs)

@@ -14,7 +14,7 @@ import numpy as np
 from tvm.s_tir import meta_schedule as ms
 
 from swa_tvm.compiler.cuda_pack import export_module
-from swa_tvm.compiler.targets import _vector_lanes, uses_amx
+from swa_tvm.compiler.targets import _vector_lanes, matrix_form
 from swa_tvm.schedules import cpu as cpu_schedules
 from swa_tvm.schedules import cuda as cuda_schedules
 from swa_tvm.spec import BACKWARD_KINDS, KernelSpec
@@ -117,11 +117,11 @@ def check_cuda_specs(specs) -> None:
 
 def check_no_amx_specs(specs, target: dict) -> None:
     """The search space is the float32-product form's; a kernel the target builds in its
-    matrix-engine (AMX) form would be tuned for records no build applies."""
-    amx = [s.name for s in specs if uses_amx(s, target)]
-    if amx:
+    matrix-engine form (AMX or AVX-512 BF16) would be tuned for records no build applies."""
+    matrix = [s.name for s in specs if matrix_form(s, target) is not None]
+    if matrix:
         raise ValueError(
-            f"{', '.join(amx)}: built in the matrix-engine (AMX) form for {target.get('mcpu')}, which tuning does "
-            "not search; leave them out, or tune for a target without AMX (-mattr -amx-tile,-amx-bf16)"
+            f"{', '.join(matrix)}: built in the matrix-engine form for {target.get('mcpu')}, which tuning does "
+            "not search; leave them out, or tune for a target without it (-mattr -amx-tile,-amx-bf16,-avx512bf16)"
         )
 

@@ -56,7 +56,7 @@ from swa_tvm.compiler.records import (
     tuning_workload,
     workload_key,
 )
-from swa_tvm.compiler.targets import host_target, normalize_target, target_key, uses_amx
+from swa_tvm.compiler.targets import host_target, matrix_form, normalize_target, target_key
 from swa_tvm.compute import COMPUTES
 from swa_tvm.runtime.library import default_tvm_threads, host_cpu_name, tvm_pool_threads
 from swa_tvm.spec import KernelSpec
@@ -277,8 +277,8 @@ def validate(specs: Iterable[KernelSpec], target: dict | str | None, logs_root: 
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")
     check_runs_here(target)
-    # The matrix-engine (AMX) form is built with its own schedule: no record applies.
-    specs = [s for s in dict.fromkeys(specs) if not uses_amx(s, target)]
+    # The matrix-engine form (AMX, AVX-512 BF16) is built with its own schedule: no record applies.
+    specs = [s for s in dict.fromkeys(specs) if matrix_form(s, target) is None]
     for s in specs:
         if s.kind not in VALIDATED_KINDS:
             log.info("%s: the KV-cache kernels are not validated, so their searched records are not applied", s.name)
