@@ -430,10 +430,10 @@ def schedule_local_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int 
                        engine: str = "amx") -> None:
     """The matrix-engine form of the local kernel (``compute.forward``, ``amx=True``):
     the plan of ``schedule_local``, with each item's two products tensorized whole into
-    one call of an AMX intrinsic (``schedules.amx``): the scores [band, block] over the
-    head dim, P·V^T [D, block] over the band. The residue-major copies of k and v are
-    made first, in parallel over their rows; the softmax between the products stays
-    float32 vectors along the block rows."""
+    one call of an ``engine`` intrinsic (``schedules.amx``, ``schedules.bf16_dot``): the
+    scores [band, block] over the head dim, P·V^T [D, block] over the band. The
+    residue-major copies of k and v are made first, in parallel over their rows; the
+    softmax between the products stays float32 vectors along the block rows."""
     knobs = knobs or Defaults()
     block = amx_block(spec)
     _amx_residue_copies(sch, spec, ["kres", "vres"], ["vres"])
