@@ -351,18 +351,24 @@ FUSED_BACKWARD_MIN_OCCUPANCY = 0.75
 
 
 @functools.lru_cache(maxsize=1)
-def _host_has_amx_bf16() -> bool:
-    return {"amx_tile", "amx_bf16"} <= library.host_cpu_flags()
+def _host_engine() -> str | None:
+    """The bfloat16 engine of the kernels compiled here on first use (``compiler.targets.
+    matrix_engine`` of the host target): "amx", "bf16_dot" or None."""
+    if not {"amx_tile", "amx_bf16", "avx512_bf16"} & library.host_cpu_flags():
+        return None  # neither engine: no need to ask LLVM (and import the compiler)
+    from swa_tvm.compiler.targets import host_target, matrix_engine  # compiles here anyway
+
+    return matrix_engine(host_target())
 
 
 def _fused_backward_kernel(fwd: KernelSpec, device: str, written, pairs: int) -> library.Kernel | None:
     """The "local_bwd" kernel for the gradients of ``fwd``, or None where the TE kernels
     run: not a CPU call, a case it does not serve (``KernelSpec.fused_backward``),
-    a compile here on a CPU with AMX where ``compute.forward.fused_backward_on_amx`` says
-    no (the TE kernels, in their matrix-engine form; export leaves the fused kernel out of
-    such a library alike), too few (batch, head) pairs for the threads, or loaded
-    libraries without it (exported before it existed, without 'backward', or for such a
-    case on a CPU with AMX). A loaded library may hold it for the window as written
+    a compile here on a CPU with a bfloat16 engine where ``compute.forward.
+    fused_backward_runs`` says no (the TE kernels, in their matrix-engine form; export
+    leaves the fused kernel out of such a library alike), too few (batch, head) pairs
+    for the threads, or loaded libraries without it (exported before it existed, without
+    'backward', or for such a case on a CPU with a bfloat16 engine). A loaded library may hold it for the window as written
     (``_kernel_as_written``)."""
     if device != "cpu":
         return None
@@ -371,10 +377,10 @@ def _fused_backward_kernel(fwd: KernelSpec, device: str, written, pairs: int) ->
              if min(s.left, s.right) >= 0 and max(s.left, s.right) <= MAX_SPEC_INT and s.fused_backward]
     if not wants:
         return None
-    if not library.REGISTRY.libraries and _host_has_amx_bf16():
-        from swa_tvm.compute.forward import fused_backward_on_amx  # compiles here anyway: no library loaded
+    if not library.REGISTRY.libraries and _host_engine() is not None:
+        from swa_tvm.compute.forward import fused_backward_runs  # compiles here anyway: no library loaded
 
-        if not fused_backward_on_amx(dataclasses.replace(fwd, kind="local_bwd")):
+        if not fused_backward_runs(dataclasses.replace(fwd, kind="local_bwd"), _host_engine()):
             return None
     threads = max(1, library.tvm_pool_threads())
     waves = -(-pairs // threads)

@@ -150,22 +150,30 @@ def test_spec_names_the_fused_kernel_where_it_serves():
 def test_bfloat16_on_a_matrix_engine_the_fused_kernel_where_it_has_an_amx_form(fresh_registry, monkeypatch):
     """Compiled on first use, bfloat16 on a CPU with AMX takes the fused kernel where it
     has a matrix-engine form (the head dim a multiple of 32, a window of at most
-    AMX_FUSED_MAX_SPAN keys) and the TE gradient kernels (theirs) elsewhere; without AMX,
-    with extra keys (its matrix-engine form, or where that does not serve the
-    float32-product form: the extra keys' TE kernels do not use the engine), and float16
-    anywhere, the fused kernel. (The compile is stubbed: only the choice is checked, on any CPU.)"""
+    AMX_FUSED_MAX_SPAN keys) and the TE gradient kernels (theirs) elsewhere. On AVX-512
+    BF16 without AMX, whose dot products only the TE kernels' form takes, the TE kernels
+    where that form serves (a dilation bound of at most AMX_MAX_DILATION, the head dim a
+    multiple of 32), the fused kernel elsewhere. Without an engine, with extra keys (the
+    extra keys' TE kernels use no engine), and float16 anywhere, the fused kernel. (The
+    compile is stubbed: only the choice is checked, on any CPU.)"""
     monkeypatch.setattr(library, "tvm_pool_threads", lambda: 1)
     monkeypatch.setattr(eager, "_kernel", lambda want, device: want)
     fwd = KernelSpec("local", 32, "bfloat16", 37, 0)
-    for amx, dtype, kw, fused in ((True, "bfloat16", {}, True), (True, "bfloat16", dict(max_dilation=2), True),
-                                  (True, "bfloat16", dict(left=8192, right=1), False),
-                                  (True, "bfloat16", dict(head_dim=16), False), (False, "bfloat16", {}, True),
-                                  (True, "float16", {}, True), (True, "bfloat16", dict(extras=True), True),
-                                  (True, "bfloat16", dict(extras=True, head_dim=16), True),
-                                  (False, "bfloat16", dict(max_dilation=2), True)):
-        monkeypatch.setattr(eager, "_host_has_amx_bf16", lambda: amx)
+    for engine, dtype, kw, fused in (("amx", "bfloat16", {}, True), ("amx", "bfloat16", dict(max_dilation=2), True),
+                                     ("amx", "bfloat16", dict(left=8192, right=1), False),
+                                     ("amx", "bfloat16", dict(head_dim=16), False), (None, "bfloat16", {}, True),
+                                     ("amx", "float16", {}, True), ("amx", "bfloat16", dict(extras=True), True),
+                                     ("amx", "bfloat16", dict(extras=True, head_dim=16), True),
+                                     (None, "bfloat16", dict(max_dilation=2), True),
+                                     ("bf16_dot", "bfloat16", {}, False),
+                                     ("bf16_dot", "bfloat16", dict(max_dilation=2), False),
+                                     ("bf16_dot", "bfloat16", dict(max_dilation=8), True),
+                                     ("bf16_dot", "bfloat16", dict(head_dim=16), True),
+                                     ("bf16_dot", "bfloat16", dict(extras=True), True),
+                                     ("bf16_dot", "float32", {}, True), ("bf16_dot", "float16", {}, True)):
+        monkeypatch.setattr(eager, "_host_engine", lambda: engine)
         got = eager._fused_backward_kernel(dataclasses.replace(fwd, dtype=dtype, **kw), "cpu", (37, 0), 8)
-        assert (got is not None and got.kind == "local_bwd") == fused, (amx, dtype, kw, got)
+        assert (got is not None and got.kind == "local_bwd") == fused, (engine, dtype, kw, got)
 
 
 def test_cuda_targets_build_no_fused_cpu_kernel():
@@ -207,7 +215,8 @@ def test_libraries_with_and_without_the_fused_kernel(fresh_registry, tmp_path, l
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_half_precision(dtype, fresh_registry, tmp_path, launched, monkeypatch):
     """bfloat16 and float16, converted to float32 as they are staged, as a CPU without
-    the matrix engine runs them (a target without AMX, on any x86 machine): the gradients
+    the matrix engine runs them (a target without AMX and AVX-512 BF16, on any x86
+    machine): the gradients
     within the tolerance the other half-precision gradients are held to, rounded once to
     the inputs' dtype."""
     from swa_tvm.compiler.targets import host_target
@@ -215,7 +224,7 @@ def test_fused_half_precision(dtype, fresh_registry, tmp_path, launched, monkeyp
 
     monkeypatch.setattr(library, "tvm_pool_threads", lambda: 1)
     name = str(dtype).removeprefix("torch.")
-    target = dict(host_target(), mattr=["-amx-tile", "-amx-bf16"])
+    target = dict(host_target(), mattr=["-amx-tile", "-amx-bf16", "-avx512bf16"])
     lib = tmp_path / f"{name}.so"
     swa_tvm.export_library([AttentionSpec(head_dim=32, window=(20, 17), backward=True, dtype=name)], lib,
                            target=target, logs=None, warn_untuned=False)  # fmt: skip
@@ -240,7 +249,8 @@ def test_amx_targets_take_the_matrix_engine_gradients(tmp_path):
     matrix-engine form (any dilation bound, global tokens); for a window wider than it
     serves, none (the TE gradients multiply on the engine there); with global tokens and
     a head dim it does not serve, the float32-product one (the extra keys' TE kernels do
-    not use the engine), as a float16 library (no AMX form) does."""
+    not use the engine), as a float16 library (no AMX form) does. For a CPU with AVX-512
+    BF16 and no AMX, see below."""
     target = {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2}
     for dtype, kw, schedule in (("bfloat16", {}, "amx"), ("bfloat16", dict(max_dilation=2), "amx"),
                                 ("bfloat16", dict(window=(8192, 1)), None), ("bfloat16", dict(globals=True), "amx"),
@@ -251,3 +261,15 @@ def test_amx_targets_take_the_matrix_engine_gradients(tmp_path):
                                    warn_untuned=False)
         got = {k["spec"]["kind"]: k["schedule"] for k in m["kernels"]}.get("local_bwd")
         assert got == schedule, (dtype, kw, got)
+    # With AVX-512 BF16 and no AMX (cooperlake) the TE kernels' dot-product form replaces
+    # the fused kernel where it serves; with global tokens or a dilation bound above
+    # AMX_MAX_DILATION, the float32-product fused kernel stays.
+    target = {"kind": "llvm", "mcpu": "cooperlake", "num-cores": 2}
+    for kw, schedule in (({}, None), (dict(globals=True), "cpu_flash_bwd"), (dict(max_dilation=8), "cpu_flash_bwd")):
+        spec = AttentionSpec(**{"head_dim": 32, "backward": True, "dtype": "bfloat16", "window": (31, 0), **kw})
+        m = swa_tvm.export_library([spec], tmp_path / f"dot{len(kw)}{kw.get('max_dilation', 0)}.so", target=target,
+                                   logs=None, warn_untuned=False)
+        got = {k["spec"]["kind"]: k["schedule"] for k in m["kernels"]}
+        assert got.get("local_bwd") == schedule, (kw, got)
+        if schedule is None:
+            assert got["local_dq"] == got["local_dkv"] == "bf16_dot", got

@@ -29,14 +29,14 @@ from swa_tvm.compiler.targets import (
     AMX_FEATURES,
     _cpu_features,
     _vector_lanes,
-    has_amx,
+    matrix_engine,
     matrix_form,
     normalize_target,
     target_key,
     uses_amx,
 )
 from swa_tvm.compute import prim_func
-from swa_tvm.compute.forward import fused_backward_on_amx
+from swa_tvm.compute.forward import fused_backward_runs
 from swa_tvm.runtime import library
 from swa_tvm.runtime.library import AMX_FORMAT, FUSED_BACKWARD_FORMAT, MANIFEST_FORMATS, sha256_file
 from swa_tvm.schedules import cpu as cpu_schedules
@@ -212,10 +212,10 @@ def export_library(
     specs = list(dict.fromkeys(specs))
     target = normalize_target(target)
     # The five-product CPU backward is left out where the TE gradient kernels run instead:
-    # on CUDA (fused kernels of their own), and on a CPU with AMX where
-    # ``fused_backward_on_amx`` says so.
+    # on CUDA (fused kernels of their own), and on a CPU with a bfloat16 engine where
+    # ``fused_backward_runs`` says so.
     specs = [s for s in specs if s.kind not in CPU_ONLY_KINDS
-             or (target.get("kind") == "llvm" and (not has_amx(target) or fused_backward_on_amx(s)))]
+             or (target.get("kind") == "llvm" and fused_backward_runs(s, matrix_engine(target)))]
     records = find_records(specs, target, logs) if logs is not None else {}
     if warn_untuned and logs is not None:  # logs=None asks for default schedules: nothing to warn
         root = default_logs_root() if logs == DEFAULT_LOGS else logs

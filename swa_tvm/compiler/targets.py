@@ -129,13 +129,15 @@ def matrix_form(spec, target) -> str | None:
     follows the target class, as tuning records and caches do."""
     from swa_tvm.compute.forward import AMX_KINDS, amx_serves
 
-    if not amx_serves(spec):
+    engine = matrix_engine(target)
+    if not amx_serves(spec) or (engine == "bf16_dot" and spec.kind not in AMX_KINDS):
         return None
-    if has_amx(target):
-        return "amx"
-    if spec.kind in AMX_KINDS and has_bf16_dot(target):
-        return "bf16_dot"
-    return None
+    return engine
+
+
+def matrix_engine(target) -> str | None:
+    """The bfloat16 engine of an llvm ``target``: "amx", else "bf16_dot", else None."""
+    return "amx" if has_amx(target) else "bf16_dot" if has_bf16_dot(target) else None
 
 
 def uses_amx(spec, target) -> bool:

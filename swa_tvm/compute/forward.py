@@ -22,6 +22,7 @@ a combine stage; see global_attention).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 
@@ -541,13 +542,22 @@ def amx_serves(spec: KernelSpec) -> bool:
             and spec.max_dilation <= AMX_MAX_DILATION)
 
 
-def fused_backward_on_amx(spec: KernelSpec) -> bool:
-    """Whether the five-product backward (a "local_bwd" ``spec``) runs on a CPU with AMX:
-    in its matrix-engine form, or with extra keys where that does not serve (the extra
-    keys' TE kernels do not use the engine either), or in a dtype without such a form.
-    Elsewhere, bfloat16 takes the TE gradient kernels' matrix-engine form. The rule of
-    export and of first-use compiles alike."""
-    return spec.dtype != "bfloat16" or spec.extras or amx_serves(spec)
+def fused_backward_runs(spec: KernelSpec, engine: str | None) -> bool:
+    """Whether the five-product backward (a "local_bwd" ``spec``) runs rather than the TE
+    gradient kernels, on a CPU whose bfloat16 engine is ``engine`` (None, "amx" or
+    "bf16_dot": ``compiler.targets.matrix_engine``). Everywhere for float32, float16 and
+    extra keys (the extra keys' TE kernels do not use an engine). For bfloat16 with AMX:
+    where its own matrix-engine form serves (else the TE kernels' form). With AVX-512 BF16
+    dot products, which only the TE kernels' form takes: where that form does not serve,
+    as its float32 products lose to it there (on Zen 4, causal W=512, T=16384: 298-362
+    ms against 275-294 for a backward; dilation 2, W=256: 233 against 209; `python -m
+    tools.experiments.backward_breakdown --dtype bfloat16 [--te-gradients]`,
+    2026-12-07). The rule of export and of first-use compiles alike."""
+    if engine is None or spec.dtype != "bfloat16" or spec.extras:
+        return True
+    if engine == "amx":
+        return amx_serves(spec)
+    return not amx_serves(dataclasses.replace(spec, kind="local_dq"))
 
 
 # Rows per work item of the matrix-engine form, at least. `python -m
