@@ -499,8 +499,8 @@ def main(argv=None) -> int:
     add_mcpu_argument(p)
     p.add_argument("--reuse-libs", action="store_true", help="reuse OUT's libraries from an earlier run if they load")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
-                   help="input dtype (float16/bfloat16: our kernels accumulate in float32; on a CPU with AMX the "
-                        "bfloat16 local forwards run on the matrix engine, untuned; only tuning_logs/llvm-rocketlake "
+                   help="input dtype (float16/bfloat16: our kernels accumulate in float32; on a CPU with AMX or "
+                        "AVX-512 BF16 the bfloat16 local forwards run on the matrix engine, untuned; only tuning_logs/llvm-rocketlake "
                         "has other records for bfloat16); results go to results_<dtype>.json")
     args = p.parse_args(argv)
     if args.runs < 5:

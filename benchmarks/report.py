@@ -42,6 +42,10 @@ OURS = ("swa_tvm tuned", "swa_tvm")
 CLASSES = {
     "llvm-znver1": "2 cores of an AMD EPYC, family 23 model 1 (Zen 1 class): AVX2 and FMA, no AVX-512.",
     "llvm-znver3": "2 cores of an AMD EPYC, family 25 model 1 (Zen 3 class): AVX2 and FMA, no AVX-512.",
+    "llvm-znver4": (
+        "2 cores of an AMD EPYC, family 25 model 17 (Zen 4 class): AVX-512 with BF16, no AMX; the bfloat16 local "
+        "forward and window gradients run on AVX-512 BF16 dot products."
+    ),
     "llvm-rocketlake": (
         "2 cores of an Intel Xeon, family 6 model 167 (LLVM names it rocketlake): AVX-512 with BF16 and FP16, "
         "and AMX, which no kernel here uses."
@@ -74,6 +78,15 @@ NOTES = {
     ),
     ("llvm-znver3", "training.json"): "Ran on a Zen 4 class machine of the same pool (LLVM: znver4).",
     ("llvm-znver3", "training_bfloat16.json"): "Ran on a Zen 4 class machine of the same pool (LLVM: znver4).",
+    ("llvm-znver4", "results_bfloat16.json"): (
+        "swa_tvm's local kernels multiply on AVX-512 BF16 dot products (bfloat16 operands, float32 sums); the global "
+        "rows convert to float32. % of matmul is against the bfloat16 matmul of the same run. No tuning record applies "
+        "to the dot-product form: \"tuned\" and \"default\" are the same schedules."
+    ),
+    ("llvm-znver4", "training_bfloat16.json"): (
+        "The forward and the window gradients (the TE kernels) multiply on AVX-512 BF16 dot products; with global "
+        "tokens the five-product backward runs, in float32 products."
+    ),
     ("llvm-emeraldrapids", "results_bfloat16.json"): (
         "swa_tvm's local kernels multiply on AMX tiles (bfloat16 operands, float32 sums); the global rows convert "
         "to float32. % of matmul is against the bfloat16 matmul of the same run (oneDNN on AMX). There are no "

@@ -14,7 +14,7 @@ import torch
 import swa_tvm
 from conftest import grads_against_reference, rand
 from swa_tvm.compiler import build
-from swa_tvm.compiler.targets import host_target, matrix_form, uses_amx
+from swa_tvm.compiler.targets import host_target, matrix_engine, matrix_form, uses_amx
 from swa_tvm.compute.forward import amx_block, amx_serves
 from swa_tvm.reference import attention_mask, sliding_window_attention_ref
 from swa_tvm.runtime import library
@@ -25,8 +25,9 @@ HAS_AMX = AMX_FLAGS <= library.host_cpu_flags()
 needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU lacks AMX bfloat16 (amx_tile, amx_bf16)")
 HAS_BF16_DOT = "avx512_bf16" in library.host_cpu_flags()
 needs_bf16_dot = pytest.mark.skipif(not HAS_BF16_DOT, reason="this CPU lacks AVX-512 BF16 (avx512_bf16)")
-# The engine this CPU's bfloat16 kernels are built on (compiler.targets.matrix_form).
-HOST_ENGINE = "amx" if HAS_AMX else "bf16_dot" if HAS_BF16_DOT else None
+# The engine this CPU's bfloat16 kernels are built on: the host target's, which follows
+# the CPU's flags (compiler.targets.host_target).
+HOST_ENGINE = matrix_engine(host_target()) if platform.machine() in ("x86_64", "AMD64") else None
 needs_engine = pytest.mark.skipif(HOST_ENGINE is None, reason="this CPU lacks AMX bfloat16 (amx_tile, amx_bf16) and "
                                   "AVX-512 BF16 (avx512_bf16)")
 # The five-product backward's schedule on this CPU: its own AMX form, else float32 products.
@@ -36,6 +37,12 @@ x86 = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="
 AMX_TARGET = {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2}
 # One with AVX-512 BF16 and no AMX.
 DOT_TARGET = {"kind": "llvm", "mcpu": "cooperlake", "num-cores": 2}
+
+
+def _without_amx(target: dict) -> dict:
+    """``target`` with AMX turned off and its other -mattr kept (the host target may add
+    AVX-512 BF16 to a -mcpu that lacks it)."""
+    return dict(target, mattr=[m for m in target.get("mattr", []) if "amx" not in m] + ["-amx-tile", "-amx-bf16"])
 
 
 def _errors(q, k, v, **kw):
@@ -334,7 +341,7 @@ def test_library_records_bf16_dot_and_refuses_a_cpu_without_it(tmp_path, monkeyp
     manifest = build.export_library([spec], path, target=DOT_TARGET, logs=None)
     assert "avx512_bf16" in manifest["cpu_features"] and not AMX_FLAGS & set(manifest["cpu_features"])
     assert [e["schedule"] for e in manifest["kernels"]] == ["bf16_dot"]
-    assert _has_vdpbf16ps(path.read_bytes()) and not _has_tdpbf16ps(path.read_bytes())
+    assert _has_vdpbf16ps(path.read_bytes())
     monkeypatch.setattr(library, "host_cpu_flags", lambda: set(manifest["cpu_features"]) - {"avx512_bf16"})
     with pytest.raises(library.LibraryError, match="avx512_bf16"):
         swa_tvm.load_library(path)
@@ -441,11 +448,12 @@ def test_nan_beyond_the_window_reaches_no_row(where):
 
 
 @pytest.mark.parametrize("engine", [pytest.param("amx", marks=needs_amx), pytest.param("bf16_dot", marks=needs_bf16_dot)])
-@pytest.mark.parametrize("shape", [(48, 64, 96), (16, 48, 32)])
+@pytest.mark.parametrize("shape", [(48, 64, 96), (16, 48, 32), (32, 32, 64)])
 def test_the_intrinsic_is_a_matmul(engine, shape):
     """Each engine's tensor intrinsic alone, tensorized into a TE matmul of pair words:
     equals A @ B in float32 (bfloat16 products are exact in float32; only the sums
-    round). 16 x 48 leaves the dot products' register tile one row by three columns."""
+    round). The dot products' register tile is 4 rows by 4, 1 and 2 columns of 16 in
+    these shapes."""
     import tvm
     from tvm import s_tir, te
 
@@ -463,7 +471,7 @@ def test_the_intrinsic_is_a_matmul(engine, shape):
                    name="c")
     sch = s_tir.Schedule(te.create_prim_func([a_bits, b, c]))
     sch.tensorize(sch.get_loops(sch.get_sblock("c"))[0], {"amx": amx, "bf16_dot": bf16_dot}[engine].register(M, N, K))
-    target = AMX_TARGET if engine == "amx" else dict(host_target(), mattr=["-amx-tile", "-amx-bf16"])
+    target = AMX_TARGET if engine == "amx" else _without_amx(host_target())
     mod = tvm.compile(sch.mod, target=tvm.target.Target(target))
     A, Bm = rand(M, K).bfloat16(), rand(K, N).bfloat16()
     C = torch.zeros(M, N)
@@ -486,7 +494,7 @@ def test_dot_product_form_on_a_cpu_with_amx(case, tmp_path):
     left, right = cfg["window_size"]
     dil = cfg.get("dilation", 1)
     spec = KernelSpec("local", D, "bfloat16", left, right, max_dilation=dil)
-    target = dict(host_target(), mattr=["-amx-tile", "-amx-bf16"])
+    target = _without_amx(host_target())
     manifest = build.export_library([spec], tmp_path / "dot.so", target=target, logs=None)
     assert [e["schedule"] for e in manifest["kernels"]] == ["bf16_dot"]
     kernel = tvm.runtime.load_module(str(tmp_path / "dot.so"))[spec.name]
@@ -507,10 +515,10 @@ def test_dot_product_form_on_a_cpu_with_amx(case, tmp_path):
 
 @x86
 def test_host_target_adds_amx_its_cpu_name_lacks(monkeypatch):
-    """A CPU with AMX that LLVM names by a model without it (a virtual machine's Intel
-    reported as rocketlake) gets AMX in the host target's -mattr, so its bfloat16
-    kernels use the engine; a CPU whose name implies AMX that the OS hides gets it taken
-    out; the class key stays the -mcpu's."""
+    """A CPU with AMX (or AVX-512 BF16) that LLVM names by a model without it (a virtual
+    machine's Intel reported as rocketlake) gets it in the host target's -mattr, so its
+    bfloat16 kernels use the engine; a CPU whose name implies one that the OS hides gets
+    it taken out; the class key stays the -mcpu's."""
     from swa_tvm.compiler import targets
 
     monkeypatch.setattr(tvm_codegen(), "llvm_get_system_cpu", lambda: "rocketlake")
@@ -518,16 +526,28 @@ def test_host_target_adds_amx_its_cpu_name_lacks(monkeypatch):
     t = targets.host_target()
     assert t["mattr"] == ["+amx-tile", "+amx-bf16"] and targets.target_key(t) == "llvm-rocketlake"
     assert uses_amx(KernelSpec("local", 64, "bfloat16", 8, 0), t)
+    # AVX-512 BF16 the name lacks: the dot products' engine.
     monkeypatch.setattr(library, "host_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    t = targets.host_target()
+    assert t["mattr"] == ["+avx512bf16"] and matrix_form(KernelSpec("local", 64, "bfloat16", 8, 0), t) == "bf16_dot"
+    monkeypatch.setattr(library, "host_cpu_flags", lambda: {"avx512f"})
     assert "mattr" not in targets.host_target()
     monkeypatch.setattr(tvm_codegen(), "llvm_get_system_cpu", lambda: "sapphirerapids")
-    monkeypatch.setattr(library, "host_cpu_flags", lambda: {"avx512f", "amx_tile", "amx_bf16"})
+    monkeypatch.setattr(library, "host_cpu_flags", lambda: {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
     assert "mattr" not in targets.host_target()  # LLVM's sapphirerapids has AMX already
-    # The OS (or a hypervisor) hides AMX from a CPU whose name implies it: no AMX code.
+    # The OS (or a hypervisor) hides AMX from a CPU whose name implies it: no AMX code;
+    # hiding AVX-512 BF16 too leaves no engine.
     monkeypatch.setattr(library, "host_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     t = targets.host_target()
     assert t["mattr"] == ["-amx-tile", "-amx-bf16"]
     assert not uses_amx(KernelSpec("local", 64, "bfloat16", 8, 0), t)
+    monkeypatch.setattr(library, "host_cpu_flags", lambda: {"avx512f"})
+    t = targets.host_target()
+    assert t["mattr"] == ["-amx-tile", "-amx-bf16", "-avx512bf16"] and matrix_engine(t) is None
+    # No AVX-512 BF16 is added to a -mcpu without AVX-512 (a CPU LLVM does not know).
+    monkeypatch.setattr(tvm_codegen(), "llvm_get_system_cpu", lambda: "x86-64-v3")
+    monkeypatch.setattr(library, "host_cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    assert "mattr" not in targets.host_target()
 
 
 def tvm_codegen():
@@ -566,6 +586,7 @@ def test_tuning_refuses_the_matrix_engine_form():
     from swa_tvm.tuning.candidates import check_no_amx_specs
 
     amx_spec, plain = KernelSpec("local", 64, "bfloat16", 15, 0), KernelSpec("local", 64, "float32", 15, 0)
-    with pytest.raises(ValueError, match=amx_spec.name):
-        check_no_amx_specs([plain, amx_spec], AMX_TARGET)
+    for target in (AMX_TARGET, DOT_TARGET):
+        with pytest.raises(ValueError, match=amx_spec.name):
+            check_no_amx_specs([plain, amx_spec], target)
     check_no_amx_specs([plain, amx_spec], {"kind": "llvm", "mcpu": "znver3"})

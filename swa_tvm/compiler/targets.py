@@ -17,37 +17,46 @@ from swa_tvm.runtime.library import X86_FEATURES, cuda_device_arch
 
 def host_target(num_cores: int | None = None) -> dict:
     """The llvm target of this machine: detected -mcpu, all usable cores, and -mattr where
-    LLVM's -mcpu and the CPU disagree on AMX (``_amx_mattr``)."""
+    LLVM's -mcpu and the CPU disagree on a bfloat16 engine (``_engine_mattr``)."""
     import tvm
 
     cores = num_cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     target = {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(), "num-cores": int(cores or 1)}
-    mattr = _amx_mattr(target)
+    mattr = _engine_mattr(target)
     if mattr:
         target["mattr"] = mattr
     return target
 
 
-# The CPU flags of AMX with bfloat16 and LLVM's names for them (the manifest lists the flags).
+# The CPU flags of each bfloat16 engine and LLVM's names for them (the manifest lists
+# the flags): AMX with bfloat16, and AVX-512 BF16's dot products.
 AMX_FEATURES = {"amx_tile": "amx-tile", "amx_bf16": "amx-bf16"}
+BF16_DOT_FEATURES = {"avx512_bf16": "avx512bf16"}
 
 
-def _amx_mattr(target: dict) -> list[str]:
-    """``+feature`` for each AMX feature this CPU has (/proc/cpuinfo) that LLVM's -mcpu
-    for it lacks, ``-feature`` for each it implies that the CPU does not expose. A virtual
-    machine may report an Intel CPU with AMX under an older model, which LLVM then names
-    (rocketlake) without AMX; and an OS or hypervisor may hide AMX from a CPU whose name
-    implies it."""
+def _engine_mattr(target: dict) -> list[str]:
+    """``+feature`` for each engine's features this CPU has (/proc/cpuinfo) that LLVM's
+    -mcpu for it lacks, ``-feature`` for each it implies that the CPU does not expose. A
+    virtual machine may report an Intel CPU with AMX under an older model, which LLVM
+    then names (rocketlake) without AMX or AVX-512 BF16; and an OS or hypervisor may hide
+    a feature from a CPU whose name implies it. AVX-512 BF16 is added only to a -mcpu
+    with AVX-512."""
     import tvm
 
     from swa_tvm.runtime.library import host_cpu_flags
 
     if platform.machine() not in ("x86_64", "AMD64"):
         return []
-    have = tvm.target.codegen.llvm_get_cpu_features(tvm.target.Target(target))
-    if set(AMX_FEATURES) <= host_cpu_flags():
-        return [f"+{name}" for name in AMX_FEATURES.values() if name not in have]
-    return [f"-{name}" for name in AMX_FEATURES.values() if name in have]
+    have = {str(f) for f in tvm.target.codegen.llvm_get_cpu_features(tvm.target.Target(target))}
+    flags = host_cpu_flags()
+    mattr = []
+    for features in (AMX_FEATURES, BF16_DOT_FEATURES):
+        if set(features) <= flags:
+            if features is AMX_FEATURES or "avx512f" in have:
+                mattr += [f"+{name}" for name in features.values() if name not in have]
+        else:
+            mattr += [f"-{name}" for name in features.values() if name in have]
+    return mattr
 
 
 # sm_90a: Hopper's arch-specific target, whose code (wgmma) runs on sm_90 GPUs alone.

@@ -35,16 +35,17 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=9)
     args = p.parse_args(argv)
     os.environ.setdefault("TVM_NUM_THREADS", str(library.cpu_threads()))
-    flags = library.host_cpu_flags()
     host = targets.host_target()
     left, right = args.window
     spec = KernelSpec("local", args.D, "bfloat16", left, right, max_dilation=args.dilation)
     forms = {"float32 products": dict(host, mattr=NO_AMX + ["-avx512bf16"])}
-    if "avx512_bf16" in flags:
-        forms["AVX-512 BF16 dot products"] = dict(host, mattr=NO_AMX)
-    if {"amx_tile", "amx_bf16"} <= flags:
+    if targets.has_bf16_dot(host):
+        # AMX off, the host's other -mattr kept (it may add AVX-512 BF16 to the -mcpu).
+        forms["AVX-512 BF16 dot products"] = dict(host, mattr=[m for m in host.get("mattr", []) if "amx" not in m]
+                                                  + NO_AMX)
+    if targets.has_amx(host):
         library.request_amx("matrix_engines")
-        forms["AMX tiles"] = dict(host, mattr=["+amx-tile", "+amx-bf16"])
+        forms["AMX tiles"] = host
     kernels = {}
     for name, target in forms.items():
         tvm_target = tvm.target.Target(target)
