@@ -33,13 +33,11 @@ def intrin_name(rows: int, cols: int, depth: int) -> str:
     return f"swa_amx_bf16_{rows}x{cols}x{depth}"
 
 
-def _intrinsic(rows: int, cols: int, depth: int):
-    n = MATRIX_TILE
+def description(rows: int, cols: int, depth: int):
+    """The description of a ``rows`` x ``cols`` product over ``depth``: the math as the
+    computes write it, with its zero init. The dot-product engine (schedules.bf16_dot)
+    registers its intrinsics with it too, so the same stages tensorize into either."""
     pairs = depth // 2
-    # Result tiles 0..group-1 of a 16-row strip are accumulated together, so each tile of
-    # A (tile 4) is loaded once per group; B tiles alternate between 5 and 6 so a load
-    # overlaps the previous product.
-    group = max(g for g in (1, 2, 3, 4) if (cols // n) % g == 0)
 
     @T.prim_func(s_tir=True)
     def desc(a: T.handle, b: T.handle, c: T.handle) -> None:
@@ -60,6 +58,17 @@ def _intrinsic(rows: int, cols: int, depth: int):
                     with T.init():
                         C[vi, vj] = T.float32(0)
                     C[vi, vj] = C[vi, vj] + bf16_value(A[vi, vk * 2 + ve]) * word_half(B[vk, vj], ve)
+
+    return desc
+
+
+def _implementation(rows: int, cols: int, depth: int):
+    n = MATRIX_TILE
+    pairs = depth // 2
+    # Result tiles 0..group-1 of a 16-row strip are accumulated together, so each tile of
+    # A (tile 4) is loaded once per group; B tiles alternate between 5 and 6 so a load
+    # overlaps the previous product.
+    group = max(g for g in (1, 2, 3, 4) if (cols // n) % g == 0)
 
     @T.prim_func(s_tir=True)
     def impl(a: T.handle, b: T.handle, c: T.handle) -> None:
@@ -99,7 +108,7 @@ def _intrinsic(rows: int, cols: int, depth: int):
                                                       T.address_of(C[m * n, (g * group + t) * n]),
                                                       T.Cast("int64", sc) * T.int64(4)))
 
-    return desc, impl
+    return impl
 
 
 def register(rows: int, cols: int, depth: int) -> str:
@@ -111,5 +120,5 @@ def register(rows: int, cols: int, depth: int) -> str:
                          f"{MATRIX_TILE}, depth of {MATRIX_K}")
     name = intrin_name(rows, cols, depth)
     if TensorIntrin.get(name, allow_missing=True) is None:
-        TensorIntrin.register(name, *_intrinsic(rows, cols, depth))
+        TensorIntrin.register(name, description(rows, cols, depth), _implementation(rows, cols, depth))
     return name

@@ -2,8 +2,9 @@
 form's products on CPUs that have bfloat16 dot products but no AMX (AMD Zen 4, Intel
 Cooper Lake).
 
-Each intrinsic has the description of ``schedules.amx``'s of the same shape (the math
-as the computes write it), so the same stages tensorize into either. Its implementation
+Each intrinsic has the description of ``schedules.amx``'s of the same shape
+(``amx.description``: the math as the computes write it), so the same stages tensorize
+into either. Its implementation
 is a register tile: ROWS rows of A by COLS 16-lane columns of B, ROWS x COLS float32x16
 sums held in registers over the whole reduction. Each step takes one pair word of A
 (the bfloat16 of two consecutive reduction indices) broadcast to 16 lanes and one row
@@ -20,7 +21,8 @@ from __future__ import annotations
 from tvm.script import tirx as T
 from tvm.s_tir import TensorIntrin
 
-from swa_tvm.compute.forward import MATRIX_K, MATRIX_TILE, bf16_value, word_half
+from swa_tvm.compute.forward import MATRIX_K, MATRIX_TILE
+from swa_tvm.schedules import amx
 
 LANES = 16
 # The register tile: 4 rows x 4 columns of 16 lanes = 16 sums, 4 operand rows and a
@@ -29,7 +31,7 @@ LANES = 16
 ROWS, COLS = 4, 4
 
 STEP = "swa_bf16_dot_step"
-# acc + (the pair word at a, broadcast) . b, lane by lane.
+# acc + (the pair word a, broadcast) . b, lane by lane.
 STEP_IR = f"""
 define linkonce_odr <16 x float> @{STEP}(<16 x float> %acc, <2 x i16> %a, <16 x i32> %b) #0 {{
   %w = bitcast <2 x i16> %a to i32
@@ -49,32 +51,12 @@ def intrin_name(rows: int, cols: int, depth: int) -> str:
     return f"swa_bf16_dot_{rows}x{cols}x{depth}"
 
 
-def _intrinsic(rows: int, cols: int, depth: int):
+def _implementation(rows: int, cols: int, depth: int):
     pairs = depth // 2
     tile_rows = max(r for r in (1, 2, 4) if rows % r == 0 and r <= ROWS)
     tile_cols = max(c for c in (1, 2, 4) if (cols // LANES) % c == 0 and c <= COLS)
     sums = tile_rows * tile_cols
     half = max(sums // 2, 1)
-
-    @T.prim_func(s_tir=True)
-    def desc(a: T.handle, b: T.handle, c: T.handle) -> None:
-        sa = T.int64()
-        sb = T.int64()
-        sc = T.int64()
-        A = T.match_buffer(a, (rows, depth), "uint16", offset_factor=1, strides=[sa, 1])
-        B = T.match_buffer(b, (pairs, cols), "uint32", offset_factor=1, strides=[sb, 1])
-        C = T.match_buffer(c, (rows, cols), "float32", offset_factor=1, strides=[sc, 1])
-        with T.sblock("root"):
-            T.reads(A[0:rows, 0:depth], B[0:pairs, 0:cols])
-            T.writes(C[0:rows, 0:cols])
-            for i, j, k2, e in T.grid(rows, cols, pairs, 2):
-                with T.sblock("update"):
-                    vi, vj, vk, ve = T.axis.remap("SSRR", [i, j, k2, e])
-                    T.reads(C[vi, vj], A[vi, vk * 2 + ve], B[vk, vj])
-                    T.writes(C[vi, vj])
-                    with T.init():
-                        C[vi, vj] = T.float32(0)
-                    C[vi, vj] = C[vi, vj] + bf16_value(A[vi, vk * 2 + ve]) * word_half(B[vk, vj], ve)
 
     @T.prim_func(s_tir=True)
     def impl(a: T.handle, b: T.handle, c: T.handle) -> None:
@@ -120,7 +102,7 @@ def _intrinsic(rows: int, cols: int, depth: int):
                                     C[m * tile_rows + r, T.ramp((g * tile_cols + cc) * LANES, 1, LANES)] = hi[
                                         T.ramp((r * tile_cols + cc - half) * LANES, 1, LANES)]
 
-    return desc, impl
+    return impl
 
 
 def register(rows: int, cols: int, depth: int) -> str:
@@ -132,5 +114,5 @@ def register(rows: int, cols: int, depth: int) -> str:
                          f"{MATRIX_TILE}, depth of {MATRIX_K}")
     name = intrin_name(rows, cols, depth)
     if TensorIntrin.get(name, allow_missing=True) is None:
-        TensorIntrin.register(name, *_intrinsic(rows, cols, depth))
+        TensorIntrin.register(name, amx.description(rows, cols, depth), _implementation(rows, cols, depth))
     return name
