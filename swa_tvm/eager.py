@@ -354,10 +354,11 @@ FUSED_BACKWARD_MIN_OCCUPANCY = 0.75
 def _host_engine() -> str | None:
     """The bfloat16 engine of the kernels compiled here on first use (``compiler.targets.
     matrix_engine`` of the host target): "amx", "bf16_dot" or None."""
-    if not {"amx_tile", "amx_bf16", "avx512_bf16"} & library.host_cpu_flags():
-        return None  # neither engine: no need to ask LLVM (and import the compiler)
-    from swa_tvm.compiler.targets import host_target, matrix_engine  # compiles here anyway
+    # Importing targets loads no TVM; host_target asks LLVM, needed only where a flag is set.
+    from swa_tvm.compiler.targets import AMX_FEATURES, BF16_DOT_FEATURES, host_target, matrix_engine
 
+    if not (AMX_FEATURES.keys() | BF16_DOT_FEATURES.keys()) & library.host_cpu_flags():
+        return None  # neither engine
     return matrix_engine(host_target())
 
 

@@ -14,7 +14,7 @@ import torch
 import swa_tvm
 from conftest import grads_against_reference, rand
 from swa_tvm.compiler import build
-from swa_tvm.compiler.targets import host_target, matrix_engine, matrix_form, uses_amx
+from swa_tvm.compiler.targets import host_target, matrix_engine, matrix_form, uses_amx, without_amx
 from swa_tvm.compute.forward import amx_block, amx_serves
 from swa_tvm.reference import attention_mask, sliding_window_attention_ref
 from swa_tvm.runtime import library
@@ -38,11 +38,6 @@ AMX_TARGET = {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2}
 # One with AVX-512 BF16 and no AMX.
 DOT_TARGET = {"kind": "llvm", "mcpu": "cooperlake", "num-cores": 2}
 
-
-def _without_amx(target: dict) -> dict:
-    """``target`` with AMX turned off and its other -mattr kept (the host target may add
-    AVX-512 BF16 to a -mcpu that lacks it)."""
-    return dict(target, mattr=[m for m in target.get("mattr", []) if "amx" not in m] + ["-amx-tile", "-amx-bf16"])
 
 
 def _errors(q, k, v, **kw):
@@ -427,6 +422,9 @@ def test_which_specs_have_the_form():
               dict(DOT_TARGET, mattr=["-avx512bf16"]), {"kind": "cuda", "arch": "sm_90"}):
         assert matrix_form(spec, t) is None, t
     assert matrix_form(KernelSpec("local", 64, "float32", 8, 0), DOT_TARGET) is None
+    # AMX turned off, the other -mattr kept: the dot-product engine's target.
+    off = without_amx(dict(AMX_TARGET, mattr=["+amx-tile", "+amx-bf16", "+avx512bf16"]))
+    assert off["mattr"] == ["+avx512bf16", "-amx-tile", "-amx-bf16"] and matrix_form(spec, off) == "bf16_dot"
 
 
 @needs_engine
@@ -471,7 +469,7 @@ def test_the_intrinsic_is_a_matmul(engine, shape):
                    name="c")
     sch = s_tir.Schedule(te.create_prim_func([a_bits, b, c]))
     sch.tensorize(sch.get_loops(sch.get_sblock("c"))[0], {"amx": amx, "bf16_dot": bf16_dot}[engine].register(M, N, K))
-    target = AMX_TARGET if engine == "amx" else _without_amx(host_target())
+    target = AMX_TARGET if engine == "amx" else without_amx(host_target())
     mod = tvm.compile(sch.mod, target=tvm.target.Target(target))
     A, Bm = rand(M, K).bfloat16(), rand(K, N).bfloat16()
     C = torch.zeros(M, N)
@@ -494,7 +492,7 @@ def test_dot_product_form_on_a_cpu_with_amx(case, tmp_path):
     left, right = cfg["window_size"]
     dil = cfg.get("dilation", 1)
     spec = KernelSpec("local", D, "bfloat16", left, right, max_dilation=dil)
-    target = _without_amx(host_target())
+    target = without_amx(host_target())
     manifest = build.export_library([spec], tmp_path / "dot.so", target=target, logs=None)
     assert [e["schedule"] for e in manifest["kernels"]] == ["bf16_dot"]
     kernel = tvm.runtime.load_module(str(tmp_path / "dot.so"))[spec.name]

@@ -157,12 +157,20 @@ def uses_amx(spec, target) -> bool:
 
 def has_amx(target) -> bool:
     """Whether an llvm ``target`` (a dict or a tvm Target) has AMX with bfloat16."""
-    return "amx-tile" in _llvm_features(target) and "amx-bf16" in _llvm_features(target)
+    return set(AMX_FEATURES.values()) <= _llvm_features(target)
 
 
 def has_bf16_dot(target) -> bool:
     """Whether an llvm ``target`` (a dict or a tvm Target) has AVX-512 BF16's dot product."""
-    return "avx512bf16" in _llvm_features(target)
+    return set(BF16_DOT_FEATURES.values()) <= _llvm_features(target)
+
+
+def without_amx(target: dict) -> dict:
+    """An llvm ``target`` with AMX turned off and its other -mattr kept (``host_target``
+    may add AVX-512 BF16 to a -mcpu that lacks it): where the CPU has AVX-512 BF16, the
+    dot-product engine's target."""
+    kept = [m for m in target.get("mattr", []) if m.lstrip("+-") not in AMX_FEATURES.values()]
+    return dict(target, mattr=kept + [f"-{name}" for name in AMX_FEATURES.values()])
 
 
 def _llvm_features(target) -> frozenset:

@@ -21,7 +21,6 @@ from swa_tvm.compiler import build, targets
 from swa_tvm.runtime import library
 from swa_tvm.spec import KernelSpec
 
-NO_AMX = ["-amx-tile", "-amx-bf16"]
 
 
 def main(argv=None) -> int:
@@ -38,11 +37,9 @@ def main(argv=None) -> int:
     host = targets.host_target()
     left, right = args.window
     spec = KernelSpec("local", args.D, "bfloat16", left, right, max_dilation=args.dilation)
-    forms = {"float32 products": dict(host, mattr=NO_AMX + ["-avx512bf16"])}
+    forms = {"float32 products": dict(host, mattr=["-amx-tile", "-amx-bf16", "-avx512bf16"])}
     if targets.has_bf16_dot(host):
-        # AMX off, the host's other -mattr kept (it may add AVX-512 BF16 to the -mcpu).
-        forms["AVX-512 BF16 dot products"] = dict(host, mattr=[m for m in host.get("mattr", []) if "amx" not in m]
-                                                  + NO_AMX)
+        forms["AVX-512 BF16 dot products"] = targets.without_amx(host)
     if targets.has_amx(host):
         library.request_amx("matrix_engines")
         forms["AMX tiles"] = host
