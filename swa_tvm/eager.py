@@ -457,8 +457,8 @@ def _backward(
     # matrix-engine form rounds its own sums per query head (a GQA group then sums
     # bfloat16 terms, as FlashAttention's interface does, and the extra keys' and
     # global rows' terms are added in bfloat16): no float32 [B, H, T, D] pass.
-    dk = torch.empty(B, H, T, D, dtype=k.dtype if fused is not None and fused.schedule == "amx" else acc,
-                     device=q.device)
+    rounds_own = fused is not None and fused.schedule in library.MATRIX_SCHEDULES
+    dk = torch.empty(B, H, T, D, dtype=k.dtype if rounds_own else acc, device=q.device)
     dv = torch.empty_like(dk)
     if extra is not None:
         E = extra.shape[1]
@@ -471,8 +471,7 @@ def _backward(
     if fused is not None:  # also the extra keys' dk and dv (local_dx's)
         # dq in the accumulation dtype, where the kernel sums it in place (not its
         # matrix-engine form, which rounds its own sums to q's dtype once).
-        dq32 = dq if dq.dtype == acc or fused.schedule == "amx" else torch.empty(B, H, T, D, dtype=acc,
-                                                                                device=q.device)
+        dq32 = dq if dq.dtype == acc or rounds_own else torch.empty(B, H, T, D, dtype=acc, device=q.device)
         rows = []
         if fold_globals:
             qg = _dense(q_global) if q_global is not None else _global_rows(q, gi)

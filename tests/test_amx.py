@@ -30,8 +30,6 @@ needs_bf16_dot = pytest.mark.skipif(not HAS_BF16_DOT, reason="this CPU lacks AVX
 HOST_ENGINE = matrix_engine(host_target()) if platform.machine() in ("x86_64", "AMD64") else None
 needs_engine = pytest.mark.skipif(HOST_ENGINE is None, reason="this CPU lacks AMX bfloat16 (amx_tile, amx_bf16) and "
                                   "AVX-512 BF16 (avx512_bf16)")
-# The five-product backward's schedule on this CPU: its own AMX form, else float32 products.
-HOST_FUSED = "amx" if HAS_AMX else "cpu_flash_bwd"
 x86 = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="AMX is x86-64 only")
 # A CPU class LLVM knows with AMX: libraries for it build on any x86 machine.
 AMX_TARGET = {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2}
@@ -134,10 +132,9 @@ def test_gradients_within_torch_bfloat16_sdpa(case, monkeypatch):
     products, as FlashAttention's backward does) are as close to float64 autograd as
     torch's bfloat16 SDPA's are; the kernels that ran are this CPU's engine's, and no
     call needed the guarded kernels. The five-product kernel runs where the (batch, head)
-    pairs fill the threads, as here, with or without extra keys and global rows: with
-    AMX in its matrix-engine form (schedules/cpu_flash_bwd_amx.py), else in float32
-    products, which on AVX-512 BF16 run only with extra keys (the TE kernels' dot
-    products win elsewhere). The TE gradient kernels' matrix-engine form,
+    pairs fill the threads, as here, with or without extra keys and global rows, in its
+    matrix-engine form on this CPU's engine (schedules/cpu_flash_bwd_amx.py). The TE
+    gradient kernels' matrix-engine form,
     which runs where they do not, is held to the same bound with it turned off
     (symmetric: operands read in place; dilation 2: per-item band copies; globals and
     sinks: the extra keys' kernel, which converts to float32)."""
@@ -149,9 +146,7 @@ def test_gradients_within_torch_bfloat16_sdpa(case, monkeypatch):
     else:  # one thread in the eager layer's count, so any (batch, head) count takes it
         monkeypatch.setattr(library, "tvm_pool_threads", lambda: 1)
     fused = case not in te_cases
-    if HOST_ENGINE == "bf16_dot" and not {"global_idx", "num_sinks"} & set(GRAD_CASES[case]):
-        fused = False  # there the TE kernels' dot products run (compute.forward.fused_backward_runs)
-    _check_gradients(case, monkeypatch, HOST_ENGINE, fused=HOST_FUSED if fused else None)
+    _check_gradients(case, monkeypatch, HOST_ENGINE, fused=HOST_ENGINE if fused else None)
 
 
 @x86
@@ -189,7 +184,7 @@ PER_HEAD = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
 BF16_GRAD_TOLERANCE = 6e-3
 
 
-@needs_amx
+@needs_engine
 @pytest.mark.parametrize("case", ["q's rows", "q_global", "k_global and v_global",
                                   pytest.param("symmetric, dilation per head", marks=pytest.mark.slow),
                                   pytest.param("sinks with logits, dilation 2", marks=pytest.mark.slow)])
@@ -212,7 +207,7 @@ def test_matrix_engine_gradients_with_extra_keys_and_global_rows(case, monkeypat
             }[case]
     errors = grads_against_reference(*args[0], dtype=torch.bfloat16, **args[1])
     kinds = {kern.spec.kind: kern.schedule for kern in launched}
-    assert kinds.get("local_bwd") == "amx" and not {"local_dq", "local_dkv", "local_dx"} & set(kinds), kinds
+    assert kinds.get("local_bwd") == HOST_ENGINE and not {"local_dq", "local_dkv", "local_dx"} & set(kinds), kinds
     assert ("global_bwd" in kinds) == ("k_global" in args[1].get("projections", ())), kinds
     names = ("dq", "dk", "dv") + (("dsink",) if args[1].get("slog") else ()) + args[1].get("projections", ())
     for name, e in zip(names, errors):

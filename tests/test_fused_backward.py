@@ -148,29 +148,24 @@ def test_spec_names_the_fused_kernel_where_it_serves():
 
 
 def test_bfloat16_on_a_matrix_engine_the_fused_kernel_where_it_has_an_amx_form(fresh_registry, monkeypatch):
-    """Compiled on first use, bfloat16 on a CPU with AMX takes the fused kernel where it
-    has a matrix-engine form (the head dim a multiple of 32, a window of at most
-    AMX_FUSED_MAX_SPAN keys) and the TE gradient kernels (theirs) elsewhere. On AVX-512
-    BF16 without AMX, whose dot products only the TE kernels' form takes, the TE kernels
-    where that form serves (a dilation bound of at most AMX_MAX_DILATION, the head dim a
-    multiple of 32), the fused kernel elsewhere. Without an engine, with extra keys (the
+    """Compiled on first use, bfloat16 on a CPU with a matrix engine (AMX or AVX-512
+    BF16) takes the fused kernel where it has a matrix-engine form (the head dim a
+    multiple of 32, a window of at most AMX_FUSED_MAX_SPAN keys), the TE gradient kernels
+    (theirs) where only they have one (a wider window), and the fused kernel in float32
+    products where neither does (head dim 16). Without an engine, with extra keys (the
     extra keys' TE kernels use no engine), and float16 anywhere, the fused kernel. (The
     compile is stubbed: only the choice is checked, on any CPU.)"""
     monkeypatch.setattr(library, "tvm_pool_threads", lambda: 1)
     monkeypatch.setattr(eager, "_kernel", lambda want, device: want)
     fwd = KernelSpec("local", 32, "bfloat16", 37, 0)
-    for engine, dtype, kw, fused in (("amx", "bfloat16", {}, True), ("amx", "bfloat16", dict(max_dilation=2), True),
-                                     ("amx", "bfloat16", dict(left=8192, right=1), False),
-                                     ("amx", "bfloat16", dict(head_dim=16), False), (None, "bfloat16", {}, True),
-                                     ("amx", "float16", {}, True), ("amx", "bfloat16", dict(extras=True), True),
-                                     ("amx", "bfloat16", dict(extras=True, head_dim=16), True),
-                                     (None, "bfloat16", dict(max_dilation=2), True),
-                                     ("bf16_dot", "bfloat16", {}, False),
-                                     ("bf16_dot", "bfloat16", dict(max_dilation=2), False),
-                                     ("bf16_dot", "bfloat16", dict(max_dilation=8), True),
-                                     ("bf16_dot", "bfloat16", dict(head_dim=16), True),
-                                     ("bf16_dot", "bfloat16", dict(extras=True), True),
-                                     ("bf16_dot", "float32", {}, True), ("bf16_dot", "float16", {}, True)):
+    cases = [(None, "bfloat16", {}, True), (None, "bfloat16", dict(max_dilation=2), True)]
+    for engine in ("amx", "bf16_dot"):
+        cases += [(engine, "bfloat16", {}, True), (engine, "bfloat16", dict(max_dilation=2), True),
+                  (engine, "bfloat16", dict(max_dilation=8), True), (engine, "bfloat16", dict(left=8192, right=1), False),
+                  (engine, "bfloat16", dict(head_dim=16), True), (engine, "bfloat16", dict(extras=True), True),
+                  (engine, "bfloat16", dict(extras=True, head_dim=16), True), (engine, "float32", {}, True),
+                  (engine, "float16", {}, True)]
+    for engine, dtype, kw, fused in cases:
         monkeypatch.setattr(eager, "_host_engine", lambda: engine)
         got = eager._fused_backward_kernel(dataclasses.replace(fwd, dtype=dtype, **kw), "cpu", (37, 0), 8)
         assert (got is not None and got.kind == "local_bwd") == fused, (engine, dtype, kw, got)
@@ -245,31 +240,24 @@ def test_fused_half_precision(dtype, fresh_registry, tmp_path, launched, monkeyp
 
 @pytest.mark.slow  # compiles the matrix-engine form
 def test_amx_targets_take_the_matrix_engine_gradients(tmp_path):
-    """A bfloat16 library for a CPU with AMX holds the five-product kernel in its
-    matrix-engine form (any dilation bound, global tokens); for a window wider than it
-    serves, none (the TE gradients multiply on the engine there); with global tokens and
-    a head dim it does not serve, the float32-product one (the extra keys' TE kernels do
-    not use the engine), as a float16 library (no AMX form) does. For a CPU with AVX-512
-    BF16 and no AMX, see below."""
-    target = {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2}
-    for dtype, kw, schedule in (("bfloat16", {}, "amx"), ("bfloat16", dict(max_dilation=2), "amx"),
-                                ("bfloat16", dict(window=(8192, 1)), None), ("bfloat16", dict(globals=True), "amx"),
-                                ("bfloat16", dict(globals=True, head_dim=16), "cpu_flash_bwd"),
-                                ("float16", {}, "cpu_flash_bwd")):
-        spec = AttentionSpec(**{"head_dim": 32, "backward": True, "dtype": dtype, "window": (31, 0), **kw})
-        m = swa_tvm.export_library([spec], tmp_path / f"{dtype}{len(kw)}.so", target=target, logs=None,
-                                   warn_untuned=False)
-        got = {k["spec"]["kind"]: k["schedule"] for k in m["kernels"]}.get("local_bwd")
-        assert got == schedule, (dtype, kw, got)
-    # With AVX-512 BF16 and no AMX (cooperlake) the TE kernels' dot-product form replaces
-    # the fused kernel where it serves; with global tokens or a dilation bound above
-    # AMX_MAX_DILATION, the float32-product fused kernel stays.
-    target = {"kind": "llvm", "mcpu": "cooperlake", "num-cores": 2}
-    for kw, schedule in (({}, None), (dict(globals=True), "cpu_flash_bwd"), (dict(max_dilation=8), "cpu_flash_bwd")):
-        spec = AttentionSpec(**{"head_dim": 32, "backward": True, "dtype": "bfloat16", "window": (31, 0), **kw})
-        m = swa_tvm.export_library([spec], tmp_path / f"dot{len(kw)}{kw.get('max_dilation', 0)}.so", target=target,
-                                   logs=None, warn_untuned=False)
-        got = {k["spec"]["kind"]: k["schedule"] for k in m["kernels"]}
-        assert got.get("local_bwd") == schedule, (kw, got)
-        if schedule is None:
-            assert got["local_dq"] == got["local_dkv"] == "bf16_dot", got
+    """A bfloat16 library for a CPU with a matrix engine holds the five-product kernel in
+    its matrix-engine form (any dilation bound, global tokens): "amx" for one with AMX
+    (sapphirerapids), "bf16_dot" for one with AVX-512 BF16 and no AMX (cooperlake). For a
+    window wider than it serves, none (the TE gradients multiply on the engine there);
+    with global tokens and a head dim it does not serve, the float32-product one (the
+    extra keys' TE kernels do not use the engine), as a float16 library (no such form)
+    does."""
+    for mcpu, engine in (("sapphirerapids", "amx"), ("cooperlake", "bf16_dot")):
+        target = {"kind": "llvm", "mcpu": mcpu, "num-cores": 2}
+        for dtype, kw, schedule in (("bfloat16", {}, engine), ("bfloat16", dict(max_dilation=8), engine),
+                                    ("bfloat16", dict(window=(8192, 1)), None),
+                                    ("bfloat16", dict(globals=True), engine),
+                                    ("bfloat16", dict(globals=True, head_dim=16), "cpu_flash_bwd"),
+                                    ("float16", {}, "cpu_flash_bwd")):
+            spec = AttentionSpec(**{"head_dim": 32, "backward": True, "dtype": dtype, "window": (31, 0), **kw})
+            m = swa_tvm.export_library([spec], tmp_path / f"{mcpu}{dtype}{len(kw)}{kw.get('max_dilation', 0)}.so",
+                                       target=target, logs=None, warn_untuned=False)
+            got = {k["spec"]["kind"]: k["schedule"] for k in m["kernels"]}
+            assert got.get("local_bwd") == schedule, (mcpu, dtype, kw, got)
+            if schedule is None:
+                assert got["local_dq"] == got["local_dkv"] == engine, got

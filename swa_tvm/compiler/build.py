@@ -67,7 +67,8 @@ def schedule_spec(spec: KernelSpec, tvm_target, record=None, tiles=None):
     if spec.kind in CPU_ONLY_KINDS:
         if kind != "llvm":
             raise ValueError(f"{spec.name}: kind {spec.kind!r} is a CPU kernel; {kind} targets have none")
-        return (cpu_flash_bwd_amx.fused_backward_amx(spec) if uses_amx(spec, tvm_target)
+        engine = matrix_form(spec, tvm_target)
+        return (cpu_flash_bwd_amx.fused_backward_matrix(spec, engine) if engine is not None
                 else cpu_flash_bwd.fused_backward(spec))
     engine = matrix_form(spec, tvm_target)
     if engine is not None:

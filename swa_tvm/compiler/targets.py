@@ -132,16 +132,12 @@ def matrix_form(spec, target) -> str | None:
     """The engine ``spec``'s matrix-engine form is built on for ``target`` (a dict or a
     tvm Target), or None where it keeps its float32 products: "amx" on an llvm target
     whose CPU has AMX with bfloat16 (amx-tile, amx-bf16); "bf16_dot", AVX-512 BF16 dot
-    products, on one that has those (avx512bf16) but no AMX, for the TE kernels of the
-    form (``compute.forward.AMX_KINDS``; the five-product backward's form is written in
-    AMX tiles). The spec must have such a form (``compute.forward.amx_serves``). The form
-    follows the target class, as tuning records and caches do."""
-    from swa_tvm.compute.forward import AMX_KINDS, amx_serves
+    products, on one that has those (avx512bf16) but no AMX. The spec must have such a
+    form (``compute.forward.amx_serves``). The form follows the target class, as tuning
+    records and caches do."""
+    from swa_tvm.compute.forward import amx_serves
 
-    engine = matrix_engine(target)
-    if not amx_serves(spec) or (engine == "bf16_dot" and spec.kind not in AMX_KINDS):
-        return None
-    return engine
+    return matrix_engine(target) if amx_serves(spec) else None
 
 
 def matrix_engine(target) -> str | None:

@@ -546,18 +546,14 @@ def fused_backward_runs(spec: KernelSpec, engine: str | None) -> bool:
     """Whether the five-product backward (a "local_bwd" ``spec``) runs rather than the TE
     gradient kernels, on a CPU whose bfloat16 engine is ``engine`` (None, "amx" or
     "bf16_dot": ``compiler.targets.matrix_engine``). Everywhere for float32, float16 and
-    extra keys (the extra keys' TE kernels do not use an engine). For bfloat16 with AMX:
-    where its own matrix-engine form serves (else the TE kernels' form). With AVX-512 BF16
-    dot products, which only the TE kernels' form takes: where that form does not serve,
-    as its float32 products lose to it there (on Zen 4, causal W=512, T=16384: 298-362
-    ms against 275-294 for a backward; dilation 2, W=256: 233 against 209; `python -m
-    tools.experiments.backward_breakdown --dtype bfloat16 [--te-gradients]`,
-    2026-12-07). The rule of export and of first-use compiles alike."""
+    extra keys (the extra keys' TE kernels do not use an engine). For bfloat16 on an
+    engine: where its own matrix-engine form serves (``amx_serves``), and where neither
+    it nor the TE kernels' form does (both then multiply in float32, and the fused kernel
+    recomputes less); the TE kernels' form where only theirs serves (a window wider than
+    AMX_FUSED_MAX_SPAN). The rule of export and of first-use compiles alike."""
     if engine is None or spec.dtype != "bfloat16" or spec.extras:
         return True
-    if engine == "amx":
-        return amx_serves(spec)
-    return not amx_serves(dataclasses.replace(spec, kind="local_dq"))
+    return amx_serves(spec) or not amx_serves(dataclasses.replace(spec, kind="local_dq"))
 
 
 # Rows per work item of the matrix-engine form, at least. `python -m

@@ -282,6 +282,11 @@ def host_cpu_name() -> str:
     return name.strip() if name is not None else platform.processor()
 
 
+# The manifest schedules of the matrix-engine form (AMX tiles, AVX-512 BF16 dot products):
+# their "local_bwd" kernels round dq, dk and dv to bfloat16 themselves.
+MATRIX_SCHEDULES = ("amx", "bf16_dot")
+
+
 @dataclass
 class Kernel:
     spec: KernelSpec
@@ -295,8 +300,8 @@ class Kernel:
     # The manifest's "schedule": "default"/"tuned" (the TE compute, schedules/cpu.py or
     # schedules/cuda.py, or a record replayed on it), "amx" (the matrix-engine form,
     # schedules/cpu.py; for "local_bwd" schedules/cpu_flash_bwd_amx.py, whose dq, dk and
-    # dv come in bfloat16), "bf16_dot" (the matrix-engine form on AVX-512 BF16 dot
-    # products) or a fused kernel's module name.
+    # dv come in bfloat16), "bf16_dot" (the same form on AVX-512 BF16 dot products) or a
+    # fused kernel's module name.
     schedule: str | None = None
 
 

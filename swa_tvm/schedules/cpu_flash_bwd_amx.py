@@ -43,15 +43,22 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from swa_tvm.compute.forward import SHORT_EXP, _exp, amx_serves, bf16_round_bits, extra_visible, pair_word
+from swa_tvm.schedules import bf16_dot
+from swa_tvm.schedules.bf16_dot import LANES
 from swa_tvm.spec import KernelSpec
 
 BK = BQ = 32  # keys per key block, query rows per sub-block (one tile product's depth)
 TILE = 16  # rows and float32 columns of a tile
 
 
-def fused_backward_amx(spec: KernelSpec):
-    """The PrimFunc of a "local_bwd" spec this form serves (symbolic B, H, Hkv and T)."""
-    assert spec.kind == "local_bwd" and amx_serves(spec), spec.name
+def fused_backward_matrix(spec: KernelSpec, engine: str):
+    """The PrimFunc of a "local_bwd" spec this form serves (symbolic B, H, Hkv and T), its
+    products on ``engine``: "amx" or "bf16_dot" (``compiler.targets.matrix_engine``)."""
+    assert spec.kind == "local_bwd" and amx_serves(spec) and engine in ("amx", "bf16_dot"), (spec.name, engine)
+    dot = engine == "bf16_dot"
+    # The dot step is LLVM IR imported into the module (schedules.bf16_dot).
+    step_import = {"pragma_import_llvm": bf16_dot.STEP_IR} if dot else {}
+    CG = 4 if spec.head_dim % (4 * LANES) == 0 else 2  # 16-lane column groups per dot register tile
     D, left, right = spec.head_dim, spec.left, spec.right
     NT = D // TILE  # result tiles across the features
     KC = D // 32  # depth chunks of the score products
@@ -159,7 +166,7 @@ def fused_backward_amx(spec: KernelSpec):
                 dSt[kk, r] = rounded(St[kk, r] * (dPt[kk, r] - Ds[slot, r]) * scale)
 
     @T.macro
-    def score_products(Kr, Vr, Qc, dOc, St, dPt, slot):
+    def score_products_amx(Kr, Vr, Qc, dOc, St, dPt, slot, lo, hi):
         # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, a strip of 16 keys at a time.
         for st in range(BK // TILE):
             zero(0)
@@ -183,7 +190,7 @@ def fused_backward_amx(spec: KernelSpec):
             store(3, T.address_of(dPt[st * TILE, TILE]), BQ * 4)
 
     @T.macro
-    def gradient_products(Pt, dSt, dSw, Qp, dOp, dQt, Kt, dKa, dVa, slot):
+    def gradient_products_amx(Pt, dSt, dSw, Qp, dOp, dQt, Kt, dKa, dVa, slot, lo, hi):
         for k2 in range(BK // 2):
             for r in T.vectorized(BQ):
                 dSw[k2, r] = word(dSt[2 * k2, r], dSt[2 * k2 + 1, r])
@@ -203,6 +210,88 @@ def fused_backward_amx(spec: KernelSpec):
             dot(1, 4, 6)
             store(0, T.address_of(dQt[slot, st * TILE, 0]), BQ * 4)
             store(1, T.address_of(dQt[slot, st * TILE, TILE]), BQ * 4)
+
+    # The same three macros on AVX-512 BF16 dot products: register tiles of float32x16
+    # sums (schedules.bf16_dot), two halves lo and hi, each under TVM's 1 KiB stack
+    # bound so LLVM keeps them in registers; each step adds a pair word of A, broadcast,
+    # times a row of 16 pair words of B.
+    def step(acc, a, b):
+        return T.call_pure_extern("float32x16", bf16_dot.STEP, acc, a, b)
+
+    def lanes(i):
+        return T.ramp(i * LANES, 1, LANES)
+
+    @T.macro
+    def score_products_dot(Kr, Vr, Qc, dOc, St, dPt, slot, lo, hi):
+        # Sᵀ (in lo) and dPᵀ (in hi), 4 keys by the 32 rows at a time.
+        for kb in range(BK // 4):
+            for t in T.unroll(8):
+                lo[lanes(t)] = T.broadcast(T.float32(0), LANES)
+                hi[lanes(t)] = T.broadcast(T.float32(0), LANES)
+            for c2 in range(D // 2):
+                for kk in T.unroll(4):
+                    for g in T.unroll(2):
+                        lo[lanes(kk * 2 + g)] = step(lo[lanes(kk * 2 + g)], Kr[kb * 4 + kk, T.ramp(c2 * 2, 1, 2)],
+                                                     Qc[slot, c2, lanes(g)])
+                        hi[lanes(kk * 2 + g)] = step(hi[lanes(kk * 2 + g)], Vr[kb * 4 + kk, T.ramp(c2 * 2, 1, 2)],
+                                                     dOc[slot, c2, lanes(g)])
+            for kk in T.unroll(4):
+                for g in T.unroll(2):
+                    St[kb * 4 + kk, lanes(g)] = lo[lanes(kk * 2 + g)]
+                    dPt[kb * 4 + kk, lanes(g)] = hi[lanes(kk * 2 + g)]
+
+    @T.macro
+    def key_rows_update_dot(total, weights_t, rows_w, slot, lo, hi):
+        # total[BK keys, D] += weights_t (keys x BQ rows) rows_w[slot] (the rows' pair
+        # words): 4 keys by CG x 16 features at a time, keys 0-1 in lo, 2-3 in hi.
+        for kb in range(BK // 4):
+            for cg in range(D // (CG * LANES)):
+                for kk in T.unroll(2):
+                    for g in T.unroll(CG):
+                        lo[lanes(kk * CG + g)] = total[kb * 4 + kk, lanes(cg * CG + g)]
+                        hi[lanes(kk * CG + g)] = total[kb * 4 + 2 + kk, lanes(cg * CG + g)]
+                for r2 in range(BQ // 2):
+                    for kk in T.unroll(2):
+                        for g in T.unroll(CG):
+                            lo[lanes(kk * CG + g)] = step(lo[lanes(kk * CG + g)],
+                                                         weights_t[kb * 4 + kk, T.ramp(r2 * 2, 1, 2)],
+                                                         rows_w[slot, r2, lanes(cg * CG + g)])
+                            hi[lanes(kk * CG + g)] = step(hi[lanes(kk * CG + g)],
+                                                         weights_t[kb * 4 + 2 + kk, T.ramp(r2 * 2, 1, 2)],
+                                                         rows_w[slot, r2, lanes(cg * CG + g)])
+                for kk in T.unroll(2):
+                    for g in T.unroll(CG):
+                        total[kb * 4 + kk, lanes(cg * CG + g)] = lo[lanes(kk * CG + g)]
+                        total[kb * 4 + 2 + kk, lanes(cg * CG + g)] = hi[lanes(kk * CG + g)]
+
+    @T.macro
+    def gradient_products_dot(Pt, dSt, dSw, Qp, dOp, dQt, Kt, dKa, dVa, slot, lo, hi):
+        for k2 in range(BK // 2):
+            for r in T.vectorized(BQ):
+                dSw[k2, r] = word(dSt[2 * k2, r], dSt[2 * k2 + 1, r])
+        key_rows_update_dot(dVa, Pt, dOp, slot, lo, hi)
+        key_rows_update_dot(dKa, dSt, Qp, slot, lo, hi)
+        # dQᵀ += Kᵀ dSᵀ: 8 features by the 32 rows at a time, features 0-3 in lo, 4-7 in hi.
+        for fb in range(D // 8):
+            for f in T.unroll(4):
+                for g in T.unroll(2):
+                    lo[lanes(f * 2 + g)] = dQt[slot, fb * 8 + f, lanes(g)]
+                    hi[lanes(f * 2 + g)] = dQt[slot, fb * 8 + 4 + f, lanes(g)]
+            for k2 in range(BK // 2):
+                for f in T.unroll(4):
+                    for g in T.unroll(2):
+                        lo[lanes(f * 2 + g)] = step(lo[lanes(f * 2 + g)], Kt[fb * 8 + f, T.ramp(k2 * 2, 1, 2)],
+                                                    dSw[k2, lanes(g)])
+                        hi[lanes(f * 2 + g)] = step(hi[lanes(f * 2 + g)], Kt[fb * 8 + 4 + f, T.ramp(k2 * 2, 1, 2)],
+                                                    dSw[k2, lanes(g)])
+            for f in T.unroll(4):
+                for g in T.unroll(2):
+                    dQt[slot, fb * 8 + f, lanes(g)] = lo[lanes(f * 2 + g)]
+                    dQt[slot, fb * 8 + 4 + f, lanes(g)] = hi[lanes(f * 2 + g)]
+
+
+    score_products = score_products_dot if dot else score_products_amx
+    gradient_products = gradient_products_dot if dot else gradient_products_amx
 
     @T.macro
     def stage_slot(x, dout, lse, delta, b, h, i0, Tr, res, d, rows, Qc, dOc, Qp, dOp, Ls, Ds, dQt, slot):
@@ -272,6 +361,9 @@ def fused_backward_amx(spec: KernelSpec):
                         dout[0:B, 0:H, 0:Tn, 0:D], lse[0:B, 0:H, 0:Tn], delta[0:B, 0:H, 0:Tn])
                 T.writes(dq[0:B, 0:H, 0:Tn, 0:D], dk[0:B, 0:H, 0:Tn, 0:D], dv[0:B, 0:H, 0:Tn, 0:D])
             cfg = T.alloc_buffer((64,), "uint8")
+            # The dot products' register tile: two halves of 8 float32x16 sums.
+            sums_lo = T.alloc_buffer((8 * LANES,), "float32", scope="local")
+            sums_hi = T.alloc_buffer((8 * LANES,), "float32", scope="local")
             # This key block: rows (A of Sᵀ, dPᵀ), K transposed (A of dQᵀ), dk/dv sums.
             Kr = T.alloc_buffer((BK, D), u16)
             Vr = T.alloc_buffer((BK, D), u16)
@@ -314,13 +406,14 @@ def fused_backward_amx(spec: KernelSpec):
             b = bh // H
             h = bh % H
             kh = h // (H // Hkv)
-            for i in range(64):
-                cfg[i] = T.uint8(0)
-            cfg[0] = T.uint8(1)  # palette 1: every tile 16 rows of 64 bytes
-            for t in range(8):
-                cfg[16 + 2 * t] = T.uint8(64)
-                cfg[48 + t] = T.uint8(16)
-            T.evaluate(T.call_llvm_intrin("void", "llvm.x86.ldtilecfg", T.address_of(cfg[0])))
+            if not dot:
+                for i in range(64):
+                    cfg[i] = T.uint8(0)
+                cfg[0] = T.uint8(1)  # palette 1: every tile 16 rows of 64 bytes
+                for t in range(8):
+                    cfg[16 + 2 * t] = T.uint8(64)
+                    cfg[48 + t] = T.uint8(16)
+                T.evaluate(T.call_llvm_intrin("void", "llvm.x86.ldtilecfg", T.address_of(cfg[0])))
             if spec.extras:
                 for e in range(E):
                     for c in T.vectorized(D):
@@ -330,7 +423,7 @@ def fused_backward_amx(spec: KernelSpec):
                     for c in T.vectorized(D):
                         dqg[b, h, g, c] = T.float32(0)
             d = dilation(dil, h)
-            for res in range(d):
+            for res in T.serial(d, annotations=step_import):
                 Tr = (Tn - res + (d - 1)) // d  # positions res, res + d, ... below T
                 for s in range(R):
                     held[s] = T.int64(-1)
@@ -355,10 +448,10 @@ def fused_backward_amx(spec: KernelSpec):
                                 if staged[0] != xc:
                                     flush_extras(dkx, dvx, dKx, dVx, staged, b, h, E)
                                     stage_extras(k, v, xidx, XKr, XVr, XKt, Xp, Xr, Xt, staged, xc, b, kh, d, E, Tn)
-                                score_products(XKr, XVr, Qc, dOc, St, dPt, slot)
+                                score_products(XKr, XVr, Qc, dOc, St, dPt, slot, sums_lo, sums_hi)
                                 probabilities("extras", St, dPt, Pt, dSt, Ls, Ds, slot, scale, m * BQ, 0, Tr, res, d,
                                               Xp, Xr, Xt, Tn, 0, G, Gp, True)
-                                gradient_products(Pt, dSt, dSw, Qp, dOp, dQt, XKt, dKx, dVx, slot)
+                                gradient_products(Pt, dSt, dSw, Qp, dOp, dQt, XKt, dKx, dVx, slot, sums_lo, sums_hi)
                     hi[0] = T.max(hi[0], m_hi)
                     stage_rows(k, b, kh, j0, Tr, res, d, Kr, None, None, 0)
                     stage_rows(v, b, kh, j0, Tr, res, d, Vr, None, None, 0)
@@ -371,7 +464,7 @@ def fused_backward_amx(spec: KernelSpec):
                     for m in range(m_lo, m_hi + 1):
                         slot = T.floormod(m, R)
                         i0 = m * BQ
-                        score_products(Kr, Vr, Qc, dOc, St, dPt, slot)
+                        score_products(Kr, Vr, Qc, dOc, St, dPt, slot, sums_lo, sums_hi)
                         # Pᵀ and dSᵀ = scale Pᵀ (dPᵀ - delta), in float32, rounded to bfloat16; the
                         # mask only where some pair of the visit is outside the window or T.
                         if T.And(T.And(i0 + BQ - 1 - j0 <= left, j0 + BK - 1 - i0 <= right), j0 + BK <= Tr):
@@ -380,7 +473,7 @@ def fused_backward_amx(spec: KernelSpec):
                         else:
                             probabilities("window", St, dPt, Pt, dSt, Ls, Ds, slot, scale, i0, j0, Tr, res, d, Xp, Xr,
                                           Xt, Tn, 0, G, Gp, True)
-                        gradient_products(Pt, dSt, dSw, Qp, dOp, dQt, Kt, dKa, dVa, slot)
+                        gradient_products(Pt, dSt, dSw, Qp, dOp, dQt, Kt, dKa, dVa, slot, sums_lo, sums_hi)
                     if spec.extras:
                         # The global rows that attend to k and v, a chunk of BQ at a time in
                         # slot GS (staged once per residue where they fit one chunk), as a
@@ -395,10 +488,10 @@ def fused_backward_amx(spec: KernelSpec):
                                                      T.Cast("int64", gidx[b, T.min(gc * BQ + r, G - 1)]), T.int64(-1))
                                 stage_slot(qg, doutg, lseg, deltag, b, h, gc * BQ, G, 0, T.int64(1), rows, Qc, dOc, Qp,
                                            dOp, Ls, Ds, dQt, GS)
-                            score_products(Kr, Vr, Qc, dOc, St, dPt, GS)
+                            score_products(Kr, Vr, Qc, dOc, St, dPt, GS, sums_lo, sums_hi)
                             probabilities("global", St, dPt, Pt, dSt, Ls, Ds, GS, scale, 0, j0, Tr, res, d, Xp, Xr, Xt,
                                           Tn, gc * BQ, G, Gp, True)
-                            gradient_products(Pt, dSt, dSw, Qp, dOp, dQt, Kt, dKa, dVa, GS)
+                            gradient_products(Pt, dSt, dSw, Qp, dOp, dQt, Kt, dKa, dVa, GS, sums_lo, sums_hi)
                     for kk in range(BK):
                         if j0 + kk < Tr:
                             for c in T.vectorized(D):
@@ -463,4 +556,4 @@ def fused_backward_amx(spec: KernelSpec):
     return kernel.with_attr("global_symbol", spec.name)
 
 
-__all__ = ["fused_backward_amx", "BK", "BQ"]
+__all__ = ["fused_backward_matrix", "BK", "BQ"]
