@@ -133,7 +133,7 @@ def test_gradients_within_torch_bfloat16_sdpa(case, monkeypatch):
     torch's bfloat16 SDPA's are; the kernels that ran are this CPU's engine's, and no
     call needed the guarded kernels. The five-product kernel runs where the (batch, head)
     pairs fill the threads, as here, with or without extra keys and global rows, in its
-    matrix-engine form on this CPU's engine (schedules/cpu_flash_bwd_amx.py). The TE
+    matrix-engine form on this CPU's engine (schedules/cpu_flash_bwd_matrix.py). The TE
     gradient kernels' matrix-engine form,
     which runs where they do not, is held to the same bound with it turned off
     (symmetric: operands read in place; dilation 2: per-item band copies; globals and

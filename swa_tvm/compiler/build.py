@@ -40,7 +40,7 @@ from swa_tvm.compute.forward import fused_backward_runs
 from swa_tvm.runtime import library
 from swa_tvm.runtime.library import AMX_FORMAT, FUSED_BACKWARD_FORMAT, MANIFEST_FORMATS, sha256_file
 from swa_tvm.schedules import cpu as cpu_schedules
-from swa_tvm.schedules import cpu_flash_bwd, cpu_flash_bwd_amx
+from swa_tvm.schedules import cpu_flash_bwd, cpu_flash_bwd_matrix
 from swa_tvm.schedules import cuda as cuda_schedules
 from swa_tvm.spec import CPU_ONLY_KINDS, KernelSpec
 
@@ -68,7 +68,7 @@ def schedule_spec(spec: KernelSpec, tvm_target, record=None, tiles=None):
         if kind != "llvm":
             raise ValueError(f"{spec.name}: kind {spec.kind!r} is a CPU kernel; {kind} targets have none")
         engine = matrix_form(spec, tvm_target)
-        return (cpu_flash_bwd_amx.fused_backward_matrix(spec, engine) if engine is not None
+        return (cpu_flash_bwd_matrix.fused_backward_matrix(spec, engine) if engine is not None
                 else cpu_flash_bwd.fused_backward(spec))
     engine = matrix_form(spec, tvm_target)
     if engine is not None:

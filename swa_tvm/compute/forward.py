@@ -526,11 +526,12 @@ AMX_FUSED_MAX_SPAN = 8192
 
 
 def amx_serves(spec: KernelSpec) -> bool:
-    """Whether ``spec`` has a matrix-engine (AMX) form: a local forward or window gradient
+    """Whether ``spec`` has a matrix-engine form (AMX tiles or AVX-512 BF16 dot products:
+    ``compiler.targets.matrix_form``): a local forward or window gradient
     (AMX_KINDS) of a bounded window in bfloat16, the head dim a whole number of tile
     rows, its items a whole number of result tiles, a dilation bound of at most
     AMX_MAX_DILATION. The nonfinite variant keeps its guarded products. The five-product
-    backward ("local_bwd", schedules/cpu_flash_bwd_amx.py) has one for any dilation (it
+    backward ("local_bwd", schedules/cpu_flash_bwd_matrix.py) has one for any dilation (it
     runs each residue in turn) and extra keys, the head dim a whole number of product
     depths, a window of at most AMX_FUSED_MAX_SPAN keys (its ring of query sub-blocks
     grows with the window)."""

@@ -299,7 +299,7 @@ class Kernel:
     workspace: str | None = None
     # The manifest's "schedule": "default"/"tuned" (the TE compute, schedules/cpu.py or
     # schedules/cuda.py, or a record replayed on it), "amx" (the matrix-engine form,
-    # schedules/cpu.py; for "local_bwd" schedules/cpu_flash_bwd_amx.py, whose dq, dk and
+    # schedules/cpu.py; for "local_bwd" schedules/cpu_flash_bwd_matrix.py, whose dq, dk and
     # dv come in bfloat16), "bf16_dot" (the same form on AVX-512 BF16 dot products) or a
     # fused kernel's module name.
     schedule: str | None = None

@@ -19,8 +19,8 @@ also scores them once, adding their dS·K to its dq rows and their Pᵀ·dO and 
 extras' dk/dv rows (``local_dx``'s work); the global rows that attend to k and v join
 every key block as one more sub-block, their dq summed across key blocks
 (``global_bwd``'s work). The TE kernels run where the (batch, head) pairs are too few to
-occupy the threads, and bfloat16 on a CPU with AMX takes ``cpu_flash_bwd_amx`` where it
-serves (``compute.forward.amx_serves``; ``swa_tvm.eager``). Probabilities use the
+occupy the threads, and bfloat16 on a CPU with a matrix engine (AMX, AVX-512 BF16) takes
+``cpu_flash_bwd_matrix`` where it serves (``compute.forward.amx_serves``; ``swa_tvm.eager``). Probabilities use the
 forward's exp (``compute.forward._exp``), and dq, dk and dv sum in the TE kernels' key
 and row order; the scale is applied to dS before the sums, not after them (the same
 values for a power-of-two scale).

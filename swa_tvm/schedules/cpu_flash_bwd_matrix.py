@@ -1,13 +1,17 @@
-"""The five-product CPU backward on the matrix engine (AMX): kind "local_bwd" in
-bfloat16 on a CPU with AMX (``compute.forward.amx_serves``).
+"""The five-product CPU backward on a matrix engine: kind "local_bwd" in bfloat16 on a
+CPU with AMX or AVX-512 BF16 dot products (``compute.forward.amx_serves``,
+``compiler.targets.matrix_form``).
 
 The plan is ``cpu_flash_bwd``'s (one task per (batch, head); key blocks of 32 in order;
 each recomputes the scores and dP of the query rows that see it; dk/dv in a local tile;
 dq accumulated across key blocks; each residue of the head's dilation in turn, as a
-plain window of its own), with the five products on AMX tiles (bfloat16
-operands, float32 sums; ``schedules.amx`` gives the tile conventions) and the softmax
-between them in float32 vectors, P and dS rounded to bfloat16 for their products, as
-the TE kernels' matrix-engine form and FlashAttention's backward do.
+plain window of its own), with the five products on the engine (bfloat16 operands,
+float32 sums) and the softmax between them in float32 vectors, P and dS rounded to
+bfloat16 for their products, as the TE kernels' matrix-engine form and FlashAttention's
+backward do. Both engines take the same operand layouts: the first operand bfloat16
+rows, the second pair words (two consecutive reduction indices a word). On AMX the
+products run on tiles (``schedules.amx`` gives the tile conventions); on AVX-512 BF16
+on register tiles of float32x16 sums, one ``vdpbf16ps`` per step (``schedules.bf16_dot``).
 
 The products run transposed: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, so each score row is one key and
 its vector runs along 32 query rows, whose lse and delta load as vectors; Pᵀ and dSᵀ, as
