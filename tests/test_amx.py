@@ -159,7 +159,29 @@ def test_converted_form_within_torch_bfloat16_sdpa(case, monkeypatch, tmp_path):
     torch's bfloat16 SDPA's are. The window's and extra keys' gradients come from the
     five-product backward (the eager layer told of one thread, so any (batch, head) count
     fills it)."""
-    from swa_tvm.runtime import library
+    target = dict(host_target(), mattr=["-amx-tile", "-amx-bf16", "-avx512bf16"])
+    manifest = _load_case_library(case, target, tmp_path / "converted.so", monkeypatch)
+    assert all(k["schedule"] not in ("amx", "bf16_dot") for k in manifest["kernels"])
+    _check_gradients(case, monkeypatch, "default", fused="cpu_flash_bwd")
+
+
+@needs_bf16_dot
+@pytest.mark.skipif(not HAS_AMX, reason="this CPU's own kernels take AVX-512 BF16 already (the tests above)")
+@pytest.mark.slow  # exports a library of every kernel of the pattern
+@pytest.mark.parametrize("case", ["causal", "globals and sinks"])
+def test_dot_product_gradients_on_a_cpu_with_amx(case, monkeypatch, tmp_path):
+    """On a CPU with AMX, a library built with AMX turned off runs the forward and the
+    five-product backward on dot products, with and without extra keys; both are as close
+    to float64 as torch's bfloat16 SDPA's are."""
+    manifest = _load_case_library(case, without_amx(host_target()), tmp_path / "dot.so", monkeypatch)
+    assert {k["spec"]["kind"]: k["schedule"] for k in manifest["kernels"]}["local_bwd"] == "bf16_dot"
+    _check_gradients(case, monkeypatch, "bf16_dot", fused="bf16_dot")
+
+
+def _load_case_library(case, target, path, monkeypatch) -> dict:
+    """Export and load a bfloat16 library with backward kernels of GRAD_CASES[case]'s
+    pattern for ``target``; the eager layer told of one thread, so any (batch, head)
+    count fills it. Returns the manifest."""
     from swa_tvm.spec import AttentionSpec
 
     cfg = GRAD_CASES[case]
@@ -167,13 +189,11 @@ def test_converted_form_within_torch_bfloat16_sdpa(case, monkeypatch, tmp_path):
     text = f"head_dim={cfg['shape'][-1]},window={left}:{right},backward,dtype=bfloat16"
     text += f",dilation={cfg['dilation']}" if "dilation" in cfg else ""
     text += ",globals,sinks" if "global_idx" in cfg else ""
-    target = dict(host_target(), mattr=["-amx-tile", "-amx-bf16", "-avx512bf16"])
-    path = str(tmp_path / "converted.so")
-    manifest = swa_tvm.export_library([AttentionSpec.parse(text)], path, target=target, logs=None, warn_untuned=False)
-    assert all(k["schedule"] not in ("amx", "bf16_dot") for k in manifest["kernels"])
-    swa_tvm.load_library(path)
+    manifest = swa_tvm.export_library([AttentionSpec.parse(text)], str(path), target=target, logs=None,
+                                      warn_untuned=False)
+    swa_tvm.load_library(str(path))
     monkeypatch.setattr(library, "tvm_pool_threads", lambda: 1)
-    _check_gradients(case, monkeypatch, "default", fused="cpu_flash_bwd")
+    return manifest
 
 
 # Global positions that differ by batch row, some inside a row's window, and per-head
@@ -406,16 +426,16 @@ def test_which_specs_have_the_form():
     assert uses_amx(spec, AMX_TARGET)
     assert not uses_amx(spec, {"kind": "llvm", "mcpu": "znver3"})
     assert not uses_amx(spec, {"kind": "cuda", "arch": "sm_90"})
-    # The engine: AMX where the class has it, else AVX-512 BF16's dot products for the
-    # TE kernels of the form (the five-product backward's form is written in AMX tiles).
+    # The engine: AMX where the class has it, else AVX-512 BF16's dot products, for every
+    # kernel of the form (the five-product backward's too).
     fused = KernelSpec("local_bwd", 64, "bfloat16", 8, 0)
     assert matrix_form(spec, AMX_TARGET) == "amx" and matrix_form(fused, AMX_TARGET) == "amx"
     for t in (DOT_TARGET, {"kind": "llvm", "mcpu": "znver4"}, dict(AMX_TARGET, mattr=["-amx-tile", "-amx-bf16"])):
-        assert matrix_form(spec, t) == "bf16_dot" and matrix_form(fused, t) is None, t
+        assert matrix_form(spec, t) == "bf16_dot" and matrix_form(fused, t) == "bf16_dot", t
         assert matrix_form(KernelSpec("local_dkv", 64, "bfloat16", 8, 0), t) == "bf16_dot"
     for t in ({"kind": "llvm", "mcpu": "znver3"}, {"kind": "llvm", "mcpu": "rocketlake"},
               dict(DOT_TARGET, mattr=["-avx512bf16"]), {"kind": "cuda", "arch": "sm_90"}):
-        assert matrix_form(spec, t) is None, t
+        assert matrix_form(spec, t) is None and matrix_form(fused, t) is None, t
     assert matrix_form(KernelSpec("local", 64, "float32", 8, 0), DOT_TARGET) is None
     # AMX turned off, the other -mattr kept: the dot-product engine's target.
     off = without_amx(dict(AMX_TARGET, mattr=["+amx-tile", "+amx-bf16", "+avx512bf16"]))
