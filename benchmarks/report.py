@@ -44,7 +44,7 @@ CLASSES = {
     "llvm-znver3": "2 cores of an AMD EPYC, family 25 model 1 (Zen 3 class): AVX2 and FMA, no AVX-512.",
     "llvm-znver4": (
         "2 cores of an AMD EPYC, family 25 model 17 (Zen 4 class): AVX-512 with BF16, no AMX; the bfloat16 local "
-        "forward and window gradients run on AVX-512 BF16 dot products."
+        "forward and window gradients (the five-product backward's too) run on AVX-512 BF16 dot products."
     ),
     "llvm-rocketlake": (
         "2 cores of an Intel Xeon, family 6 model 167 (LLVM names it rocketlake): AVX-512 with BF16 and FP16, "

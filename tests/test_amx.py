@@ -18,6 +18,7 @@ from swa_tvm.compiler.targets import host_target, matrix_engine, matrix_form, us
 from swa_tvm.compute.forward import amx_block, amx_serves
 from swa_tvm.reference import attention_mask, sliding_window_attention_ref
 from swa_tvm.runtime import library
+from swa_tvm.schedules import bf16_dot
 from swa_tvm.spec import KernelSpec
 
 AMX_FLAGS = {"amx_tile", "amx_bf16"}
@@ -115,12 +116,15 @@ GRAD_CASES = {
                                            global_idx=[[3, 77, 150]], num_sinks=1),
     "globals, symmetric": dict(shape=(1, 4, 2, 220, 64), window_size=(30, 30), global_idx=[[5, 100, 219]]),
     "right side only, head dim 32": dict(shape=(1, 2, 2, 77, 32), window_size=(0, 9)),
+    # Three groups of 32 features: the dot products' key rows two column groups at a time.
+    "head dim 96": dict(shape=(1, 2, 1, 140, 96), window_size=(40, 0)),
     "shorter than a block": dict(shape=(1, 2, 1, 13, 64), window_size=(5, 3)),
 }
 
 
 # The quick tier runs one case of each form and pattern; these add shapes, in the full suite.
-SLOW_GRAD_CASES = ("dilation 3, symmetric", "wide, both sides", "right side only, head dim 32", "shorter than a block",
+SLOW_GRAD_CASES = ("dilation 3, symmetric", "wide, both sides", "right side only, head dim 32", "head dim 96",
+                   "shorter than a block",
                    "40 globals, causal", "globals, symmetric", "globals and a sink, dilation 2")
 
 
@@ -320,6 +324,34 @@ def _has_vdpbf16ps(code: bytes) -> bool:
                 and (code[i + 3] & 0x60) == 0x40 and code[i + 4] == 0x52):
             return True
     return False
+
+
+def test_five_product_form_per_engine():
+    """The five-product backward's matrix-engine form calls its own engine's instructions
+    only: on AMX the tile configuration and tile products, on AVX-512 BF16 the imported
+    dot-product step (a stray call to it would be an unresolved symbol on AMX)."""
+    from swa_tvm.schedules.cpu_flash_bwd_matrix import fused_backward_matrix
+
+    for D in (32, 64, 96):
+        spec = KernelSpec("local_bwd", D, "bfloat16", 31, 0)
+        amx, dot = (fused_backward_matrix(spec, engine).script() for engine in ("amx", "bf16_dot"))
+        assert "llvm.x86.ldtilecfg" in amx and "llvm.x86.tdpbf16ps" in amx and bf16_dot.STEP not in amx, D
+        assert bf16_dot.STEP in dot and "pragma_import_llvm" in dot and "llvm.x86.tileloadd64" not in dot, D
+
+
+@x86
+@pytest.mark.slow  # compiles the five-product kernel twice
+def test_five_product_libraries_hold_their_engines_instructions(tmp_path):
+    """Compiled for an AMX class, the five-product kernel's code holds TDPBF16PS and no
+    reference to the dot-product step; for a class with AVX-512 BF16 only, VDPBF16PS."""
+    spec = KernelSpec("local_bwd", 64, "bfloat16", 31, 0)
+    for target, has, engine in ((AMX_TARGET, _has_tdpbf16ps, "amx"), (DOT_TARGET, _has_vdpbf16ps, "bf16_dot")):
+        path = tmp_path / f"{engine}.so"
+        manifest = build.export_library([spec], path, target=target, logs=None)
+        assert [e["schedule"] for e in manifest["kernels"]] == [engine]
+        code = path.read_bytes()
+        assert has(code), engine
+        assert bf16_dot.STEP.encode() not in code, f"{engine}: the dot-product step left as a symbol"
 
 
 @x86

@@ -59,9 +59,9 @@ def fused_backward_matrix(spec: KernelSpec, engine: str):
     """The PrimFunc of a "local_bwd" spec this form serves (symbolic B, H, Hkv and T), its
     products on ``engine``: "amx" or "bf16_dot" (``compiler.targets.matrix_engine``)."""
     assert spec.kind == "local_bwd" and amx_serves(spec) and engine in ("amx", "bf16_dot"), (spec.name, engine)
-    dot = engine == "bf16_dot"
+    dot_engine = engine == "bf16_dot"
     # The dot step is LLVM IR imported into the module (schedules.bf16_dot).
-    step_import = {"pragma_import_llvm": bf16_dot.STEP_IR} if dot else {}
+    step_import = {"pragma_import_llvm": bf16_dot.STEP_IR} if dot_engine else {}
     CG = 4 if spec.head_dim % (4 * LANES) == 0 else 2  # 16-lane column groups per dot register tile
     D, left, right = spec.head_dim, spec.left, spec.right
     NT = D // TILE  # result tiles across the features
@@ -294,8 +294,8 @@ def fused_backward_matrix(spec: KernelSpec, engine: str):
                     dQt[slot, fb * 8 + 4 + f, lanes(g)] = hi[lanes(f * 2 + g)]
 
 
-    score_products = score_products_dot if dot else score_products_amx
-    gradient_products = gradient_products_dot if dot else gradient_products_amx
+    score_products = score_products_dot if dot_engine else score_products_amx
+    gradient_products = gradient_products_dot if dot_engine else gradient_products_amx
 
     @T.macro
     def stage_slot(x, dout, lse, delta, b, h, i0, Tr, res, d, rows, Qc, dOc, Qp, dOp, Ls, Ds, dQt, slot):
@@ -410,7 +410,7 @@ def fused_backward_matrix(spec: KernelSpec, engine: str):
             b = bh // H
             h = bh % H
             kh = h // (H // Hkv)
-            if not dot:
+            if not dot_engine:
                 for i in range(64):
                     cfg[i] = T.uint8(0)
                 cfg[0] = T.uint8(1)  # palette 1: every tile 16 rows of 64 bytes
