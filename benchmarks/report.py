@@ -86,7 +86,7 @@ NOTES = {
     ("llvm-znver4", "training_bfloat16.json"): (
         "The forward and the five-product backward multiply on AVX-512 BF16 dot products, with or without global "
         "tokens. Timed round-robin with the torch peers, whose large frees make glibc hand memory back to the OS, "
-        "each step faults its pages in again (docs/roadmap.md, CPU training)."
+        "so each step faults its pages in again (docs/roadmap.md, CPU training)."
     ),
     ("llvm-emeraldrapids", "results_bfloat16.json"): (
         "swa_tvm's local kernels multiply on AMX tiles (bfloat16 operands, float32 sums); the global rows convert "
