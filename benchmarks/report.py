@@ -60,6 +60,11 @@ CLASSES = {
         "2 cores of the emeraldrapids machine (Intel Xeon, family 6 model 207; `--mcpu rocketlake`): what a CPU "
         "without the matrix engine runs, timed on hardware that has one."
     ),
+    "llvm-znver3-on-znver4": (
+        "The code of the llvm-znver3 class (AVX2 and FMA, no AVX-512) with that class's tuning records, run on 2 "
+        "cores of an AMD EPYC, family 25 model 17 (Zen 4 class; `--mcpu znver3`): what a CPU without AVX-512 and "
+        "without a bfloat16 engine runs, timed on hardware that has one."
+    ),
     "cuda-sm_90": "One NVIDIA H200 (sm_90), driver 580.159.04, on a machine with torch and no TVM (the runtime only).",
 }
 
@@ -106,6 +111,12 @@ NOTES = {
         "No AMX: the bfloat16 kernels convert each item's band to float32 and multiply in float32. They run their "
         "default schedules (validation kept no bfloat16 record of this class). % of matmul is against the bfloat16 "
         "matmul of the same run, which oneDNN runs on this hardware's AMX."
+    ),
+    ("llvm-znver3-on-znver4", "results_bfloat16.json"): (
+        "No bfloat16 engine: the bfloat16 kernels convert k and v to float32 once per call and multiply in float32 "
+        "(8 lanes), on their default schedules (no bfloat16 record of this class); \"swa_tvm float32\" applies the "
+        "class's float32 records (not validated on their own class). % of matmul is against the bfloat16 matmul of "
+        "the same run, which torch runs on this hardware's AVX-512 BF16."
     ),
     ("llvm-rocketlake", "results_bfloat16.json"): (
         "% of matmul is against the float32 matmul of the same run. swa_tvm's kernels convert bfloat16 to "
