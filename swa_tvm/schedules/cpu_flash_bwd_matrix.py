@@ -293,7 +293,6 @@ def fused_backward_matrix(spec: KernelSpec, engine: str):
                     dQt[slot, fb * 8 + f, lanes(g)] = lo[lanes(f * 2 + g)]
                     dQt[slot, fb * 8 + 4 + f, lanes(g)] = hi[lanes(f * 2 + g)]
 
-
     score_products = score_products_dot if dot_engine else score_products_amx
     gradient_products = gradient_products_dot if dot_engine else gradient_products_amx
 
