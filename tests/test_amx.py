@@ -14,7 +14,8 @@ import torch
 import swa_tvm
 from conftest import grads_against_reference, rand
 from swa_tvm.compiler import build
-from swa_tvm.compiler.targets import host_target, matrix_engine, matrix_form, uses_amx, without_amx
+from swa_tvm.compiler.targets import (host_target, matrix_engine, matrix_form, uses_amx, without_amx,
+                                      without_engines)
 from swa_tvm.compute.forward import amx_block, amx_serves
 from swa_tvm.reference import attention_mask, sliding_window_attention_ref
 from swa_tvm.runtime import library
@@ -163,7 +164,7 @@ def test_converted_form_within_torch_bfloat16_sdpa(case, monkeypatch, tmp_path):
     torch's bfloat16 SDPA's are. The window's and extra keys' gradients come from the
     five-product backward (the eager layer told of one thread, so any (batch, head) count
     fills it)."""
-    target = dict(host_target(), mattr=["-amx-tile", "-amx-bf16", "-avx512bf16"])
+    target = without_engines(host_target())
     manifest = _load_case_library(case, target, tmp_path / "converted.so", monkeypatch)
     assert all(k["schedule"] not in ("amx", "bf16_dot") for k in manifest["kernels"])
     _check_gradients(case, monkeypatch, "default", fused="cpu_flash_bwd")
@@ -472,6 +473,10 @@ def test_which_specs_have_the_form():
     # AMX turned off, the other -mattr kept: the dot-product engine's target.
     off = without_amx(dict(AMX_TARGET, mattr=["+amx-tile", "+amx-bf16", "+avx512bf16"]))
     assert off["mattr"] == ["+avx512bf16", "-amx-tile", "-amx-bf16"] and matrix_form(spec, off) == "bf16_dot"
+    # Both engines turned off, the other -mattr kept: the float32-product form's target.
+    plain = without_engines(dict(DOT_TARGET, mattr=["+avx512bf16", "+avx512vl"]))
+    assert plain["mattr"] == ["+avx512vl", "-amx-tile", "-amx-bf16", "-avx512bf16"]
+    assert matrix_form(spec, plain) is None and matrix_form(fused, plain) is None
 
 
 @needs_engine

@@ -214,12 +214,12 @@ def test_fused_half_precision(dtype, fresh_registry, tmp_path, launched, monkeyp
     machine): the gradients
     within the tolerance the other half-precision gradients are held to, rounded once to
     the inputs' dtype."""
-    from swa_tvm.compiler.targets import host_target
+    from swa_tvm.compiler.targets import host_target, without_engines
     from swa_tvm.compiler.tiles import GRAD_TOLERANCE
 
     monkeypatch.setattr(library, "tvm_pool_threads", lambda: 1)
     name = str(dtype).removeprefix("torch.")
-    target = dict(host_target(), mattr=["-amx-tile", "-amx-bf16", "-avx512bf16"])
+    target = without_engines(host_target())
     lib = tmp_path / f"{name}.so"
     swa_tvm.export_library([AttentionSpec(head_dim=32, window=(20, 17), backward=True, dtype=name)], lib,
                            target=target, logs=None, warn_untuned=False)  # fmt: skip

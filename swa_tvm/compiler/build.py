@@ -64,13 +64,12 @@ def schedule_spec(spec: KernelSpec, tvm_target, record=None, tiles=None):
     kind = tvm_target.kind.name
     if kind not in ("llvm", "cuda"):
         raise NotImplementedError(f"no schedule for target kind {kind!r}")
+    engine = matrix_form(spec, tvm_target)
     if spec.kind in CPU_ONLY_KINDS:
         if kind != "llvm":
             raise ValueError(f"{spec.name}: kind {spec.kind!r} is a CPU kernel; {kind} targets have none")
-        engine = matrix_form(spec, tvm_target)
         return (cpu_flash_bwd_matrix.fused_backward_matrix(spec, engine) if engine is not None
                 else cpu_flash_bwd.fused_backward(spec))
-    engine = matrix_form(spec, tvm_target)
     if engine is not None:
         sch = s_tir.Schedule(tvm.IRModule({spec.name: prim_func(spec, amx=True)}))
         sch.work_on(spec.name)

@@ -165,8 +165,18 @@ def without_amx(target: dict) -> dict:
     """An llvm ``target`` with AMX turned off and its other -mattr kept (``host_target``
     may add AVX-512 BF16 to a -mcpu that lacks it): where the CPU has AVX-512 BF16, the
     dot-product engine's target."""
-    kept = [m for m in target.get("mattr", []) if m.lstrip("+-") not in AMX_FEATURES.values()]
-    return dict(target, mattr=kept + [f"-{name}" for name in AMX_FEATURES.values()])
+    return _turned_off(target, list(AMX_FEATURES.values()))
+
+
+def without_engines(target: dict) -> dict:
+    """An llvm ``target`` with both bfloat16 engines (AMX, AVX-512 BF16) turned off and
+    its other -mattr kept: the float32-product form's target, on any x86 machine."""
+    return _turned_off(target, [*AMX_FEATURES.values(), *BF16_DOT_FEATURES.values()])
+
+
+def _turned_off(target: dict, names: list[str]) -> dict:
+    kept = [m for m in target.get("mattr", []) if m.lstrip("+-") not in names]
+    return dict(target, mattr=kept + [f"-{name}" for name in names])
 
 
 def _llvm_features(target) -> frozenset:

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
         kernels[f"AMX, {block} rows"] = tvm.compile(tvm.IRModule({"main": func}), target=tvm_target)["main"]
     # The float32-product form of the same spec: an llvm target without AMX and AVX-512 BF16.
     plain = KernelSpec("local", 64, "bfloat16", left, right)
-    no_amx = tvm.target.Target({**target, "mattr": ["-amx-tile", "-amx-bf16", "-avx512bf16"]})
+    no_amx = tvm.target.Target(targets.without_engines(target))
     assert not targets.uses_amx(plain, no_amx)
     kernels["float32 products, 32 rows"] = tvm.compile(
         tvm.IRModule({"main": build.schedule_spec(plain, no_amx)}), target=no_amx

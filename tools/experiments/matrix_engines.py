@@ -22,7 +22,6 @@ from swa_tvm.runtime import library
 from swa_tvm.spec import KernelSpec
 
 
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--T", type=int, default=16384)
@@ -37,7 +36,7 @@ def main(argv=None) -> int:
     host = targets.host_target()
     left, right = args.window
     spec = KernelSpec("local", args.D, "bfloat16", left, right, max_dilation=args.dilation)
-    forms = {"float32 products": dict(host, mattr=["-amx-tile", "-amx-bf16", "-avx512bf16"])}
+    forms = {"float32 products": targets.without_engines(host)}
     if targets.has_bf16_dot(host):
         forms["AVX-512 BF16 dot products"] = targets.without_amx(host)
     if targets.has_amx(host):
