@@ -258,6 +258,40 @@ def test_torn_last_line_is_skipped_other_damage_is_an_error(tuned_logs, tmp_path
         records.open_log(str(folder), readonly=True)
 
 
+def test_a_lookup_decodes_only_the_workloads_it_wants(tmp_path):
+    """A lookup (``only``: the workload keys wanted) reads the rest of the log by each
+    line's first field alone: the same records as a full read for what it wants, and a
+    damaged line of another workload does not stop it (a full read still refuses it)."""
+    shipped = os.path.join(os.path.dirname(records.__file__), os.pardir, "tuning_logs", "llvm-znver4")
+    wl = open(os.path.join(shipped, records.WORKLOAD_FILE)).read().splitlines()
+    recs = [ln for ln in open(os.path.join(shipped, records.RECORD_FILE)).read().splitlines()
+            if ln.startswith(("[11,", "[12,"))]  # the two small workloads: 4 records each
+    folder = tmp_path / "log"
+    folder.mkdir()
+    (folder / records.WORKLOAD_FILE).write_text("\n".join(wl) + "\n")
+    (folder / records.RECORD_FILE).write_text("\n".join(recs) + "\n")
+    import json
+
+    key11, key12 = json.loads(wl[11])[0], json.loads(wl[12])[0]
+    full = records.open_log(str(folder), readonly=True)
+    assert len(full) == 8 and len(full.get_all_tuning_records()) == 8
+    one = records.open_log(str(folder), only={key11})
+    assert len(one) == 8  # every record line counted, 4 decoded
+    def times(run_secs):
+        return [round(float(t), 9) for t in run_secs]
+
+    got = sorted(times(r.as_json()[1]) for r in one.get_all_tuning_records())
+    want = sorted(times(json.loads(ln)[1][1]) for ln in recs if ln.startswith("[11,"))
+    assert len(got) == 4 and got == want  # the run times of workload 11's own records
+    whole = recs[-1]
+    recs[-1] = "[12, not json"
+    (folder / records.RECORD_FILE).write_text("\n".join(recs + [whole]) + "\n")
+    assert len(records.open_log(str(folder), only={key11}).get_all_tuning_records()) == 4
+    with pytest.raises(ValueError, match="line 8 is not JSON"):
+        records.open_log(str(folder), readonly=True)
+    assert key12 != key11
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -127,14 +127,14 @@ def find_records(specs: Iterable[KernelSpec], target: dict, logs: str | None = D
     """The best tuning record of each spec for ``target`` (None where there is none)."""
     specs = list(specs)
     root = default_logs_root() if logs == DEFAULT_LOGS else logs
-    found = best_records(specs, target, root)  # reads the log folder once
-    for s in specs:
+    # Records are searched over the float32-product form; the matrix-engine form is
+    # built with its own schedule, so its specs are not looked up.
+    searched = [s for s in specs if matrix_form(s, target) is None]
+    found = {s.name: None for s in specs}
+    if searched:
+        found.update(best_records(searched, target, root))  # reads the log folder once
+    for s in searched:
         rec = found[s.name]
-        if matrix_form(s, target) is not None:
-            # Records are searched over the float32-product form; the matrix-engine form
-            # is built with its own schedule.
-            found[s.name] = None
-            continue
         if rec is not None and rec.trace is not None:  # trace None: the default kernel won
             try:
                 apply_record(s, rec.trace, target.get("kind", "llvm"))

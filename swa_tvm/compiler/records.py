@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Iterable
@@ -132,14 +133,26 @@ def log_dir(logs_root: str, target: dict) -> str:
     return os.path.join(logs_root, target_key(target))
 
 
-def _read_lines(path: str) -> list:
-    """Parse a JSON-lines table, skipping (with a warning) a torn last line only."""
+# The first field of a line of either table: a workload's key, or a record's workload
+# index. A lookup reads it alone to skip the lines it does not want undecoded.
+_LEAD = re.compile(r'\[\s*"?([0-9A-Za-z_-]+)"?\s*,')
+
+
+def _read_lines(path: str, wanted=None) -> list:
+    """Parse a JSON-lines table, skipping (with a warning) a torn last line only.
+    ``wanted(first field)``: whether to decode a line; the others are None (a line whose
+    first field cannot be read is decoded, and so still checked)."""
     if not os.path.exists(path):
         return []
     with open(path, encoding="utf-8") as f:
         lines = [ln for ln in f.read().split("\n") if ln.strip()]
     rows = []
     for n, ln in enumerate(lines):
+        if wanted is not None:
+            lead = _LEAD.match(ln)
+            if lead is not None and not wanted(lead.group(1)):
+                rows.append(None)
+                continue
         try:
             rows.append(json.loads(ln))
         except json.JSONDecodeError:
@@ -175,13 +188,18 @@ def _make_tuning_log_class():
             # (``only``: the workload keys wanted) decodes just those workloads' records;
             # the whole committed log took ~8 s to decode.
             workloads = []
-            for row in _read_lines(wl_path):
-                wanted = only is None or row[0] in only
-                self._index[row[0]] = len(workloads)
+            lookup = None if only is None else (lambda key: key in only)
+            for row in _read_lines(wl_path, lookup):
+                wanted = row is not None and (only is None or row[0] in only)
+                if row is not None:
+                    self._index[row[0]] = len(workloads)
                 workloads.append(self._mem.commit_workload(Workload.from_json(row).mod) if wanted else None)
-            for idx, rec in _read_lines(rec_path):
-                if workloads[idx] is not None:
-                    self._mem.commit_tuning_record(TuningRecord.from_json(rec, workloads[idx]))
+            # An index past the table is decoded, to fail as it always has.
+            wanted_idx = None if only is None else (
+                lambda idx: not idx.isdigit() or int(idx) >= len(workloads) or workloads[int(idx)] is not None)
+            for row in _read_lines(rec_path, wanted_idx):
+                if row is not None and workloads[row[0]] is not None:
+                    self._mem.commit_tuning_record(TuningRecord.from_json(row[1], workloads[row[0]]))
                 self._records += 1
 
         @property
@@ -404,6 +422,8 @@ def best_records(specs: Iterable[KernelSpec], target: dict, logs_root: str | Non
         return {s.name: None for s in specs}
     kind = target.get("kind")
     searched = [s for s in specs if s.kind not in CPU_ONLY_KINDS]  # the others have no search space
+    if not searched:
+        return {s.name: None for s in specs}
     mods = {s.name: tuning_workload(s, target_kind=kind) for s in searched}
     db = open_log(folder, only={workload_key(m) for m in mods.values()})
     baselines, validation = read_baselines(folder), read_validation(folder)

@@ -60,11 +60,12 @@ def _prob_ds(g: CacheGeometry, shape, score, dp, visible, lse_of, delta_of, mul,
     indexing it its own way: p = exp(capped(scale * score) - lse) where ``visible``, else
     0; ds = p * (dp - delta), times the softcap's derivative under a cap."""
     ninf = _neg_inf(g.acc)
-    prob = te.compute(
-        shape,
-        lambda *i: _exp(tirx.Select(visible(*i), g.capped(score[i] * g.scale) - lse_of(*i), ninf), g.acc, native_exp),
-        name="prob",
+    # Its own stage, as _exp asks: inlined into the polynomial, the mask would be copied
+    # ~30 times, and TVM's passes took seconds over the copies.
+    arg = te.compute(
+        shape, lambda *i: tirx.Select(visible(*i), g.capped(score[i] * g.scale) - lse_of(*i), ninf), name="arg"
     )
+    prob = te.compute(shape, lambda *i: _exp(arg[i], g.acc, native_exp), name="prob")
 
     def ds_of(*i):
         d = mul(prob[i], dp[i] - delta_of(*i))

@@ -190,7 +190,7 @@ def schedule_cache_dq(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) 
     """Items of (batch, KV head, row block), every stage of an item at the item loop;
     then the gather back to [B, H, T_q, D]."""
     knobs = knobs or Defaults()
-    _items(sch, ["dq_acc"], ["ds", "prob", "dp", "score", "dg_t", "qg_t", "row_delta", "row_lse"], knobs, depth=3)
+    _items(sch, ["dq_acc"], ["ds", "prob", "arg", "dp", "score", "dg_t", "qg_t", "row_delta", "row_lse"], knobs, depth=3)
     _products_feature_outer(sch, ["score", "dp"])
     _row_reduce_product(sch, "dq_acc", spec, vector_lanes)
     _gather_back(sch, ["dq"], spec, vector_lanes)
@@ -201,7 +201,7 @@ def schedule_cache_dkv(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None)
     (the rows' lse and delta before them); then the gathers back to [B, H_kv, T_k, D]."""
     knobs = knobs or Defaults()
     # Roots in reverse program order: the merged loop lands at dk_blk, before dk reads it.
-    _items(sch, ["dv_blk", "dk_blk"], ["ds", "prob", "dp", "score", "vt", "kt"], knobs, depth=3)
+    _items(sch, ["dv_blk", "dk_blk"], ["ds", "prob", "arg", "dp", "score", "vt", "kt"], knobs, depth=3)
     _products_feature_outer(sch, ["score", "dp"])
     for name in ("dk_blk", "dv_blk"):
         _row_reduce_product(sch, name, spec, vector_lanes)
@@ -211,7 +211,7 @@ def schedule_cache_dkv(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None)
 def schedule_cache_dx(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
     """Items of (batch, KV head): the sink slots against every row."""
     knobs = knobs or Defaults()
-    _items(sch, ["dvx", "dkx_acc"], ["ds", "prob", "dp", "score"], knobs, depth=2)  # lands before dkx
+    _items(sch, ["dvx", "dkx_acc"], ["ds", "prob", "arg", "dp", "score"], knobs, depth=2)  # lands before dkx
     for name in ("dkx_acc", "dvx"):
         _row_reduce_product(sch, name, spec, vector_lanes)
     _gather_back(sch, ["dkx"], spec, vector_lanes)
