@@ -88,6 +88,17 @@ NOTES = {
         "rows convert to float32. % of matmul is against the bfloat16 matmul of the same run. No tuning record applies "
         "to the dot-product form: \"tuned\" and \"default\" are the same schedules."
     ),
+    ("llvm-znver4", "results.json"): (
+        "Validation (2026-12-07) kept no searched record of this class, so \"tuned\" and \"default\" are the same "
+        "schedules: their ratio is this run's noise. On the plain bands swa_tvm runs at 82–96% of this run's float32 "
+        "matmul rate (counting the band's FLOPs only), while FlexAttention's float32 reaches 30–49% of it here: "
+        "FlexAttention / swa_tvm there is 1.67–2.78×, under the 3× bar, with no float32 product left to save."
+    ),
+    ("llvm-znver4", "decode.json"): (
+        "The KV-cache kernels have no dot-product form: bfloat16 converts to float32 on load and multiplies in "
+        "float32, so the bfloat16 prefill chunk runs slower than the float32 one, and slower than torch's SDPA on "
+        "the window's keys, which multiplies bfloat16 on this CPU's AVX-512 BF16."
+    ),
     ("llvm-znver4", "training_bfloat16.json"): (
         "The forward and the five-product backward multiply on AVX-512 BF16 dot products, with or without global "
         "tokens. Timed round-robin with the torch peers, whose large frees make glibc hand memory back to the OS, "
