@@ -8,12 +8,14 @@ conversions, group sums).
     TVM_NUM_THREADS=2 python -m tools.experiments.backward_breakdown --dtype float32 --T 4096
     TVM_NUM_THREADS=2 python -m tools.experiments.backward_breakdown --dtype float32 --globals 16 --te-gradients
     TVM_NUM_THREADS=2 python -m tools.experiments.backward_breakdown --window 255 0 --dilation 2
+    TVM_NUM_THREADS=2 python -m tools.experiments.backward_breakdown --dtype float32 --T 4096 --window 255 0 --softcap 30
 
 Prints the forward's median ms, the backward's, each kernel's median ms per step (the
 forward's kernels included), and the ops that take at least 0.5% of the backward,
 largest first. ``--globals G`` adds G global tokens (benchmarks.forward's positions);
 ``--te-gradients`` keeps the TE gradient kernels where the five-product kernel would
-run."""
+run; ``--softcap CAP`` caps the scores, which runs the KV-cache kernels and their
+gradients (``cache``, ``cache_dq``, ``cache_dkv``)."""
 
 import argparse
 import collections
@@ -40,6 +42,7 @@ def main(argv=None) -> None:
     ap.add_argument("--globals", type=int, default=0, metavar="G", help="global tokens")
     ap.add_argument("--dilation", type=int, default=1)
     ap.add_argument("--te-gradients", action="store_true", help="no five-product backward kernel")
+    ap.add_argument("--softcap", type=float, default=None, help="score cap (the KV-cache kernels)")
     a = ap.parse_args(argv)
     if a.te_gradients:
         eager._fused_backward_kernel = lambda *args: None
@@ -60,7 +63,8 @@ def main(argv=None) -> None:
     window = tuple(a.window)
 
     def forward():
-        return swa_tvm.sliding_window_attention(q, k, v, window_size=window, dilation=a.dilation, global_idx=gi)
+        return swa_tvm.sliding_window_attention(q, k, v, window_size=window, dilation=a.dilation, global_idx=gi,
+                                               softcap=a.softcap)
 
     def backward(out):
         # Gradients replace, not accumulate (as benchmarks.training and an optimizer's
@@ -83,7 +87,8 @@ def main(argv=None) -> None:
         backward(out)
         bwd.append(time.perf_counter() - t0)
     print(f"{a.dtype} B={a.B} H={a.H} T={a.T} D={a.D} window={window} dilation={a.dilation}: forward {statistics.median(fwd) * 1e3:.1f} ms, "
-          f"backward {statistics.median(bwd) * 1e3:.1f} ms (medians of {a.steps}), {a.globals} global tokens")
+          f"backward {statistics.median(bwd) * 1e3:.1f} ms (medians of {a.steps}), {a.globals} global tokens, "
+          f"softcap {a.softcap}")
     for kind, ms in kernel_ms.items():  # the forward ran twice per step (timed, then for the backward)
         print(f"  kernel {kind:12s} {statistics.median(ms):8.1f} ms, {len(ms) / a.steps:.0f} call(s) per step")
 
