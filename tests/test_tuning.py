@@ -289,6 +289,13 @@ def test_a_lookup_decodes_only_the_workloads_it_wants(tmp_path):
     assert len(records.open_log(str(folder), only={key11}).get_all_tuning_records()) == 4
     with pytest.raises(ValueError, match="line 8 is not JSON"):
         records.open_log(str(folder), readonly=True)
+    # A torn last line is skipped with a warning in a lookup as in a full read, even
+    # one of a workload the lookup does not want.
+    (folder / records.RECORD_FILE).write_text("\n".join(recs[:-1] + [whole, whole[: len(whole) // 2]]) + "\n")
+    with pytest.warns(UserWarning, match="torn last line"):
+        assert len(records.open_log(str(folder), only={key11})) == 8
+    with pytest.warns(UserWarning, match="torn last line"):
+        assert len(records.open_log(str(folder), readonly=True)) == 8
     assert key12 != key11
 
 

@@ -140,26 +140,29 @@ _LEAD = re.compile(r'\[\s*"?([0-9A-Za-z_-]+)"?\s*,')
 
 def _read_lines(path: str, wanted=None) -> list:
     """Parse a JSON-lines table, skipping (with a warning) a torn last line only.
-    ``wanted(first field)``: whether to decode a line; the others are None (a line whose
-    first field cannot be read is decoded, and so still checked)."""
+    ``wanted(first field)``: whether to keep a line; the others are None, and are not
+    decoded but for the last line (so a torn one is skipped as in a full read) and a
+    line whose first field cannot be read (so damage there is still an error)."""
     if not os.path.exists(path):
         return []
     with open(path, encoding="utf-8") as f:
         lines = [ln for ln in f.read().split("\n") if ln.strip()]
     rows = []
     for n, ln in enumerate(lines):
-        if wanted is not None:
-            lead = _LEAD.match(ln)
-            if lead is not None and not wanted(lead.group(1)):
-                rows.append(None)
-                continue
+        last = n == len(lines) - 1
+        lead = _LEAD.match(ln) if wanted is not None else None
+        unwanted = lead is not None and not wanted(lead.group(1))
+        if unwanted and not last:
+            rows.append(None)
+            continue
         try:
-            rows.append(json.loads(ln))
+            row = json.loads(ln)
         except json.JSONDecodeError:
-            if n == len(lines) - 1:
+            if last:
                 warnings.warn(f"{path}: skipping a torn last line (an interrupted write)", stacklevel=3)
-            else:
-                raise ValueError(f"{path}: line {n + 1} is not JSON; the tuning log is damaged") from None
+                continue
+            raise ValueError(f"{path}: line {n + 1} is not JSON; the tuning log is damaged") from None
+        rows.append(None if unwanted else row)
     return rows
 
 
@@ -177,7 +180,9 @@ def _make_tuning_log_class():
             self.folder = folder
             self.readonly = readonly or only is not None
             self._mem = MemoryDatabase(module_equality="structural")
-            self._index: dict[str, int] = {}  # workload structural hash -> line number
+            # Workload structural hash -> line number; a lookup (``only``) holds the wanted
+            # workloads' alone, and never writes.
+            self._index: dict[str, int] = {}
             self._records = 0
             wl_path, rec_path = self.paths
             if os.path.basename(os.path.normpath(folder)).startswith("cuda"):
@@ -238,6 +243,8 @@ def _make_tuning_log_class():
             return wl
 
         def commit_tuning_record(self, record) -> None:
+            if self.readonly:
+                raise RuntimeError(f"{self.folder} was opened read-only")
             idx = self._index[self._key(record.workload)]
             self._append(self.paths[1], [idx, record.as_json()])
             self._mem.commit_tuning_record(record)
