@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from tvm import te, tirx
 
-from swa_tvm.compute.forward import _dims, _exp, _neg_inf, cast, div_nonneg, i64, mod_nonneg, product
+from swa_tvm.compute.forward import _dims, _exp, _neg_inf, _tanh, cast, div_nonneg, i64, mod_nonneg, product
 from swa_tvm.spec import KernelSpec, accum_dtype
 
 # Keys per chunk of a block's scan (the split-K granularity; one chunk's scores stay in L1).
@@ -73,8 +73,9 @@ class CacheGeometry:
     gradients): rows of a (batch, KV head) in blocks, key slots in chunks of a block's
     span then of the sink list, positions, and which (row, slot) pairs are visible."""
 
-    def __init__(self, spec: KernelSpec, shapes: dict | None):
+    def __init__(self, spec: KernelSpec, shapes: dict | None, native_exp: bool = False):
         shapes = shapes or {}
+        self.native = native_exp
         # Fixed dims (a tuning shape) as int64 constants, as the symbolic ones are int64
         # vars: every index of a stage then has one dtype, which layout transforms need.
         B, H, Hkv, Tq, Tk, NB, E = (
@@ -195,7 +196,7 @@ class CacheGeometry:
 
     def capped(self, s):
         """The score the softmax takes: s, or cap * tanh(s / cap) with a softcap."""
-        return s if self.cap is None else self.cap * tirx.tanh(s / self.cap)
+        return s if self.cap is None else self.cap * _tanh(s / self.cap, self.acc, self.native)
 
     def block_of(self, h, i):
         """(KV head, block, row in block) of query head h at query row i."""
@@ -226,7 +227,7 @@ def cache_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
     and lse [B,H,Tq]. ``shapes`` may fix B, H, Hkv, Tq, Tk, NB, E and NK (nkeys) to ints.
     """
     assert spec.kind == "cache"
-    g = CacheGeometry(spec, shapes)
+    g = CacheGeometry(spec, shapes, native_exp)
     B, H, Hkv, Tq, NB = g.B, g.H, g.Hkv, g.Tq, g.NB
     dt, acc, D64, BR64, KC64, nchunk = g.dt, g.acc, g.D64, g.BR64, g.KC64, g.nchunk
     q, k, v, scale = g.q, g.k, g.v, g.scale
@@ -244,11 +245,13 @@ def cache_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
             cast(k[b, hkv, slot(b, blk, ch, kk), c], acc) * cast(g.row_at(qg_t, b, hkv, blk, c, ri), acc), axis=c
         ),
     )
+    scaled = lambda b, hkv, blk, ch, kk, ri: at(gscore, b, hkv, blk, ch, kk, ri) * scale  # noqa: E731
+    if g.cap is not None:  # its own stage: the tanh's expansion, the mask kept out of it
+        gcapped = g.tile("capped", lambda *i: capped(scaled(*i)))
+        scaled = lambda b, hkv, blk, ch, kk, ri: at(gcapped, b, hkv, blk, ch, kk, ri)  # noqa: E731
     gmasked = g.tile(
         "gmasked",
-        lambda b, hkv, blk, ch, kk, ri: tirx.Select(
-            visible(b, hkv, blk, ch, kk, ri), capped(at(gscore, b, hkv, blk, ch, kk, ri) * scale), ninf
-        ),
+        lambda b, hkv, blk, ch, kk, ri: tirx.Select(visible(b, hkv, blk, ch, kk, ri), scaled(b, hkv, blk, ch, kk, ri), ninf),
     )
     kr = te.reduce_axis((0, KC64), name="kr")
     cmax = te.compute(

@@ -40,12 +40,11 @@ def _grad_rows(g: CacheGeometry, lse, delta):
     return te.compute(shape, pick(lse), name="row_lse"), te.compute(shape, pick(delta), name="row_delta")
 
 
-def _softcap_factor(g: CacheGeometry, s0):
-    """d capped(s0) / d s0 = 1 - tanh(s0 / cap)^2 (1 without a cap)."""
-    if g.cap is None:
-        return None
-    t = tirx.tanh(s0 / g.cap)
-    return tirx.const(1, g.acc) - t * t
+def _softcap_factor(g: CacheGeometry, c):
+    """d capped(s0) / d s0 = 1 - tanh(s0 / cap)^2 = 1 - (c / cap)^2, of the capped score
+    c = cap * tanh(s0 / cap)."""
+    r = c / g.cap
+    return tirx.const(1, g.acc) - r * r
 
 
 def _grad_args(g: CacheGeometry):
@@ -60,17 +59,20 @@ def _prob_ds(g: CacheGeometry, shape, score, dp, visible, lse_of, delta_of, mul,
     indexing it its own way: p = exp(capped(scale * score) - lse) where ``visible``, else
     0; ds = p * (dp - delta), times the softcap's derivative under a cap."""
     ninf = _neg_inf(g.acc)
+    if g.cap is None:
+        capped = None
+        scaled = lambda *i: score[i] * g.scale  # noqa: E731
+    else:  # a stage: the probability and the softcap's derivative share its tanh
+        capped = te.compute(shape, lambda *i: g.capped(score[i] * g.scale), name="capped")
+        scaled = lambda *i: capped[i]  # noqa: E731
     # Its own stage, as _exp asks: inlined into the polynomial, the mask would be copied
     # ~30 times, and TVM's passes took seconds over the copies.
-    arg = te.compute(
-        shape, lambda *i: tirx.Select(visible(*i), g.capped(score[i] * g.scale) - lse_of(*i), ninf), name="arg"
-    )
+    arg = te.compute(shape, lambda *i: tirx.Select(visible(*i), scaled(*i) - lse_of(*i), ninf), name="arg")
     prob = te.compute(shape, lambda *i: _exp(arg[i], g.acc, native_exp), name="prob")
 
     def ds_of(*i):
         d = mul(prob[i], dp[i] - delta_of(*i))
-        f = _softcap_factor(g, score[i] * g.scale)
-        return d if f is None else d * f
+        return d if capped is None else d * _softcap_factor(g, capped[i])
 
     return prob, te.compute(shape, ds_of, name="ds")
 
@@ -79,7 +81,7 @@ def cache_dq(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
     """dq [B,H,Tq,D]. Arguments: the forward's (q .. sink_slots), dout, lse, delta,
     scale, [softcap], [num_sinks], nkeys, dq."""
     assert spec.kind == "cache_dq"
-    g = CacheGeometry(spec, shapes)
+    g = CacheGeometry(spec, shapes, native_exp)
     B, Hkv, NB, acc, D64, BR64, KC64, nchunk = g.B, g.Hkv, g.NB, g.acc, g.D64, g.BR64, g.KC64, g.nchunk
     dout, lse, delta = _grad_args(g)
     mul = product(spec.nonfinite or native_exp)
@@ -131,7 +133,7 @@ def cache_dkv(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = F
     meets key block m; NKB = ceil(Tk / CACHE_KEY_BLOCK)), scale, [softcap],
     [num_sinks], nblocks (row blocks each key block takes), dk, dv."""
     assert spec.kind == "cache_dkv"
-    g = CacheGeometry(spec, shapes)
+    g = CacheGeometry(spec, shapes, native_exp)
     shapes = shapes or {}
     B, Hkv, NB, Tk, acc, D64, BR64 = g.B, g.Hkv, g.NB, g.Tk, g.acc, g.D64, g.BR64
     KB = CACHE_KEY_BLOCK
@@ -229,7 +231,7 @@ def cache_dx(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
     that sees them. Arguments: the forward's (q .. sink_slots), dout, lse, delta, scale,
     [softcap], num_sinks, nkeys, dkx, dvx."""
     assert spec.kind == "cache_dx" and spec.extras
-    g = CacheGeometry(spec, shapes)
+    g = CacheGeometry(spec, shapes, native_exp)
     B, Hkv, E, acc = g.B, g.Hkv, g.E, g.acc
     dout, lse, delta = _grad_args(g)
     mul = product(spec.nonfinite or native_exp)

@@ -190,7 +190,7 @@ def schedule_cache_dq(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) 
     """Items of (batch, KV head, row block), every stage of an item at the item loop;
     then the gather back to [B, H, T_q, D]."""
     knobs = knobs or Defaults()
-    _items(sch, ["dq_acc"], ["ds", "prob", "arg", "dp", "score", "dg_t", "qg_t", "row_delta", "row_lse"], knobs, depth=3)
+    _items(sch, ["dq_acc"], ["ds", "prob", "arg", "capped", "dp", "score", "dg_t", "qg_t", "row_delta", "row_lse"], knobs, depth=3)
     _products_feature_outer(sch, ["score", "dp"])
     _row_reduce_product(sch, "dq_acc", spec, vector_lanes)
     _gather_back(sch, ["dq"], spec, vector_lanes)
@@ -201,7 +201,7 @@ def schedule_cache_dkv(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None)
     (the rows' lse and delta before them); then the gathers back to [B, H_kv, T_k, D]."""
     knobs = knobs or Defaults()
     # Roots in reverse program order: the merged loop lands at dk_blk, before dk reads it.
-    _items(sch, ["dv_blk", "dk_blk"], ["ds", "prob", "arg", "dp", "score", "vt", "kt"], knobs, depth=3)
+    _items(sch, ["dv_blk", "dk_blk"], ["ds", "prob", "arg", "capped", "dp", "score", "vt", "kt"], knobs, depth=3)
     _products_feature_outer(sch, ["score", "dp"])
     for name in ("dk_blk", "dv_blk"):
         _row_reduce_product(sch, name, spec, vector_lanes)
@@ -211,7 +211,7 @@ def schedule_cache_dkv(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None)
 def schedule_cache_dx(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
     """Items of (batch, KV head): the sink slots against every row."""
     knobs = knobs or Defaults()
-    _items(sch, ["dvx", "dkx_acc"], ["ds", "prob", "arg", "dp", "score"], knobs, depth=2)  # lands before dkx
+    _items(sch, ["dvx", "dkx_acc"], ["ds", "prob", "arg", "capped", "dp", "score"], knobs, depth=2)  # lands before dkx
     for name in ("dkx_acc", "dvx"):
         _row_reduce_product(sch, name, spec, vector_lanes)
     _gather_back(sch, ["dkx"], spec, vector_lanes)
@@ -575,7 +575,7 @@ def _schedule_split_k(sch, spec: KernelSpec, block: int, chunk: int, vector_lane
         blk = sch.get_sblock("gscore")
         _, ci = sch.split(sch.get_loops(blk)[-1], factors=[None, vector_lanes])
         sch.rfactor(ci, factor_axis=len(sch.get(blk).iter_vars) - 1)
-    _items(sch, ["cmax", "csum", "cacc"], ["cprob", "cref", "gmasked", "gscore", "gscore_rf", "qg_t"], knobs, depth=4)
+    _items(sch, ["cmax", "csum", "cacc"], ["cprob", "cref", "gmasked", "capped", "gscore", "gscore_rf", "qg_t"], knobs, depth=4)
     if not row_major:
         blk = sch.get_sblock("qg_t")
         cc_l, gi_l = sch.get_loops(blk)[-2:]
@@ -585,11 +585,11 @@ def _schedule_split_k(sch, spec: KernelSpec, block: int, chunk: int, vector_lane
     else:
         _key_row_product(sch, "gscore", chunk, block, vector_lanes, knobs, rows_vec, True)
     if row_major:
-        for name in ("gmasked", "cprob"):
-            if chunk % vector_lanes == 0:
+        for name in ("gmasked", "capped", "cprob"):
+            if chunk % vector_lanes == 0 and _has(sch, name):
                 _vectorize_inner(sch, sch.get_loops(sch.get_sblock(name))[-1], vector_lanes)
     else:
-        _vectorize_block_axis(sch, ["gmasked", "cprob", "cref"], block, vector_lanes)
+        _vectorize_block_axis(sch, ["gmasked", "capped", "cprob", "cref"], block, vector_lanes)
         for name in ("cmax", "csum"):
             _vertical_reduce(sch, name, vector_lanes, rows_vec)
     _prob_value_product(sch, "cacc", block, spec.head_dim, vector_lanes, knobs, None)

@@ -343,7 +343,7 @@ def schedule_rows(sch: s_tir.Schedule, spec: KernelSpec, knobs=None) -> None:
     global rows' gradients; global rows forward): one thread per output, reductions
     serial inside. Their outputs are few (E or G rows, or a [T, G] tile) next to the
     local kernels'."""
-    _inline(sch, "arg", "garg")
+    _inline(sch, "arg", "garg", "capped")
     _rest_one_thread_per_output(sch, knobs)
 
 
