@@ -12,7 +12,15 @@ import torch
 
 from swa_tvm.checks import check_inputs, check_kv_inputs, normalize_window
 from swa_tvm.runtime import library
-from swa_tvm.spec import BACKWARD_KINDS, CACHE_BLOCKS, CACHE_KEY_BLOCK, DEFAULT_BLOCK_Q, MAX_SPEC_INT, KernelSpec
+from swa_tvm.spec import (
+    BACKWARD_KINDS,
+    CACHE_BLOCKS,
+    CACHE_KEY_BLOCK,
+    CACHE_MATRIX_BLOCK,
+    DEFAULT_BLOCK_Q,
+    MAX_SPEC_INT,
+    KernelSpec,
+)
 
 
 def _available(device: str) -> str:
@@ -605,7 +613,26 @@ class CachePlan(NamedTuple):
     sink_slots: Optional[torch.Tensor]
 
 
-def _cache_plan(q, k, dilation, q_pos, kv_pos, num_sinks, softcap, left, right, nonfinite) -> CachePlan:
+def _matrix_block(spec: KernelSpec, rows: int, device: str) -> bool:
+    """Whether a forward call of ``rows`` rows (T_q x the GQA group) runs in blocks of
+    CACHE_MATRIX_BLOCK, the matrix-engine form's (bfloat16 on AMX or AVX-512 BF16): a CPU
+    call of that many rows at least, where loaded libraries hold that kernel (export
+    keeps it only in that form), or, compiling here, where the host has an engine."""
+    if device != "cpu" or rows < CACHE_MATRIX_BLOCK or spec.dtype != "bfloat16" or spec.nonfinite:
+        return False
+    big = dataclasses.replace(spec, block_q=CACHE_MATRIX_BLOCK)
+    if library.REGISTRY.libraries:
+        return library.REGISTRY.find(big, device) is not None
+    from swa_tvm.compute.forward import amx_serves  # compiles here anyway: no library loaded
+
+    return amx_serves(big) and _host_engine() is not None
+
+
+def _cache_plan(q, k, dilation, q_pos, kv_pos, num_sinks, softcap, left, right, nonfinite,
+                forward: bool = False) -> CachePlan:
+    """``forward``: the plan of a forward call, whose rows may take the matrix-engine
+    form's larger blocks (``_matrix_block``); the gradient kernels keep float32 products
+    and ``cache_block_rows``."""
     H, Tq, D = q.shape[1], q.shape[2], q.shape[3]
     q_pos32, kv_pos32 = _dense(q_pos.to(torch.int32)), _dense(kv_pos.to(torch.int32))
     span = max(int(q_pos32.max()) + Tq, int(kv_pos32.max()) + 1)
@@ -613,13 +640,15 @@ def _cache_plan(q, k, dilation, q_pos, kv_pos, num_sinks, softcap, left, right, 
     dil = _dilation(dilation, span)
     dmax = int(dil.max())
     group = H // k.shape[1]
-    block = cache_block_rows(Tq * group)
-    key_lo, nkeys = cache_scan(q_pos32, kv_pos32, Tq, group, block, left, right, dmax)
     S = min(num_sinks, span)
     spec = KernelSpec(
         "cache", D, str(q.dtype).replace("torch.", ""), left, right, 1 if dmax == 1 else 2, extras=S > 0,
-        block_q=block, nonfinite=nonfinite, softcap=softcap > 0,
+        block_q=cache_block_rows(Tq * group), nonfinite=nonfinite, softcap=softcap > 0,
     )
+    if forward and _matrix_block(spec, Tq * group, q.device.type):
+        spec = dataclasses.replace(spec, block_q=CACHE_MATRIX_BLOCK)
+    block = spec.block_q
+    key_lo, nkeys = cache_scan(q_pos32, kv_pos32, Tq, group, block, left, right, dmax)
     slots = cache_sinks(kv_pos32, S) if S else None
     tables = [dil, q_pos32, kv_pos32, key_lo] + ([slots] if S else [])
     scalars = ([float(softcap)] if softcap > 0 else []) + ([S] if S else []) + [nkeys]
@@ -639,7 +668,7 @@ def attention_kv_forward(q, k, v, dilation, q_pos, kv_pos, num_sinks, sink_logit
 def _kv_forward(q, k, v, dilation, q_pos, kv_pos, num_sinks, sink_logits, softcap, scale, left, right, *, nonfinite):
     B, H, Tq, D = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    plan = _cache_plan(q, k, dilation, q_pos, kv_pos, num_sinks, softcap, left, right, nonfinite)
+    plan = _cache_plan(q, k, dilation, q_pos, kv_pos, num_sinks, softcap, left, right, nonfinite, forward=True)
     kern = _kernel(plan.spec, q.device.type)
     q, k, v = _dense(q), _dense(k), _dense(v)
     sink = _sink_or_none(sink_logits, H, acc, q.device)

@@ -42,6 +42,10 @@ DEFAULT_BLOCK_Q = 32
 # Rows per block of the KV-cache kernels (query positions x a GQA group's heads): the
 # caller (swa_tvm.eager.cache_block_rows) takes the smallest that holds a call's rows.
 CACHE_BLOCKS = (4, 8, 16)
+# Rows per block of the KV-cache forward's matrix-engine form (bfloat16 on AMX or AVX-512
+# BF16: ``compute.forward.amx_serves``), for calls of at least that many rows (a prefill
+# chunk): its products' register tiles need 64 rows to hold 16 sums.
+CACHE_MATRIX_BLOCK = 64
 # Key slots per block of the KV-cache dk/dv kernel (the caller lays out its row ranges).
 CACHE_KEY_BLOCK = 32
 
@@ -187,7 +191,8 @@ class AttentionSpec:
     gradient kernels, for training. ``nonfinite`` adds the kernels calls take when an
     input holds NaN or inf (KernelSpec.nonfinite), beside the plain ones. ``kvcache``
     adds the kernels of ``attention_with_kv_cache`` (kind "cache", one per block of
-    rows in ``CACHE_BLOCKS``: decode steps, chunked prefill), and ``softcap`` makes
+    rows in ``CACHE_BLOCKS``: decode steps, chunked prefill; in bfloat16 one more of
+    CACHE_MATRIX_BLOCK rows, for a CPU's matrix engine), and ``softcap`` makes
     those cap their scores.
     """
 
@@ -236,6 +241,12 @@ class AttentionSpec:
             ]
         if self.backward:
             out += [b for f in out for b in f.backward_kernels()]
+        if self.kvcache and self.dtype == "bfloat16":
+            # The forward of calls of CACHE_MATRIX_BLOCK rows or more, on a CPU's matrix
+            # engine (export keeps it where the target has one); its gradients run on the
+            # smaller blocks.
+            out.append(KernelSpec("cache", self.head_dim, self.dtype, left, right, 1 if self.max_dilation == 1 else 2,
+                                  self.sinks, CACHE_MATRIX_BLOCK, softcap=self.softcap))
         if self.nonfinite:
             out += [dataclasses.replace(k, nonfinite=True) for k in out if k.kind != "local_bwd"]
         return out

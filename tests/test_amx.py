@@ -454,6 +454,13 @@ def test_which_specs_have_the_form():
                   KernelSpec("local_bwd", 64, "bfloat16", 8192, 1), KernelSpec("local_bwd", 48, "bfloat16", 8, 0)):
         assert not amx_serves(other), other
     assert not amx_serves(KernelSpec("global", 64, "bfloat16", 0, 0))
+    # The KV-cache forward: bfloat16 blocks of CACHE_MATRIX_BLOCK rows, any window, sinks,
+    # softcap; not its small blocks (decode), gradients, float32 or the nonfinite variant.
+    assert amx_serves(KernelSpec("cache", 64, "bfloat16", -1, 0, 2, True, block_q=64, softcap=True))
+    for other in (KernelSpec("cache", 64, "bfloat16", 8, 0, block_q=16), KernelSpec("cache", 64, "float32", 8, 0, block_q=64),
+                  KernelSpec("cache", 64, "bfloat16", 8, 0, block_q=64, nonfinite=True),
+                  KernelSpec("cache_dq", 64, "bfloat16", 8, 0, block_q=64), KernelSpec("cache", 48, "bfloat16", 8, 0, block_q=64)):
+        assert not amx_serves(other), other
     assert amx_block(KernelSpec("local", 64, "bfloat16", 8, 0, block_q=32)) == 64
     spec = KernelSpec("local", 64, "bfloat16", 8, 0)
     assert uses_amx(spec, AMX_TARGET)
@@ -640,3 +647,122 @@ def test_tuning_refuses_the_matrix_engine_form():
         with pytest.raises(ValueError, match=amx_spec.name):
             check_no_amx_specs([plain, amx_spec], target)
     check_no_amx_specs([plain, amx_spec], {"kind": "llvm", "mcpu": "znver3"})
+
+
+# KV-cache calls of at least CACHE_MATRIX_BLOCK rows (query positions x the GQA group):
+# (B, H, H_kv, D, positions, first query, queries) and the pattern.
+KV_CASES = {
+    "prefill chunk, GQA": dict(dims=(2, 8, 2, 64, 300, 200, 64), window_size=(127, 0)),
+    "partial last block, head dim 128": dict(dims=(1, 4, 2, 128, 220, 150, 37), window_size=(60, 0)),
+    "dilation 2, sinks, softcap": dict(dims=(1, 4, 1, 64, 400, 300, 40), window_size=(50, 0), dilation=2, num_sinks=3,
+                                       softcap=20.0),
+    "whole prompt, learned sinks": dict(dims=(1, 4, 4, 64, 150, 0, 150), window_size=(-1, 0), sink_logits=True),
+    "rolling buffer": dict(dims=(1, 4, 2, 64, 300, 268, 32), window_size=(150, 0), ring=192),
+}
+
+
+@needs_engine
+@pytest.mark.parametrize("case", [c if c == "dilation 2, sinks, softcap" else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in KV_CASES])
+def test_kv_cache_chunks_within_torch_bfloat16_sdpa(case, monkeypatch):
+    """A bfloat16 KV-cache call of 64 rows or more (a prefill chunk, a whole prompt) runs
+    the cache kernel's matrix-engine form, in blocks of 64 rows, on this CPU's engine;
+    its rows are as close to the float64 full-sequence reference as torch's bfloat16
+    SDPA's (transformers' eager bfloat16 attention where SDPA cannot express the
+    pattern: softcap, learned sinks), and the lse within 1e-4."""
+    from swa_tvm import eager
+    from swa_tvm.spec import CACHE_MATRIX_BLOCK
+
+    launched, launch = [], eager._launch
+    monkeypatch.setattr(eager, "_launch", lambda kern, *a: launched.append(kern) or launch(kern, *a))
+    cfg = dict(KV_CASES[case])
+    B, H, Hkv, D, N, q0, Tq = cfg.pop("dims")
+    ring = cfg.pop("ring", None)
+    torch.manual_seed(zlib.crc32(case.encode()))
+    q, k, v = rand(B, H, N, D).bfloat16(), rand(B, Hkv, N, D).bfloat16(), rand(B, Hkv, N, D).bfloat16()
+    if cfg.pop("sink_logits", False):
+        cfg["sink_logits"] = torch.randn(H)
+    ref, ref_lse = sliding_window_attention_ref(q, k, v, **cfg)
+    rows = slice(q0, q0 + Tq)
+    mask, _ = attention_mask(N, H, cfg["window_size"], cfg.get("dilation", 1), None, cfg.get("num_sinks", 0))
+    rep = H // Hkv
+    kr, vr = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    if "sink_logits" in cfg or "softcap" in cfg:
+        # SDPA has neither: transformers' eager bfloat16 attention (Gemma 2's softcap,
+        # GPT-OSS's sink column), its softmax in float32.
+        s = q @ kr.transpose(-1, -2) * D**-0.5
+        if "softcap" in cfg:
+            s = torch.tanh(s / cfg["softcap"]) * cfg["softcap"]
+        s = s.masked_fill(~mask, float("-inf"))
+        if "sink_logits" in cfg:
+            s = torch.cat([s, cfg["sink_logits"].view(1, H, 1, 1).expand(B, H, N, 1).bfloat16()], -1)
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).bfloat16()[..., :N]
+        peer = (p @ vr)[:, :, rows]
+    else:
+        peer = torch.nn.functional.scaled_dot_product_attention(q, kr, vr, attn_mask=mask.expand(B, H, N, N))[:, :, rows]
+    end = q0 + Tq
+    if ring is None:
+        kc, vc, where = k[:, :, :end], v[:, :, :end], {}
+    else:  # the ring's slots hold the last `ring` positions, rotated: out of order
+        pos = torch.arange(end - ring, end).roll(50)
+        kc, vc, where = k[:, :, pos], v[:, :, pos], dict(kv_positions=pos)
+    out, lse = swa_tvm.attention_with_kv_cache(q[:, :, rows], kc, vc, q_offset=q0, return_lse=True, **where, **cfg)
+    blocks = {kern.spec.block_q: kern.schedule for kern in launched if kern.spec.kind == "cache"}
+    assert blocks == {CACHE_MATRIX_BLOCK: HOST_ENGINE}, blocks
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    want = ref[:, :, rows]
+
+    def err(x):
+        d = x.double() - want
+        return d.abs().max().item(), (d.norm() / want.norm()).item()
+
+    (ours, ours_rel), (theirs, theirs_rel) = err(out), err(peer)
+    assert ours <= 1.5 * theirs + 1e-3, f"{case}: max error {ours:.2e} against the bfloat16 peer's {theirs:.2e}"
+    assert ours_rel <= 1.2 * theirs_rel, f"{case}: relative error {ours_rel:.2e} against the peer's {theirs_rel:.2e}"
+    lse_err = (lse.double() - ref_lse[:, :, rows]).abs().max().item()
+    assert lse_err < 1e-4, f"{case}: lse error {lse_err:.2e}"
+
+
+@needs_engine
+def test_kv_cache_decode_and_gradients_keep_small_blocks(monkeypatch):
+    """Calls of fewer than 64 rows (a decode step: T_q x the group) keep the cache
+    kernel's small blocks and float32 products, and so do the gradients of a 64-row
+    chunk, whose forward takes the matrix-engine form; all against the float64
+    reference (gradients through its autograd)."""
+    from swa_tvm import eager
+
+    launched, launch = [], eager._launch
+    monkeypatch.setattr(eager, "_launch", lambda kern, *a: launched.append(kern) or launch(kern, *a))
+    q, k, v = rand(1, 8, 90, 64).bfloat16(), rand(1, 2, 90, 64).bfloat16(), rand(1, 2, 90, 64).bfloat16()
+    ref, _ = sliding_window_attention_ref(q, k, v, window_size=(40, 0))
+    out = swa_tvm.attention_with_kv_cache(q[:, :, -1:], k, v, window_size=(40, 0))
+    assert (out.double() - ref[:, :, -1:]).abs().max() < 2e-2
+    assert [(kern.spec.block_q, kern.schedule) for kern in launched] == [(4, "default")]
+
+    launched.clear()
+    leaves = [x[:, :, 70:].clone().requires_grad_() if x is q else x.clone().requires_grad_() for x in (q, k, v)]
+    out = swa_tvm.attention_with_kv_cache(*leaves, window_size=(40, 0), q_offset=70)
+    g = rand(*out.shape).bfloat16()
+    grads = torch.autograd.grad(out, leaves, g)
+    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref, _ = sliding_window_attention_ref(*exact, window_size=(40, 0))
+    want = torch.autograd.grad(ref[:, :, 70:], exact, g.double())
+    want = (want[0][:, :, 70:],) + want[1:]
+    for name, x, w in zip("qkv", grads, want):
+        rel = ((x.double() - w).norm() / w.norm()).item()
+        assert rel < 1e-2, f"d{name}: relative error {rel:.2e}"
+    assert {(kern.spec.kind, kern.spec.block_q, kern.schedule) for kern in launched} == {
+        ("cache", 64, HOST_ENGINE), ("cache_dq", 16, "default"), ("cache_dkv", 16, "default")}
+
+
+@x86
+@pytest.mark.slow  # compiles two cache kernels per target
+def test_kv_cache_matrix_block_is_exported_for_an_engine_only(tmp_path):
+    """Export keeps the KV-cache forward's 64-row blocks where the target has a matrix
+    engine (in that form) and leaves them out elsewhere, where no call takes them."""
+    specs = [KernelSpec("cache", 64, "bfloat16", 20, 0, block_q=b) for b in (16, 64)]
+    for target, want in ((DOT_TARGET, {16: "default", 64: "bf16_dot"}),
+                         ({"kind": "llvm", "mcpu": "znver3", "num-cores": 2}, {16: "default"})):
+        manifest = build.export_library(specs, tmp_path / f"{target['mcpu']}.so", target=target, logs=None,
+                                        warn_untuned=False)
+        assert {e["spec"]["block_q"]: e["schedule"] for e in manifest["kernels"]} == want, target

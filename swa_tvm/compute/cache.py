@@ -28,11 +28,34 @@ from __future__ import annotations
 
 from tvm import te, tirx
 
-from swa_tvm.compute.forward import _dims, _exp, _neg_inf, _tanh, cast, div_nonneg, i64, mod_nonneg, product
+from swa_tvm.compute.forward import (
+    CEPHES_EXP,
+    SHORT_EXP,
+    _dims,
+    _exp,
+    _neg_inf,
+    _tanh,
+    amx_serves,
+    bf16_bits,
+    bf16_round_bits,
+    bf16_value,
+    cast,
+    div_nonneg,
+    i64,
+    mod_nonneg,
+    pair_word,
+    product,
+    word_half,
+)
 from swa_tvm.spec import KernelSpec, accum_dtype
 
 # Keys per chunk of a block's scan (the split-K granularity; one chunk's scores stay in L1).
 CACHE_CHUNK = 64
+# Keys per chunk of the matrix-engine form: its P·V sums a chunk in registers, and each
+# chunk's [D, rows] partial result goes through memory to the combine. A prefill chunk
+# of 512 bfloat16 queries against a 4096-key window took 144 ms with 128, 180 with 64 and
+# 183 with 256 (its [key, row] tiles outgrow L1; Zen 4 class, 2 cores, 2026-12-07).
+CACHE_MATRIX_CHUNK = 128
 # Blocks of fewer rows than this lay their [key, row] tiles out row by row (keys, not
 # rows, in vectors: a decode step's 4 or 8 rows are less than a vector) and their
 # transposed queries [row, feature].
@@ -73,7 +96,7 @@ class CacheGeometry:
     gradients): rows of a (batch, KV head) in blocks, key slots in chunks of a block's
     span then of the sink list, positions, and which (row, slot) pairs are visible."""
 
-    def __init__(self, spec: KernelSpec, shapes: dict | None, native_exp: bool = False):
+    def __init__(self, spec: KernelSpec, shapes: dict | None, native_exp: bool = False, chunk: int = CACHE_CHUNK):
         shapes = shapes or {}
         self.native = native_exp
         # Fixed dims (a tuning shape) as int64 constants, as the symbolic ones are int64
@@ -84,7 +107,7 @@ class CacheGeometry:
         self.B, self.H, self.Hkv, self.Tq, self.Tk, self.NB, self.E = B, H, Hkv, Tq, Tk, NB, E
         self.spec = spec
         self.nk = tirx.const(shapes["NK"], "int64") if "NK" in shapes else te.var("nkeys", dtype="int64")
-        D, dt, BR, KC = spec.head_dim, spec.dtype, spec.block_q, CACHE_CHUNK
+        D, dt, BR, KC = spec.head_dim, spec.dtype, spec.block_q, chunk
         self.D, self.dt, self.BR, self.KC, self.acc = D, dt, BR, KC, accum_dtype(dt)
         self.q = te.placeholder((B, H, Tq, D), dt, name="q")
         self.k = te.placeholder((B, Hkv, Tk, D), dt, name="k")
@@ -105,6 +128,7 @@ class CacheGeometry:
         # then the sinks' chunks
         self.nchunk = self.nscan + (tirx.floordiv(E + (KC - 1), KC) if spec.extras else 0)
         self.row_major = BR < ROW_MAJOR_BELOW
+        self.rpos = self.rdil = None  # row_stages
 
     def tile(self, name, fn):
         """A chunk's [key, row] stage [B, Hkv, NB, nchunk, ...] (``fn(b, hkv, blk, ch, kk,
@@ -166,11 +190,20 @@ class CacheGeometry:
     def clamp_slot(self, s):
         return tirx.max(tirx.min(s, self.Tk - 1), 0)
 
-    def sees(self, hkv, qp, r, p):
+    def row_stages(self):
+        """Each block row's query position and dilation as stages [B, Hkv, NB, BR]
+        (``rpos``, ``rdil``), which ``visible`` then reads: computed once per row, not
+        once per (key, row) pair, where each is two divisions by the runtime GQA group."""
+        shape = (self.B, self.Hkv, self.NB, self.BR64)
+        self.rpos = te.compute(shape, lambda b, hkv, blk, ri: self.position(b, self.row(blk, ri)), name="rpos")
+        self.rdil = te.compute(shape, lambda b, hkv, blk, ri: self.dil[self.head(hkv, self.row(blk, ri))],
+                               name="rdil")
+
+    def sees(self, hkv, qp, r, p, d=None):
         """Whether the row r (at position qp) of KV head hkv sees key position p >= 0 by
-        its window or as a sink."""
+        its window or as a sink (``d``: the row's dilation, if known)."""
         spec = self.spec
-        d = i64(self.dil[self.head(hkv, r)])
+        d = i64(self.dil[self.head(hkv, r)] if d is None else d)
         seen = window_visible(spec.left, spec.right, spec.max_dilation > 1, qp, p, d)
         if spec.extras:
             seen = tirx.Or(seen, sink_visible(spec.causal, qp, p, self.nsinks))
@@ -182,11 +215,12 @@ class CacheGeometry:
         spec, nk = self.spec, self.nk
         r = i64(blk) * self.BR + ri
         rc = self.row(blk, ri)
-        qp = self.position(b, rc)
+        staged = self.rpos is not None
+        qp = self.rpos[b, hkv, blk, ri] if staged else self.position(b, rc)
         p = i64(self.kv_pos[b, self.slot(b, blk, ch, kk)])
         lo = i64(self.key_lo[b, blk])
         in_span = tirx.all(self.span_index(ch, kk) < nk, lo + self.span_index(ch, kk) < self.Tk)
-        ok = tirx.all(in_span, p >= 0, self.sees(hkv, qp, rc, p))
+        ok = tirx.all(in_span, p >= 0, self.sees(hkv, qp, rc, p, self.rdil[b, hkv, blk, ri] if staged else None))
         if spec.extras:
             x = self.listed(b, self.sink_index(ch, kk))
             listed = tirx.all(self.sink_index(ch, kk) < self.E, x >= 0, tirx.Or(x < lo, x >= lo + nk), p >= 0,
@@ -215,7 +249,7 @@ class CacheGeometry:
         return te.compute((self.B, self.Hkv, self.NB, self.D64, self.BR64), fn, name=name)
 
 
-def cache_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = False):
+def cache_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = False, amx: bool = False):
     """TE for attention against a KV cache (see the module docstring).
 
     Returns the PrimFunc argument list: q [B,H,Tq,D], k/v [B,Hkv,Tk,D], dilation [H]
@@ -225,9 +259,17 @@ def cache_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
     none), the scale, with ``spec.softcap`` the cap, with ``spec.extras`` the number of
     sink positions, the number of slots each block scans (``nkeys``), out [B,H,Tq,D]
     and lse [B,H,Tq]. ``shapes`` may fix B, H, Hkv, Tq, Tk, NB, E and NK (nkeys) to ints.
+
+    ``amx``: the two products in the matrix engine's operand layouts (``forward.
+    amx_serves`` says which specs have them), as the local kernel's form: each chunk's
+    keys are gathered as bfloat16 bits [key, feature] (its values transposed,
+    [feature, key]), the block's queries packed once as pair words; the scores [key,
+    row] and P·V^T [feature, row] are float32 sums, the probabilities rounded to
+    bfloat16 pair words for the second product.
     """
     assert spec.kind == "cache"
-    g = CacheGeometry(spec, shapes, native_exp)
+    assert not amx or amx_serves(spec), f"{spec.name} has no matrix-engine form"
+    g = CacheGeometry(spec, shapes, native_exp, CACHE_MATRIX_CHUNK if amx else CACHE_CHUNK)
     B, H, Hkv, Tq, NB = g.B, g.H, g.Hkv, g.Tq, g.NB
     dt, acc, D64, BR64, KC64, nchunk = g.dt, g.acc, g.D64, g.BR64, g.KC64, g.nchunk
     q, k, v, scale = g.q, g.k, g.v, g.scale
@@ -236,15 +278,19 @@ def cache_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
     mul = product(spec.nonfinite or native_exp)
     row, head, slot, visible, capped = g.row, g.head, g.slot, g.visible, g.capped
 
-    qg_t = g.rows_t(q, "qg_t")
-    c = te.reduce_axis((0, D64), name="c")
     at = g.at
-    gscore = g.tile(
-        "gscore",
-        lambda b, hkv, blk, ch, kk, ri: te.sum(
-            cast(k[b, hkv, slot(b, blk, ch, kk), c], acc) * cast(g.row_at(qg_t, b, hkv, blk, c, ri), acc), axis=c
-        ),
-    )
+    if amx:
+        g.row_stages()
+        gscore = _matrix_scores(g)
+    else:
+        qg_t = g.rows_t(q, "qg_t")
+        c = te.reduce_axis((0, D64), name="c")
+        gscore = g.tile(
+            "gscore",
+            lambda b, hkv, blk, ch, kk, ri: te.sum(
+                cast(k[b, hkv, slot(b, blk, ch, kk), c], acc) * cast(g.row_at(qg_t, b, hkv, blk, c, ri), acc), axis=c
+            ),
+        )
     scaled = lambda b, hkv, blk, ch, kk, ri: at(gscore, b, hkv, blk, ch, kk, ri) * scale  # noqa: E731
     if g.cap is not None:  # its own stage: the tanh's expansion, the mask kept out of it
         gcapped = g.tile("capped", lambda *i: capped(scaled(*i)))
@@ -267,21 +313,27 @@ def cache_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
     )
     cprob = g.tile(
         "cprob",
-        lambda b, hkv, blk, ch, kk, ri: _exp(at(gmasked, b, hkv, blk, ch, kk, ri) - cref[b, hkv, blk, ch, ri], acc, native_exp),
+        lambda b, hkv, blk, ch, kk, ri: _exp(at(gmasked, b, hkv, blk, ch, kk, ri) - cref[b, hkv, blk, ch, ri], acc, native_exp,
+                                             SHORT_EXP if amx else CEPHES_EXP),
     )
     kr2 = te.reduce_axis((0, KC64), name="kr2")
     csum = te.compute(
         (B, Hkv, NB, nchunk, BR64), lambda b, hkv, blk, ch, ri: te.sum(at(cprob, b, hkv, blk, ch, kr2, ri), axis=kr2),
         name="csum",
     )
-    kr3 = te.reduce_axis((0, KC64), name="kr3")
-    cacc = te.compute(
-        (B, Hkv, NB, nchunk, BR64, D64),
-        lambda b, hkv, blk, ch, ri, cc: te.sum(
-            mul(at(cprob, b, hkv, blk, ch, kr3, ri), cast(v[b, hkv, slot(b, blk, ch, kr3), cc], acc)), axis=kr3
-        ),
-        name="cacc",
-    )
+    if amx:
+        cacc_t = _matrix_values(g, cprob)
+        chunk_acc = lambda b, hkv, blk, ch, ri, cc: cacc_t[b, hkv, blk, ch, cc, ri]  # noqa: E731
+    else:
+        kr3 = te.reduce_axis((0, KC64), name="kr3")
+        cacc = te.compute(
+            (B, Hkv, NB, nchunk, BR64, D64),
+            lambda b, hkv, blk, ch, ri, cc: te.sum(
+                mul(at(cprob, b, hkv, blk, ch, kr3, ri), cast(v[b, hkv, slot(b, blk, ch, kr3), cc], acc)), axis=kr3
+            ),
+            name="cacc",
+        )
+        chunk_acc = lambda b, hkv, blk, ch, ri, cc: cacc[b, hkv, blk, ch, ri, cc]  # noqa: E731
 
     # Combine the chunks of each row against the row's overall max (with its learned
     # sink); a row that sees nothing at all (max -inf) against 0, so every factor is 0.
@@ -317,19 +369,28 @@ def cache_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
         name="gden",
     )
     chr3 = te.reduce_axis((0, nchunk), name="chr3")
+    # The matrix-engine form keeps the chunks' [feature, row] layout through the combine,
+    # so its sums run along the rows in vectors; only the final gather transposes.
+    acc_shape = (B, Hkv, NB, D64, BR64) if amx else (B, Hkv, NB, BR64, D64)
+    acc_at = (lambda t, b, hkv, blk, ri, cc: t[b, hkv, blk, cc, ri]) if amx else (  # noqa: E731
+        lambda t, b, hkv, blk, ri, cc: t[b, hkv, blk, ri, cc])
+
+    def in_acc_layout(fn):
+        return (lambda b, hkv, blk, cc, ri: fn(b, hkv, blk, ri, cc)) if amx else fn
+
     gacc = te.compute(
-        (B, Hkv, NB, BR64, D64),
-        lambda b, hkv, blk, ri, cc: te.sum(
-            mul(cfac[b, hkv, blk, chr3, ri], cacc[b, hkv, blk, chr3, ri, cc]), axis=chr3
-        ),
+        acc_shape,
+        in_acc_layout(lambda b, hkv, blk, ri, cc: te.sum(
+            mul(cfac[b, hkv, blk, chr3, ri], chunk_acc(b, hkv, blk, chr3, ri, cc)), axis=chr3
+        )),
         name="gacc",
     )
     # A denominator of exactly 0 is a row that sees nothing: out 0 (a NaN one stays NaN).
     blk_out = te.compute(
-        (B, Hkv, NB, BR64, D64),
-        lambda b, hkv, blk, ri, cc: tirx.Select(
-            gden[b, hkv, blk, ri] == zero, zero, gacc[b, hkv, blk, ri, cc] / gden[b, hkv, blk, ri]
-        ),
+        acc_shape,
+        in_acc_layout(lambda b, hkv, blk, ri, cc: tirx.Select(
+            gden[b, hkv, blk, ri] == zero, zero, acc_at(gacc, b, hkv, blk, ri, cc) / gden[b, hkv, blk, ri]
+        )),
         name="blk_out",
     )
     blk_lse = te.compute(
@@ -339,10 +400,68 @@ def cache_attention(spec: KernelSpec, shapes: dict | None = None, native_exp: bo
     )
 
     out = te.compute(
-        (B, H, Tq, g.D), lambda b, h, i, cc: blk_out[(b,) + g.block_of(h, i) + (cc,)].astype(dt), name="out"
+        (B, H, Tq, g.D), lambda b, h, i, cc: acc_at(blk_out, b, *g.block_of(h, i), cc).astype(dt), name="out"
     )
     lse = te.compute((B, H, Tq), lambda b, h, i: blk_lse[(b,) + g.block_of(h, i)], name="lse")
     return g.head_args() + [sink, scale] + g.scalar_args() + [out, lse]
+
+
+def _chunk_bits(g: CacheGeometry, x, name: str):
+    """The chunk's key slots of x (k or v) as bfloat16 bits [B, Hkv, NB, nchunk, KC, D]
+    (uint16): a gather, since the slots come from the block's table (and the sink list),
+    which a tensorized block cannot read through."""
+    return te.compute(
+        (g.B, g.Hkv, g.NB, g.nchunk, g.KC64, g.D64),
+        lambda b, hkv, blk, ch, kk, c: tirx.reinterpret("uint16", x[b, hkv, g.slot(b, blk, ch, kk), c]),
+        name=name,
+    )
+
+
+def _matrix_scores(g: CacheGeometry):
+    """The scores [key, row] of the matrix-engine form: the chunk's key bits times the
+    block's queries as pair words (two features a word), summed in float32: the
+    expression the engine's intrinsic describes (schedules.amx)."""
+    assert not g.row_major
+    kbits = _chunk_bits(g, g.k, "kbits")
+
+    def word(b, hkv, blk, c2, ri):
+        r = g.row(blk, ri)
+        x = lambda c: bf16_bits(g.q[b, g.head(hkv, r), g.query(r), c])  # noqa: E731
+        return pair_word(x(2 * c2), x(2 * c2 + 1))
+
+    qword = te.compute((g.B, g.Hkv, g.NB, tirx.const(g.D // 2, "int64"), g.BR64), word, name="qword")
+    k2 = te.reduce_axis((0, tirx.const(g.D // 2, "int64")), name="gscore_k2")
+    e = te.reduce_axis((0, tirx.const(2, "int64")), name="gscore_e")
+    return g.tile(
+        "gscore",
+        lambda b, hkv, blk, ch, kk, ri: te.sum(
+            bf16_value(kbits[b, hkv, blk, ch, kk, 2 * k2 + e]) * word_half(qword[b, hkv, blk, k2, ri], e),
+            axis=[k2, e]),
+    )
+
+
+def _matrix_values(g: CacheGeometry, cprob):
+    """P·V^T [B, Hkv, NB, nchunk, D, BR] of the matrix-engine form: the chunk's values
+    transposed (gathered row by row first, so the transpose does no index arithmetic)
+    times the probabilities rounded to bfloat16 pair words (two keys a word)."""
+    vbits = _chunk_bits(g, g.v, "vbits")
+    vbits_t = te.compute((g.B, g.Hkv, g.NB, g.nchunk, g.D64, g.KC64),
+                         lambda b, hkv, blk, ch, c, kk: vbits[b, hkv, blk, ch, kk, c], name="vbits_t")
+    pword = te.compute(
+        (g.B, g.Hkv, g.NB, g.nchunk, tirx.const(g.KC // 2, "int64"), g.BR64),
+        lambda b, hkv, blk, ch, j2, ri: pair_word(bf16_round_bits(cprob[b, hkv, blk, ch, 2 * j2, ri]),
+                                                  bf16_round_bits(cprob[b, hkv, blk, ch, 2 * j2 + 1, ri])),
+        name="pword",
+    )
+    j2 = te.reduce_axis((0, tirx.const(g.KC // 2, "int64")), name="cacc_t_k2")
+    e = te.reduce_axis((0, tirx.const(2, "int64")), name="cacc_t_e")
+    return te.compute(
+        (g.B, g.Hkv, g.NB, g.nchunk, g.D64, g.BR64),
+        lambda b, hkv, blk, ch, cc, ri: te.sum(
+            bf16_value(vbits_t[b, hkv, blk, ch, cc, 2 * j2 + e]) * word_half(pword[b, hkv, blk, ch, j2, ri], e),
+            axis=[j2, e]),
+        name="cacc_t",
+    )
 
 
 CACHE_COMPUTES = {"cache": cache_attention}

@@ -28,7 +28,7 @@ import operator
 
 from tvm import te, tirx
 
-from swa_tvm.spec import KernelSpec, accum_dtype
+from swa_tvm.spec import CACHE_MATRIX_BLOCK, KernelSpec, accum_dtype
 
 # Key bands are padded to a multiple of this many keys (one AVX-512 vector of fp32).
 LANES = 16
@@ -558,7 +558,11 @@ def amx_serves(spec: KernelSpec) -> bool:
     backward ("local_bwd", schedules/cpu_flash_bwd_matrix.py) has one for any dilation (it
     runs each residue in turn) and extra keys, the head dim a whole number of product
     depths, a window of at most AMX_FUSED_MAX_SPAN keys (its ring of query sub-blocks
-    grows with the window)."""
+    grows with the window). The KV-cache forward ("cache") has one for blocks of
+    CACHE_MATRIX_BLOCK rows or more (its gradients keep float32 products)."""
+    if spec.kind == "cache":
+        return (spec.dtype == "bfloat16" and not spec.nonfinite and spec.head_dim % MATRIX_K == 0
+                and spec.block_q >= CACHE_MATRIX_BLOCK and spec.block_q % MATRIX_TILE == 0)
     if spec.kind == "local_bwd":
         return (spec.fused_backward and spec.dtype == "bfloat16" and spec.head_dim % MATRIX_K == 0
                 and spec.left + spec.right <= AMX_FUSED_MAX_SPAN)

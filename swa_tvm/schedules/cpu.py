@@ -498,13 +498,42 @@ def schedule_local_dkv_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: 
                      ["kword", "vword"], ["arg", "prob", "ds", "pword", "dsword"], vector_lanes, engine)
 
 
+def schedule_cache_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 16, knobs=None,
+                       engine: str = "amx") -> None:
+    """The matrix-engine form of the KV-cache kernel (``compute.cache``, ``amx=True``):
+    the plan of ``schedule_cache`` with each chunk's two products tensorized whole into
+    one call of an ``engine`` intrinsic: the scores [key, row] over the head dim, P·V^T
+    [feature, row] over the chunk's keys. The block's query pair words are made once
+    per block, in parallel over the blocks; each chunk gathers its key and value bits."""
+    knobs = knobs or Defaults()
+    out = sch.get_sblock("out")
+    b, h, g, cc = sch.get_loops(out)
+    row = sch.fuse(b, h, g)
+    _vectorize_inner(sch, cc, vector_lanes)
+    sch.parallel(sch.merge(row, sch.fuse(*sch.get_loops(sch.get_sblock("lse")))))
+    _items(sch, ["blk_out", "blk_lse"], ["gden", "gacc", "gsum", "cfac", "gref", "gmax", "gmax0"], Defaults(), depth=3)
+    _row_reduce_product(sch, "gacc", spec, vector_lanes)  # [feature, row]: along the rows
+    _vectorize_inner(sch, sch.get_loops(sch.get_sblock("blk_out"))[-1], vector_lanes)
+    qword = sch.get_sblock("qword")
+    b, h, blk, c2, ri = sch.get_loops(qword)
+    sch.reorder(ri, c2)
+    sch.parallel(sch.fuse(b, h, blk))
+    per_item = ["pword", "vbits_t", "vbits", "cprob", "cref", "gmasked", "rpos", "rdil", "capped", "gscore", "kbits"]
+    _items(sch, ["cmax", "csum", "cacc_t"], per_item, knobs, depth=4)
+    _amx_item_stages(sch, spec, AMX_PRODUCTS["cache"], ["kbits", "vbits"], ["vbits_t"], [],
+                     ["gmasked", "capped", "cprob", "cref", "pword"], vector_lanes, engine)
+    for name in ("cmax", "csum"):
+        _vertical_reduce(sch, name, vector_lanes, True)
+
+
 # The engines of the matrix-engine form's products, each a registry of tensor intrinsics
 # of the same descriptions: AMX tiles, or AVX-512 BF16 dot products in registers.
 MATRIX_ENGINES = {"amx": amx.register, "bf16_dot": bf16_dot.register}
-AMX_SCHEDULES = {"local": schedule_local_amx, "local_dq": schedule_local_dq_amx, "local_dkv": schedule_local_dkv_amx}
+AMX_SCHEDULES = {"local": schedule_local_amx, "local_dq": schedule_local_dq_amx, "local_dkv": schedule_local_dkv_amx,
+                 "cache": schedule_cache_amx}
 # The products each matrix-engine kernel tensorizes (compute.forward.matrix_product stages).
 AMX_PRODUCTS = {"local": ("score", "wacc_t"), "local_dq": ("score", "dp", "dq_t"),
-                "local_dkv": ("score", "dp", "dv_t", "dk_t")}
+                "local_dkv": ("score", "dp", "dv_t", "dk_t"), "cache": ("gscore", "cacc_t")}
 
 
 def _prob_value_product(sch, name, rows: int, head_dim: int, vector_lanes: int, knobs, keys: int | None,
