@@ -52,9 +52,9 @@ from swa_tvm.spec import KernelSpec, accum_dtype
 # Keys per chunk of a block's scan (the split-K granularity; one chunk's scores stay in L1).
 CACHE_CHUNK = 64
 # Keys per chunk of the matrix-engine form: its P·V sums a chunk in registers, and each
-# chunk's [D, rows] partial result goes through memory to the combine. A prefill chunk
-# of 512 bfloat16 queries against a 4096-key window took 144 ms with 128, 180 with 64 and
-# 183 with 256 (its [key, row] tiles outgrow L1; Zen 4 class, 2 cores, 2026-12-07).
+# chunk's [D, rows] partial result goes through memory to the combine: longer chunks
+# write fewer of them, but at 256 keys the chunk's [key, row] tiles outgrow L1 (a
+# prefill chunk timed 1.25x slower with either 64 or 256 than with 128, Zen 4 class).
 CACHE_MATRIX_CHUNK = 128
 # Blocks of fewer rows than this lay their [key, row] tiles out row by row (keys, not
 # rows, in vectors: a decode step's 4 or 8 rows are less than a vector) and their
