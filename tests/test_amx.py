@@ -759,10 +759,12 @@ def test_kv_cache_decode_and_gradients_keep_small_blocks(monkeypatch):
 @pytest.mark.slow  # compiles two cache kernels per target
 def test_kv_cache_matrix_block_is_exported_for_an_engine_only(tmp_path):
     """Export keeps the KV-cache forward's 64-row blocks where the target has a matrix
-    engine (in that form) and leaves them out elsewhere, where no call takes them."""
+    engine (in that form: on an AMX class its products are tile instructions) and
+    leaves them out elsewhere, where no call takes them."""
     specs = [KernelSpec("cache", 64, "bfloat16", 20, 0, block_q=b) for b in (16, 64)]
-    for target, want in ((DOT_TARGET, {16: "default", 64: "bf16_dot"}),
+    for target, want in ((DOT_TARGET, {16: "default", 64: "bf16_dot"}), (AMX_TARGET, {16: "default", 64: "amx"}),
                          ({"kind": "llvm", "mcpu": "znver3", "num-cores": 2}, {16: "default"})):
-        manifest = build.export_library(specs, tmp_path / f"{target['mcpu']}.so", target=target, logs=None,
-                                        warn_untuned=False)
+        path = tmp_path / f"{target['mcpu']}.so"
+        manifest = build.export_library(specs, path, target=target, logs=None, warn_untuned=False)
         assert {e["spec"]["block_q"]: e["schedule"] for e in manifest["kernels"]} == want, target
+        assert _has_tdpbf16ps(path.read_bytes()) == (target is AMX_TARGET), target
