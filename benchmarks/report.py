@@ -96,8 +96,8 @@ NOTES = {
     ),
     ("llvm-znver4", "decode.json"): (
         "The bfloat16 prefill chunk (512 queries x 4 heads a KV head: 64-row blocks) runs the cache kernel's "
-        "matrix-engine form, its products on AVX-512 BF16 dot products; decode steps keep float32 products, "
-        "bound by reading K and V. Before that form the bfloat16 chunk converted to float32 on load and took "
+        "matrix-engine form, its products on AVX-512 BF16 dot products; decode steps keep float32 products. "
+        "Before that form the bfloat16 chunk converted to float32 on load and took "
         "386 ms, against 317 for float32 and 316 for SDPA on the window's keys (the same command, same day)."
     ),
     ("llvm-znver4", "training_bfloat16.json"): (

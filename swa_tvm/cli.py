@@ -115,7 +115,8 @@ def _cmd_tune(args) -> int:
 
     check_tune_arguments(args.trials, args.rpc_tracker, args.rpc_key, args.validate_candidates)
     target = normalize_target(args.target)
-    specs = [k for k in _kernel_specs(args) if k.kind not in CPU_ONLY_KINDS]  # hand-written: nothing to search
+    # Hand-written kernels and the matrix engine's own blocks: nothing to search.
+    specs = [k for k in _kernel_specs(args) if k.kind not in CPU_ONLY_KINDS and not k.engine_only]
     if args.kernels != "all":
 
         specs = [k for k in specs if (k.kind in BACKWARD_KINDS) == (args.kernels == "backward")]

@@ -605,7 +605,7 @@ def cache_sinks(kv_pos, num_sinks: int):
 class CachePlan(NamedTuple):
     """What a cache call's kernels get, forward and gradients alike."""
 
-    spec: KernelSpec  # the forward kernel's
+    spec: KernelSpec  # the "cache" kernel's (the forward's; its blocks are the gradients' in their plan)
     tables: list  # dilation, q_pos, kv_pos, key_lo (int32), then the sink slots if any
     scalars: list  # softcap (if any), the number of sink positions (if any), nkeys
     key_lo: torch.Tensor

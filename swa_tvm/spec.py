@@ -150,6 +150,14 @@ class KernelSpec:
         ) + ("_nf" if self.nonfinite else "")
 
     @property
+    def engine_only(self) -> bool:
+        """Whether only the CPU matrix-engine form of this kernel is ever called: the
+        KV-cache forward's blocks of CACHE_MATRIX_BLOCK rows (swa_tvm.eager takes them
+        where that form serves). Export leaves it out for targets without an engine, and
+        tuning skips it (that form has no search)."""
+        return self.kind == "cache" and self.block_q == CACHE_MATRIX_BLOCK
+
+    @property
     def fused_backward(self) -> bool:
         """Whether the five-product CPU kernel (kind "local_bwd") computes this local
         kernel's gradients: float32, bfloat16 or float16, a bounded window (any dilation,
@@ -241,14 +249,14 @@ class AttentionSpec:
             ]
         if self.backward:
             out += [b for f in out for b in f.backward_kernels()]
-        if self.kvcache and self.dtype == "bfloat16":
-            # The forward of calls of CACHE_MATRIX_BLOCK rows or more, on a CPU's matrix
-            # engine (export keeps it where the target has one); its gradients run on the
-            # smaller blocks.
-            out.append(KernelSpec("cache", self.head_dim, self.dtype, left, right, 1 if self.max_dilation == 1 else 2,
-                                  self.sinks, CACHE_MATRIX_BLOCK, softcap=self.softcap))
         if self.nonfinite:
             out += [dataclasses.replace(k, nonfinite=True) for k in out if k.kind != "local_bwd"]
+        if self.kvcache and self.dtype == "bfloat16":
+            # The forward of calls of CACHE_MATRIX_BLOCK rows or more, on a CPU's matrix
+            # engine (``engine_only``); its gradients, and calls with non-finite inputs,
+            # run on the smaller blocks.
+            out.append(KernelSpec("cache", self.head_dim, self.dtype, left, right, 1 if self.max_dilation == 1 else 2,
+                                  self.sinks, CACHE_MATRIX_BLOCK, softcap=self.softcap))
         return out
 
     @classmethod

@@ -724,6 +724,7 @@ def test_kv_cache_chunks_within_torch_bfloat16_sdpa(case, monkeypatch):
 
 
 @needs_engine
+@pytest.mark.slow  # compiles the decode, forward and both gradient kernels
 def test_kv_cache_decode_and_gradients_keep_small_blocks(monkeypatch):
     """Calls of fewer than 64 rows (a decode step: T_q x the group) keep the cache
     kernel's small blocks and float32 products, and so do the gradients of a 64-row
@@ -751,8 +752,53 @@ def test_kv_cache_decode_and_gradients_keep_small_blocks(monkeypatch):
     for name, x, w in zip("qkv", grads, want):
         rel = ((x.double() - w).norm() / w.norm()).item()
         assert rel < 1e-2, f"d{name}: relative error {rel:.2e}"
-    assert {(kern.spec.kind, kern.spec.block_q, kern.schedule) for kern in launched} == {
-        ("cache", 64, HOST_ENGINE), ("cache_dq", 16, "default"), ("cache_dkv", 16, "default")}
+    assert [(kern.spec.kind, kern.spec.block_q, kern.spec.nonfinite, kern.schedule) for kern in launched] == [
+        ("cache", 64, False, HOST_ENGINE), ("cache_dq", 16, False, "default"), ("cache_dkv", 16, False, "default")]
+
+
+@needs_engine
+@pytest.mark.slow  # compiles the engine's kernel and the guarded one
+def test_kv_cache_chunk_ignores_nan_in_unwritten_slots(monkeypatch):
+    """The NaN rule on the engine's blocks: a bfloat16 chunk of 80 rows against a cache
+    whose unwritten tail holds NaN and inf gets the reference's rows, finite (a NaN that
+    the plain products let through redoes the call on the guarded kernels)."""
+    from swa_tvm import eager
+
+    launched, launch = [], eager._launch
+    monkeypatch.setattr(eager, "_launch", lambda kern, *a: launched.append(kern) or launch(kern, *a))
+    q, k, v = rand(1, 8, 80, 64).bfloat16(), rand(1, 2, 80, 64).bfloat16(), rand(1, 2, 80, 64).bfloat16()
+    ref, _ = sliding_window_attention_ref(q, k, v, window_size=(30, 0))
+    kc = torch.cat([k, torch.full((1, 2, 20, 64), float("nan")).bfloat16()], 2)
+    vc = torch.cat([v, torch.full((1, 2, 20, 64), float("inf")).bfloat16()], 2)
+    out = swa_tvm.attention_with_kv_cache(q[:, :, 60:], kc, vc, q_offset=60, kv_len=80, window_size=(30, 0))
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref[:, :, 60:]).abs().max() < 3e-2
+    assert (launched[0].spec.block_q, launched[0].schedule) == (64, HOST_ENGINE)
+    assert all(kern.spec.nonfinite and kern.spec.block_q == 16 for kern in launched[1:]), launched
+
+
+@needs_engine
+@pytest.mark.slow  # exports two libraries
+def test_kv_cache_libraries_choose_the_block(tmp_path, fresh_registry, monkeypatch):
+    """With libraries loaded, a bfloat16 chunk of 64 rows or more takes the engine's
+    64-row kernel where a library holds it, and a library without it (exported before
+    it existed) serves the chunk on its small blocks, without an error."""
+    from swa_tvm import eager
+
+    launched, launch = [], eager._launch
+    monkeypatch.setattr(eager, "_launch", lambda kern, *a: launched.append(kern) or launch(kern, *a))
+    q, k, v = rand(1, 8, 60, 64).bfloat16(), rand(1, 2, 60, 64).bfloat16(), rand(1, 2, 60, 64).bfloat16()
+    ref, _ = sliding_window_attention_ref(q, k, v, window_size=(20, 0))
+    for blocks, want in (((16, 64), (64, HOST_ENGINE)), ((16,), (16, "default"))):
+        path = tmp_path / f"kv{len(blocks)}.so"
+        build.export_library([KernelSpec("cache", 64, "bfloat16", 20, 0, block_q=b) for b in blocks], path, logs=None,
+                             warn_untuned=False)
+        fresh_registry.clear()
+        swa_tvm.load_library(path)
+        launched.clear()
+        out = swa_tvm.attention_with_kv_cache(q[:, :, 40:], k, v, q_offset=40, window_size=(20, 0))
+        assert (out.double() - ref[:, :, 40:]).abs().max() < 3e-2
+        assert [(kern.spec.block_q, kern.schedule) for kern in launched] == [want]
 
 
 @x86

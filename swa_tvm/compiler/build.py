@@ -42,7 +42,7 @@ from swa_tvm.runtime.library import AMX_FORMAT, FUSED_BACKWARD_FORMAT, MANIFEST_
 from swa_tvm.schedules import cpu as cpu_schedules
 from swa_tvm.schedules import cpu_flash_bwd, cpu_flash_bwd_matrix
 from swa_tvm.schedules import cuda as cuda_schedules
-from swa_tvm.spec import CACHE_MATRIX_BLOCK, CPU_ONLY_KINDS, KernelSpec
+from swa_tvm.spec import CPU_ONLY_KINDS, KernelSpec
 
 # The manifest format of a library without matrix-engine or five-product backward
 # kernels: loaders from before format 3 still read it.
@@ -218,8 +218,7 @@ def export_library(
              or (target.get("kind") == "llvm" and fused_backward_runs(s, matrix_engine(target)))]
     # The KV-cache forward's blocks of CACHE_MATRIX_BLOCK rows serve the matrix engine
     # alone: elsewhere calls take the smaller blocks (swa_tvm.eager), so it is left out.
-    specs = [s for s in specs if not (s.kind == "cache" and s.block_q == CACHE_MATRIX_BLOCK)
-             or matrix_form(s, target) is not None]
+    specs = [s for s in specs if not s.engine_only or matrix_form(s, target) is not None]
     records = find_records(specs, target, logs) if logs is not None else {}
     if warn_untuned and logs is not None:  # logs=None asks for default schedules: nothing to warn
         root = default_logs_root() if logs == DEFAULT_LOGS else logs

@@ -22,7 +22,8 @@ def prim_func(spec: KernelSpec, shapes: dict | None = None, target_kind: str = "
     """The unscheduled PrimFunc of a spec for a target kind ("llvm" or "cuda"), named by
     ``spec.name``. The kinds compute the same values; they differ in how exp is computed
     and, for the gradients, in which gathers are shared (``compute_backward``). ``amx``:
-    the matrix-engine form of a local forward or window gradient (``forward.amx_serves``)."""
+    the matrix-engine form of a local forward or window gradient, or of the KV-cache
+    forward (``forward.amx_serves``)."""
     if amx:
         args = COMPUTES[spec.kind](spec, shapes, native_exp=False, amx=True)
     else:

@@ -14,7 +14,7 @@ come in blocks of ``block_q`` (``spec.block_q``). Block n scans the key slots
 ``key_lo[b, n] .. key_lo[b, n] + nkeys - 1``: the caller (swa_tvm.eager) picks them so
 that they hold every key its rows see through their windows; the sinks outside that
 span come as a list of slots (``sink_slots``, -1 = none). The keys are split into
-chunks of CACHE_CHUNK (split-K), each chunk with its own max, sum and weighted
+chunks of CACHE_CHUNK (CACHE_MATRIX_CHUNK in the matrix-engine form; split-K), each chunk with its own max, sum and weighted
 values, merged by a combine stage as the global rows' kernel does
 (``forward.global_attention``): a long cache spreads over the cores at any batch size,
 and no [rows, keys] tensor exists.
@@ -53,8 +53,8 @@ from swa_tvm.spec import KernelSpec, accum_dtype
 CACHE_CHUNK = 64
 # Keys per chunk of the matrix-engine form: its P·V sums a chunk in registers, and each
 # chunk's [D, rows] partial result goes through memory to the combine: longer chunks
-# write fewer of them, but at 256 keys the chunk's [key, row] tiles outgrow L1 (a
-# prefill chunk timed 1.25x slower with either 64 or 256 than with 128, Zen 4 class).
+# write fewer of them, but at 256 keys the chunk's [key, row] tiles outgrow L1. A
+# prefill chunk timed slower with either 64 or 256 than with 128 (Zen 4 class).
 CACHE_MATRIX_CHUNK = 128
 # Blocks of fewer rows than this lay their [key, row] tiles out row by row (keys, not
 # rows, in vectors: a decode step's 4 or 8 rows are less than a vector) and their
@@ -192,8 +192,9 @@ class CacheGeometry:
 
     def row_stages(self):
         """Each block row's query position and dilation as stages [B, Hkv, NB, BR]
-        (``rpos``, ``rdil``), which ``visible`` then reads: computed once per row, not
-        once per (key, row) pair, where each is two divisions by the runtime GQA group."""
+        (``rpos``, ``rdil``), which ``visible`` then reads: computed per row (per item
+        where a schedule puts them there), not per (key, row) pair, where each is two
+        divisions by the runtime GQA group."""
         shape = (self.B, self.Hkv, self.NB, self.BR64)
         self.rpos = te.compute(shape, lambda b, hkv, blk, ri: self.position(b, self.row(blk, ri)), name="rpos")
         self.rdil = te.compute(shape, lambda b, hkv, blk, ri: self.dil[self.head(hkv, self.row(blk, ri))],

@@ -537,7 +537,8 @@ MATRIX_K = 32
 MATRIX_TILE = 16
 
 
-# The kernels with a matrix-engine form: the local forward and its window gradients.
+# The local kernels with a matrix-engine form: the forward and its window gradients
+# (the KV-cache forward's and the five-product backward's: ``amx_serves``).
 AMX_KINDS = ("local", "local_dq", "local_dkv")
 # The largest dilation bound the form takes: its operand copies hold max_dilation slots
 # per position (ResidueCopies). Larger bounds keep the float32-product form.
