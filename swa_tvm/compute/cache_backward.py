@@ -82,6 +82,7 @@ def cache_dq(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = Fa
     scale, [softcap], [num_sinks], nkeys, dq."""
     assert spec.kind == "cache_dq"
     g = CacheGeometry(spec, shapes, native_exp)
+    g.row_stages()
     B, Hkv, NB, acc, D64, BR64, KC64, nchunk = g.B, g.Hkv, g.NB, g.acc, g.D64, g.BR64, g.KC64, g.nchunk
     dout, lse, delta = _grad_args(g)
     mul = product(spec.nonfinite or native_exp)
@@ -134,6 +135,7 @@ def cache_dkv(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = F
     [num_sinks], nblocks (row blocks each key block takes), dk, dv."""
     assert spec.kind == "cache_dkv"
     g = CacheGeometry(spec, shapes, native_exp)
+    g.row_stages()
     shapes = shapes or {}
     B, Hkv, NB, Tk, acc, D64, BR64 = g.B, g.Hkv, g.NB, g.Tk, g.acc, g.D64, g.BR64
     KB = CACHE_KEY_BLOCK
@@ -184,11 +186,10 @@ def cache_dkv(spec: KernelSpec, shapes: dict | None = None, native_exp: bool = F
     def visible(b, hkv, m, u, ri, kj):
         n = i64(row_lo[b, m]) + u
         r = n * g.BR + ri
-        rc = g.row(block(b, m, u), ri)
-        qp = g.position(b, rc)
+        qp = g.rpos[b, hkv, block(b, m, u), ri]
         j = i64(m) * KB + kj
         p = i64(g.kv_pos[b, key(m, kj)])
-        d = i64(g.dil[g.head(hkv, rc)])
+        d = i64(g.rdil[b, hkv, block(b, m, u), ri])
         ok = [n < NB, r < g.rows, j < Tk, p >= 0,
               window_visible(spec.left, spec.right, spec.max_dilation > 1, qp, p, d)]
         if spec.extras:

@@ -190,9 +190,10 @@ def schedule_cache_dq(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) 
     """Items of (batch, KV head, row block), every stage of an item at the item loop;
     then the gather back to [B, H, T_q, D]."""
     knobs = knobs or Defaults()
-    _items(sch, ["dq_acc"], ["ds", "prob", "arg", "capped", "dp", "score", "dg_t", "qg_t", "row_delta", "row_lse"], knobs, depth=3)
+    _items(sch, ["dq_acc"], ["ds", "prob", "arg", "rpos", "rdil", "capped", "dp", "score", "dg_t", "qg_t", "row_delta",
+                             "row_lse"], knobs, depth=3)
     _products_feature_outer(sch, ["score", "dp"])
-    _row_reduce_product(sch, "dq_acc", spec, vector_lanes)
+    _row_tile_product(sch, "dq_acc", spec, vector_lanes)
     _gather_back(sch, ["dq"], spec, vector_lanes)
 
 
@@ -202,10 +203,20 @@ def schedule_cache_dkv(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None)
     knobs = knobs or Defaults()
     # Roots in reverse program order: the merged loop lands at dk_blk, before dk reads it.
     _items(sch, ["dv_blk", "dk_blk"], ["ds", "prob", "arg", "capped", "dp", "score", "vt", "kt"], knobs, depth=3)
+    _row_stages_at_root(sch)
     _products_feature_outer(sch, ["score", "dp"])
     for name in ("dk_blk", "dv_blk"):
-        _row_reduce_product(sch, name, spec, vector_lanes)
+        _row_tile_product(sch, name, spec, vector_lanes)
     _gather_back(sch, ["dk", "dv"], spec, vector_lanes)
+
+
+def _row_stages_at_root(sch) -> None:
+    """The rows' positions and dilations (``CacheGeometry.row_stages``) made once, in
+    parallel over (batch, KV head, row block), where several items read each row."""
+    for name in ("rpos", "rdil"):
+        if _has(sch, name):
+            loops = sch.get_loops(sch.get_sblock(name))
+            sch.parallel(sch.fuse(*loops[:3]))
 
 
 def schedule_cache_dx(sch, spec: KernelSpec, vector_lanes: int = 8, knobs=None) -> None:
@@ -772,6 +783,33 @@ def _per_head(sch, roots, per_head, knobs):
     sch.parallel(bh)
     sch.annotate(bh, "pragma_auto_unroll_max_step", knobs.choice(sch, UNROLL_STEPS, 0))
     sch.annotate(bh, "pragma_unroll_explicit", 1)
+
+
+def _row_tile_product(sch, name, spec, vector_lanes):
+    """[rows, D] reduced over the trailing reduction axes (the KV-cache gradients' dq,
+    dk and dv sums): a register tile of several rows by every feature vector of D, the
+    reductions outside it, so each operand row the sum reads (a key row for dq, a query
+    or dout row for dk and dv) is loaded once for the tile's rows, not once per row. As
+    ``_row_reduce_product`` where D's vectors alone fill the registers."""
+    blk = sch.get_sblock(name)
+    nred = sum(1 for iv in sch.get(blk).iter_vars if iv.iter_type == 2)  # IterVar.CommReduce
+    loops = sch.get_loops(blk)
+    r_l, c_l, red = loops[-nred - 2], loops[-nred - 1], loops[-nred:]
+    vectors = spec.head_dim // vector_lanes
+    budget = 16 if _wide_registers(vector_lanes) else 8
+    extent = sch.get(r_l).extent
+    extent = int(extent) if isinstance(extent, (int, tirx.IntImm)) else 1
+    rows = next((r for r in (4, 2) if r * vectors <= budget and extent % r == 0), 1)
+    if spec.head_dim % vector_lanes or rows == 1:
+        _row_reduce_product(sch, name, spec, vector_lanes)
+        return
+    ro, ri = sch.split(r_l, factors=[None, rows])
+    co, ci = sch.split(c_l, factors=[None, vector_lanes])
+    sch.reorder(ro, *red, ri, co, ci)
+    sch.unroll(ri)
+    sch.unroll(co)
+    sch.vectorize(ci)
+    sch.decompose_reduction(blk, red[0])
 
 
 def _row_reduce_product(sch, name, spec, vector_lanes):
