@@ -454,12 +454,12 @@ def test_which_specs_have_the_form():
                   KernelSpec("local_bwd", 64, "bfloat16", 8192, 1), KernelSpec("local_bwd", 48, "bfloat16", 8, 0)):
         assert not amx_serves(other), other
     # A bfloat16 kvcache spec lists that kernel once (not its nonfinite copy), float32 not.
-    from swa_tvm.spec import AttentionSpec
+    from swa_tvm.spec import CACHE_MATRIX_BLOCK, AttentionSpec
 
     only = [k for k in AttentionSpec.parse("head_dim=64,window=20:0,kvcache,nonfinite,backward,dtype=bfloat16").kernels()
             if k.engine_only]
-    assert only == [KernelSpec("cache", 64, "bfloat16", 20, 0, block_q=64)], only
-    assert not any(k.engine_only for k in AttentionSpec.parse("head_dim=64,window=20:0,kvcache").kernels())
+    assert only == [KernelSpec("cache", 64, "bfloat16", 20, 0, block_q=CACHE_MATRIX_BLOCK)], only
+    assert not any(k.engine_only for k in AttentionSpec.parse("head_dim=64,window=20:0,kvcache,dtype=float32").kernels())
     assert not amx_serves(KernelSpec("global", 64, "bfloat16", 0, 0))
     # The KV-cache forward: bfloat16 blocks of CACHE_MATRIX_BLOCK rows, any window, sinks,
     # softcap; not its small blocks (decode), gradients, float32 or the nonfinite variant.
