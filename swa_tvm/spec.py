@@ -242,11 +242,9 @@ class AttentionSpec:
             # every causal pattern shares one global kernel.
             out.append(KernelSpec("global", self.head_dim, self.dtype, 0, 0 if right == 0 else -1))
         if self.kvcache:
-            out += [
-                KernelSpec("cache", self.head_dim, self.dtype, left, right, 1 if self.max_dilation == 1 else 2,
-                           self.sinks, rows, softcap=self.softcap)
-                for rows in CACHE_BLOCKS
-            ]
+            cache = KernelSpec("cache", self.head_dim, self.dtype, left, right, 1 if self.max_dilation == 1 else 2,
+                               self.sinks, CACHE_BLOCKS[0], softcap=self.softcap)
+            out += [dataclasses.replace(cache, block_q=rows) for rows in CACHE_BLOCKS]
         if self.backward:
             out += [b for f in out for b in f.backward_kernels()]
         if self.nonfinite:
@@ -255,8 +253,7 @@ class AttentionSpec:
             # The forward of calls of CACHE_MATRIX_BLOCK rows or more, on a CPU's matrix
             # engine (``engine_only``); its gradients, and calls with non-finite inputs,
             # run on the smaller blocks.
-            out.append(KernelSpec("cache", self.head_dim, self.dtype, left, right, 1 if self.max_dilation == 1 else 2,
-                                  self.sinks, CACHE_MATRIX_BLOCK, softcap=self.softcap))
+            out.append(dataclasses.replace(cache, block_q=CACHE_MATRIX_BLOCK))
         return out
 
     @classmethod

@@ -517,13 +517,7 @@ def schedule_cache_amx(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int 
     [feature, row] over the chunk's keys. The block's query pair words are made once
     per block, in parallel over the blocks; each chunk gathers its key and value bits."""
     knobs = knobs or Defaults()
-    out = sch.get_sblock("out")
-    b, h, g, cc = sch.get_loops(out)
-    row = sch.fuse(b, h, g)
-    _vectorize_inner(sch, cc, vector_lanes)
-    sch.parallel(sch.merge(row, sch.fuse(*sch.get_loops(sch.get_sblock("lse")))))
-    _items(sch, ["blk_out", "blk_lse"], ["gden", "gacc", "gsum", "cfac", "gref", "gmax", "gmax0"], Defaults(), depth=3)
-    _row_reduce_product(sch, "gacc", spec, vector_lanes)  # [feature, row]: along the rows
+    _split_k_combine(sch, spec, vector_lanes)  # gacc [feature, row]: its sums along the rows
     _vectorize_inner(sch, sch.get_loops(sch.get_sblock("blk_out"))[-1], vector_lanes)
     qword = sch.get_sblock("qword")
     b, h, blk, c2, ri = sch.get_loops(qword)
@@ -590,6 +584,20 @@ def schedule_cache(sch: s_tir.Schedule, spec: KernelSpec, vector_lanes: int = 8,
                       row_major=spec.block_q < ROW_MAJOR_BELOW)
 
 
+def _split_k_combine(sch, spec: KernelSpec, vector_lanes: int) -> None:
+    """The split-K kernels' end (global rows, KV cache, either form): the gathers of out
+    and lse in one parallel loop over rows; the combine in one loop over (batch, head,
+    block), the chunk rescaling at it."""
+    out = sch.get_sblock("out")
+    b, h, g, cc = sch.get_loops(out)
+    row = sch.fuse(b, h, g)
+    if spec.head_dim % vector_lanes == 0:
+        _vectorize_inner(sch, cc, vector_lanes)
+    sch.parallel(sch.merge(row, sch.fuse(*sch.get_loops(sch.get_sblock("lse")))))
+    _items(sch, ["blk_out", "blk_lse"], ["gden", "gacc", "gsum", "cfac", "gref", "gmax", "gmax0"], Defaults(), depth=3)
+    _row_reduce_product(sch, "gacc", spec, vector_lanes)
+
+
 def _schedule_split_k(sch, spec: KernelSpec, block: int, chunk: int, vector_lanes: int, knobs,
                       row_major: bool) -> None:
     """``row_major``: the chunk's [key, row] tiles are laid out [row, key] (the cache
@@ -597,15 +605,7 @@ def _schedule_split_k(sch, spec: KernelSpec, block: int, chunk: int, vector_lane
     score product's features in vectors (rfactor), where rows as vectors would leave a
     decode step's few rows scalar."""
     knobs = knobs or Defaults()
-    out = sch.get_sblock("out")
-    b, h, g, cc = sch.get_loops(out)
-    row = sch.fuse(b, h, g)
-    if spec.head_dim % vector_lanes == 0:
-        _vectorize_inner(sch, cc, vector_lanes)
-    sch.parallel(sch.merge(row, sch.fuse(*sch.get_loops(sch.get_sblock("lse")))))
-    # Combine: one loop over (batch, head, block), the chunk rescaling at it.
-    _items(sch, ["blk_out", "blk_lse"], ["gden", "gacc", "gsum", "cfac", "gref", "gmax", "gmax0"], Defaults(), depth=3)
-    _row_reduce_product(sch, "gacc", spec, vector_lanes)
+    _split_k_combine(sch, spec, vector_lanes)
     # Items: (batch, head, block, chunk). The chunk's max, sum and P·V are all read by
     # the combine, so all three are roots of the item loop (compute_at needs every
     # consumer of a stage under the loop).
